@@ -1,0 +1,1 @@
+"""lookahead-jax: lossless accelerated LLM decoding in JAX."""
