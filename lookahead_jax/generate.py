@@ -1,0 +1,657 @@
+"""The decode loop (`generate`) and the CLI (`python -m lookahead_jax.generate`).
+
+One loop serves every strategy. Each step packs, per row, the root (last emitted token)
+and an optional draft tree (empty for greedy, from the n-gram trie for lookahead) into a
+static block of 1+T tokens, and calls the one jitted verify step (`verify.py`), which
+commits the accepted tokens to the KV cache. With T = 0 that step *is* plain decoding.
+
+Batching: prompts are right-padded to a bucketed length; every row keeps its own cache
+length, so rows finish and accept independently. Shapes are bucketed (prompt length,
+cache length, tree size), and every compilation is logged and counted (`compile.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .compile import CompiledFunctions
+from .models import KVCache, hidden_states, init_cache, logits_from_hidden
+from .models.config import ModelConfig
+from .sampling import SamplingParams, select_tokens
+from .budget import AutoBudget
+from .verify import jitted_verify_step
+
+log = logging.getLogger("lookahead_jax")
+
+STRATEGIES = ("greedy", "lookahead")
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+CACHE_ROUND = 256
+
+
+# ----------------------------------------------------------------------------- outputs
+@dataclasses.dataclass
+class RowOutput:
+    prompt_index: int
+    text: str
+    token_ids: list  # generated tokens only (EOS included when it ended the row)
+    prompt_token_ids: list
+    finish_reason: str  # "eos" | "stop" | "length"
+    forward_steps: int  # model forwards that produced this row's tokens (prefill included)
+    wall_s: float
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per forward step (plain decoding: 1.0)."""
+        return self.new_tokens / max(self.forward_steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return dict(
+            prompt_index=self.prompt_index, text=self.text, token_ids=self.token_ids,
+            new_tokens=self.new_tokens, finish_reason=self.finish_reason,
+            forward_steps=self.forward_steps,
+            mean_accepted_tokens=round(self.mean_accepted_tokens, 4),
+            wall_s=round(self.wall_s, 4), tokens_per_s=round(self.tokens_per_s, 3),
+        )
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    rows: list
+    stats: dict
+
+    @property
+    def texts(self) -> list:
+        return [r.text for r in self.rows]
+
+    @property
+    def token_ids(self) -> list:
+        return [r.token_ids for r in self.rows]
+
+
+# ----------------------------------------------------------------------------- jitted prefill
+def prefill_step(params, cache: KVCache, tokens, lengths, seed, row, *, config: ModelConfig,
+                 sampling: SamplingParams):
+    """Prompt forward (right-padded [B,P]); returns (first generated token [B], cache)."""
+    B, P = tokens.shape
+    S = cache.max_len
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] <= jnp.arange(P)[None, :, None], (B, P, S))
+    h, cache = hidden_states(params, tokens, positions, cache, mask, config)
+    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [B,1,D]
+    logits = logits_from_hidden(params, last, config)  # [B,1,V]
+    first = select_tokens(logits, sampling, seed, row, lengths[:, None])[:, 0]
+    return first, cache.replace(length=lengths.astype(jnp.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_prefill(config: ModelConfig, sampling: SamplingParams):
+    return jax.jit(functools.partial(prefill_step, config=config, sampling=sampling), donate_argnums=(1,))
+
+
+# ----------------------------------------------------------------------------- helpers
+@dataclasses.dataclass(frozen=True)
+class _Draft:
+    tokens: list
+    parents: list
+
+
+_EMPTY = _Draft([], [])
+TREE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _tree_bucket(n):
+    return _bucket(n, TREE_BUCKETS)
+
+
+@dataclasses.dataclass
+class Block:
+    tokens: np.ndarray  # [B,1+T]
+    parent: np.ndarray  # [B,1+T]
+    depth: np.ndarray  # [B,1+T]
+    anc: np.ndarray  # [B,1+T,1+T]
+
+
+def verify_block(root, drafts, T) -> Block:
+    B = len(drafts)
+    tokens = np.zeros((B, 1 + T), np.int32)
+    parent = np.full((B, 1 + T), -1, np.int32)
+    depth = np.zeros((B, 1 + T), np.int32)
+    anc = np.broadcast_to(np.eye(1 + T, dtype=bool), (B, 1 + T, 1 + T)).copy()
+    tokens[:, 0] = root
+    anc[:, :, 0] = True
+    for b, d in enumerate(drafts):
+        for i, (t, p) in enumerate(zip(d.tokens, d.parents)):
+            j = i + 1
+            pj = p + 1
+            tokens[b, j] = t
+            parent[b, j] = pj
+            depth[b, j] = depth[b, pj] + 1
+            anc[b, j] |= anc[b, pj]
+    # padding rows: see only themselves and the root (harmless; never accepted: parent -1)
+    return Block(tokens, parent, depth, anc)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _compiled_for(model) -> CompiledFunctions:
+    c = getattr(model, "_compiled", None)
+    if c is None:
+        c = CompiledFunctions()
+        model._compiled = c
+    return c
+
+
+def encode_prompts(tokenizer, prompts, chat: bool) -> list:
+    """Prompts as token-id lists. A prompt is a str, a list of chat messages, or token ids."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
+    ):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("no prompts given")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if not p.strip():
+                raise ValueError(f"prompt {i} is empty")
+            if chat:
+                text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                ids = tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = tokenizer.encode(p)
+        elif isinstance(p, list) and p and isinstance(p[0], dict):
+            text = tokenizer.apply_chat_template(p, add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(p, (list, tuple, np.ndarray)) and len(p) and all(
+            isinstance(t, (int, np.integer)) for t in p
+        ):
+            ids = [int(t) for t in p]
+        else:
+            raise ValueError(f"prompt {i} is empty or not a str / chat messages / token ids")
+        if not ids:
+            raise ValueError(f"prompt {i} encodes to no tokens")
+        out.append(ids)
+    return out
+
+
+class _Row:
+    """Host-side state of one batch row: generated ids, finish detection, streaming."""
+
+    def __init__(self, index, prompt_ids, tokenizer, eos_ids, stop, max_new, on_text):
+        self.index, self.prompt_ids, self.tok = index, prompt_ids, tokenizer
+        self.eos_ids, self.stop, self.max_new, self.on_text = eos_ids, stop, max_new, on_text
+        self.ids: list = []
+        self.finish: Optional[str] = None
+        self.steps = 0
+        self.text = ""
+        self._sent = 0
+
+    def _decode(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def extend(self, new: Sequence[int]) -> list:
+        """Append emitted tokens up to EOS / stop / max length; returns those kept."""
+        kept = []
+        for t in new:
+            if self.finish:
+                break
+            kept.append(int(t))
+            self.ids.append(int(t))
+            if t in self.eos_ids:
+                self.finish = "eos"
+            elif len(self.ids) >= self.max_new:
+                self.finish = "length"
+        if self.stop and kept:
+            text = self._decode(self.ids)
+            hits = [(text.find(s), s) for s in self.stop if s in text]
+            if hits:
+                # shortest token prefix whose text contains a stop string
+                start = len(self.ids) - len(kept)
+                for n in range(start + 1, len(self.ids) + 1):
+                    t = self._decode(self.ids[:n])
+                    if any(s in t for s in self.stop):
+                        del kept[n - start:]
+                        del self.ids[n:]
+                        break
+                self.finish = "stop"
+                text = self._decode(self.ids)
+                self.text = text[: min(text.find(s) for s in self.stop if s in text)]
+                self._stream()
+                return kept
+        self.text = self._decode(self.ids)
+        self._stream()
+        return kept
+
+    def _stream(self):
+        if self.on_text is None:
+            return
+        end = len(self.text)
+        if not self.finish:
+            while end > self._sent and self.text[end - 1] == "\ufffd":  # half a UTF-8 char
+                end -= 1
+            # hold back a tail that could still become a stop string
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end - self._sent), 0, -1):
+                    if self.text[end - k:end] == s[:k]:
+                        end -= k
+                        break
+        if end > self._sent:
+            self.on_text(self.index, self.text[self._sent:end])
+            self._sent = end
+
+
+# ----------------------------------------------------------------------------- generate
+def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str = "greedy",
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop=None, chat: bool = False, references=None, decoding_length="auto",
+             branch_length: int = 12, mode: str = "hierarchical", drafter=None,
+             on_text: Optional[Callable[[int, str], None]] = None,
+             max_cache_len: Optional[int] = None) -> GenerateOutput:
+    """Generate continuations of `prompts` (batched).
+
+    prompts: a str, chat messages, token ids, or a list of those (one row each; rows are
+        right-padded internally and finish independently). `chat=True` wraps plain strings
+        in the model's chat template.
+    strategy: "greedy" (plain decoding; with temperature > 0 it samples) or "lookahead"
+        (n-gram trie drafts verified as a token tree; output identical to "greedy").
+    temperature/top_k/top_p/seed: sampling; the random key of each token is a function of
+        (seed, row index, absolute position), so every strategy samples the same tokens.
+    stop: strings that end a row (excluded from `text`; token_ids end with the token that
+        completed the stop string).
+    references: lookahead only; per prompt a list of texts (e.g. retrieved passages) whose
+        n-grams seed the trie. A single list of texts applies to every prompt.
+    decoding_length: lookahead draft budget per step (nodes), "auto" picks the budget that
+        maximises expected tokens/s from measured verify costs.
+    branch_length: lookahead maximum draft depth.  mode: "hierarchical"|"parallel"|"single".
+    on_text(prompt_index, text_delta): streaming callback, called as tokens are accepted.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    stop = tuple([stop] if isinstance(stop, str) else (stop or ()))
+    if any(not s for s in stop):
+        raise ValueError("stop strings must be non-empty")
+    cfg: ModelConfig = model.config
+    compiled = _compiled_for(model)
+    ids = encode_prompts(tokenizer, prompts, chat)
+    B = len(ids)
+
+    auto = decoding_length == "auto"
+    if strategy == "greedy":
+        drafter = None
+    elif drafter is None:
+        from .drafters.trie import TrieDrafter  # local import: greedy needs no trie
+
+        drafter = TrieDrafter.shared(model, branch_length=branch_length, mode=mode)
+    if drafter is not None:
+        if not auto and (not isinstance(decoding_length, int) or not 0 <= decoding_length <= TREE_BUCKETS[-1]):
+            raise ValueError(
+                f"decoding_length must be 'auto' or an integer in [0, {TREE_BUCKETS[-1]}], got {decoding_length!r}"
+            )
+        max_T = drafter.max_nodes if auto else _tree_bucket(decoding_length)
+    else:
+        max_T = 0
+
+    # ---- shapes
+    lens = [len(x) for x in ids]
+    P = _bucket(max(lens), PROMPT_BUCKETS)
+    need = max(lens) + max_new_tokens + max_T + 1
+    S = max_cache_len or -(-need // CACHE_ROUND) * CACHE_ROUND
+    S = min(S, max(cfg.max_position, need)) if max_cache_len is None else S
+    if need > S or need > cfg.max_position + max_T + 1:
+        longest = int(np.argmax(lens))
+        raise ValueError(
+            f"prompt {longest} has {lens[longest]} tokens; with max_new_tokens={max_new_tokens} "
+            f"(+{max_T + 1} verify slots) it needs {need} cache slots, but the cache holds {S} "
+            f"and the model's context is {cfg.max_position} positions. Shorten the prompt, "
+            "lower max_new_tokens, or raise max_cache_len."
+        )
+    P = min(P, S)
+
+    tokens = np.zeros((B, P), np.int32)
+    for b, x in enumerate(ids):
+        tokens[b, : len(x)] = x
+    seeds = jnp.full((B,), seed, jnp.uint32)
+    rowids = jnp.arange(B, dtype=jnp.int32)
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    rows = [_Row(i, x, tokenizer, eos, stop, max_new_tokens, on_text) for i, x in enumerate(ids)]
+    verify = jitted_verify_step(cfg, sampling)
+
+    policy = None
+    if drafter is not None:
+        refs = _norm_references(references, B)
+        drafter.begin(ids, [[tokenizer.encode(t, add_special_tokens=False) for t in r] for r in refs])
+        if auto:
+            buckets = [b for b in TREE_BUCKETS if b <= max_T]
+            policy = AutoBudget(buckets, measure_verify_costs(model, verify, B, S, buckets))
+
+    # ---- prefill
+    cache = init_cache(cfg, B, S, model.dtype)
+    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), seeds, rowids)
+    t_start = time.perf_counter()
+    c0 = compiled.compile_s
+    first, cache = compiled("prefill", jitted_prefill(cfg, sampling), *args)
+    first = np.asarray(first)
+    host_s = 0.0
+    steps = 1
+    for r in rows:
+        r.steps = 1
+        kept = r.extend([first[r.index]])
+        if drafter is not None:
+            drafter.accept(r.index, kept)
+    root = first.astype(np.int32)
+    finish_s = {}
+    tree_sizes, pending = [], []
+
+    # ---- decode
+    while True:
+        active = np.array([r.finish is None for r in rows])
+        for r in rows:
+            if r.finish and r.index not in finish_s:  # wall time excludes compilation
+                finish_s[r.index] = time.perf_counter() - t_start - (compiled.compile_s - c0)
+        if not active.any():
+            break
+        h0 = time.perf_counter()
+        drafts = [_EMPTY] * B
+        if drafter is not None:
+            limit = policy.choose() if policy else decoding_length
+            for r in rows:
+                if r.finish is None:
+                    full = drafter.propose(r.index, r.prompt_ids + r.ids, max_T if policy else limit)
+                    if policy and full.tokens:
+                        pending.append((r, len(r.ids), full))
+                    drafts[r.index] = _Draft(full.tokens[:limit], full.parents[:limit])
+        T = _tree_bucket(max(len(d.tokens) for d in drafts))
+        blk = verify_block(root, drafts, T)
+        host_s += time.perf_counter() - h0
+        tree_sizes.append(T)
+        emitted, n_emit, cache = compiled(
+            "verify", verify, model.params, cache, blk.tokens, blk.parent, blk.depth, blk.anc,
+            active, seeds, rowids,
+        )
+        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        h0 = time.perf_counter()
+        steps += 1
+        for r in rows:
+            if not active[r.index]:
+                continue
+            n = int(n_emit[r.index])
+            r.steps += 1
+            kept = r.extend(emitted[r.index, :n])
+            if drafter is not None:
+                drafter.accept(r.index, kept)
+            root[r.index] = emitted[r.index, n - 1]
+        if policy:  # score past drafts whose true continuation is now known
+            keep = []
+            for r, g0, d in pending:
+                if r.finish or len(r.ids) - g0 >= drafter.branch_length:
+                    policy.observe(d.tokens, d.parents, r.ids[g0:])
+                else:
+                    keep.append((r, g0, d))
+            pending = keep
+        host_s += time.perf_counter() - h0
+
+    wall = time.perf_counter() - t_start - (compiled.compile_s - c0)
+    if drafter is not None:
+        drafter.end()
+    compile_s = compiled.compile_s - c0
+    outs = [
+        RowOutput(r.index, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
+                  finish_s.get(r.index, wall))
+        for r in rows
+    ]
+    new = sum(o.new_tokens for o in outs)
+    stats = dict(
+        strategy=strategy, batch=B, prompt_bucket=P, cache_len=S, forward_steps=steps,
+        new_tokens=new, wall_s=wall, tokens_per_s=new / wall if wall > 0 else 0.0,
+        mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
+        host_s=host_s, compile_s=compile_s, compilations=len(compiled.compilations),
+        mean_tree_size=float(np.mean(tree_sizes)) if tree_sizes else 0.0,
+    )
+    if policy:
+        stats["verify_cost_ms"] = {b: round(c * 1e3, 2) for b, c in policy.cost.items()}
+        stats["expected_accepted"] = {b: round(a, 3) for b, a in policy.expected_accepted().items()}
+    return GenerateOutput(outs, stats)
+
+
+def measure_verify_costs(model, verify, B: int, S: int, buckets) -> dict:
+    """Seconds per verify step for each tree bucket T (median of 5), cached on the model.
+
+    Uses a scratch cache of the real shape; compilation happens here, once per bucket."""
+    costs = model.__dict__.setdefault("_verify_costs", {})
+    compiled = _compiled_for(model)
+    cfg = model.config
+    out = {}
+    for T in buckets:
+        key = (id(verify), B, S, T)
+        if key not in costs:
+            cache = init_cache(cfg, B, S, model.dtype).replace(length=jnp.full((B,), S // 2, jnp.int32))
+            blk = verify_block(np.zeros(B, np.int32), [_Draft([0] * T, list(range(-1, T - 1)))] * B, T)
+            args = (blk.tokens, blk.parent, blk.depth, blk.anc, np.ones(B, bool),
+                    jnp.zeros((B,), jnp.uint32), jnp.arange(B, dtype=jnp.int32))
+            times = []
+            for i in range(6):
+                t0 = time.perf_counter()
+                res = compiled("verify", verify, model.params, cache, *args)
+                jax.block_until_ready(res)
+                if i:
+                    times.append(time.perf_counter() - t0)
+                cache = res[2].replace(length=jnp.full((B,), S // 2, jnp.int32))
+            costs[key] = float(np.median(times))
+            log.info("verify cost T=%d: %.2f ms", T, costs[key] * 1e3)
+        out[T] = costs[key]
+    return out
+
+
+def _norm_references(references, B):
+    if references is None:
+        return [[] for _ in range(B)]
+    if isinstance(references, str):
+        references = [references]
+    if all(isinstance(r, str) for r in references):
+        return [list(references) for _ in range(B)]
+    if len(references) != B:
+        raise ValueError(f"references: got {len(references)} lists for {B} prompts")
+    return [[r] if isinstance(r, str) else list(r) for r in references]
+
+
+# ----------------------------------------------------------------------------- CLI
+@dataclasses.dataclass(frozen=True)
+class CliConfig:
+    model: str
+    prompts: tuple  # str or chat-message lists
+    references: tuple  # per prompt: tuple of texts
+    chat: bool
+    strategy: str
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    dtype: str
+    json: bool
+    stop: tuple
+    batch_size: int
+    decoding_length: object
+    branch_length: int
+    mode: str
+    verbose: bool = False
+
+
+def _read_prompts_file(path: str, references_field: Optional[str]):
+    prompts, refs = [], []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise SystemExit(f"error: cannot read --prompts-file {path}: {e.strerror}")
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
+            if "messages" in obj:
+                prompts.append(obj["messages"])
+            elif "prompt" in obj:
+                prompts.append(obj["prompt"])
+            else:
+                raise SystemExit(f"error: {path}:{n}: each line needs a 'prompt' or 'messages' field")
+            if references_field:
+                if references_field not in obj:
+                    raise SystemExit(f"error: {path}:{n}: no field {references_field!r} (--references-field)")
+                r = obj[references_field]
+                refs.append(tuple([r] if isinstance(r, str) else r))
+            else:
+                refs.append(())
+    if not prompts:
+        raise SystemExit(f"error: --prompts-file {path} holds no prompts")
+    return prompts, refs
+
+
+def parse_args(argv=None) -> CliConfig:
+    from .presets import DEFAULT_MODEL
+
+    ap = argparse.ArgumentParser(
+        prog="python -m lookahead_jax.generate",
+        description="Generate text with a JAX decoder; --strategy lookahead gives the same "
+        "tokens as greedy, faster.",
+    )
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="preset name, local path (.gguf, HF dir, saved checkpoint) or HF hub id")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a single prompt")
+    src.add_argument("--prompts-file", help="JSONL file: objects with 'prompt' (text) or 'messages' (chat)")
+    ap.add_argument("--chat", action="store_true", help="apply the model's chat template to plain prompts")
+    ap.add_argument("--strategy", default="greedy", choices=STRATEGIES)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per prompt, then a summary line")
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    ap.add_argument("--decoding-length", default="auto", help="lookahead: draft nodes per step, or 'auto'")
+    ap.add_argument("--branch-length", type=int, default=12, help="lookahead: max draft depth")
+    ap.add_argument("--lookahead-mode", default="hierarchical", choices=("hierarchical", "parallel", "single"))
+    ap.add_argument("--references-field", help="lookahead: JSONL field whose text(s) seed the trie")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log compilations and loading")
+    a = ap.parse_args(argv)
+
+    if a.dtype not in ("float32", "bfloat16"):
+        ap.error(f"--dtype must be float32 or bfloat16, got {a.dtype!r}")
+    if a.max_new_tokens < 1:
+        ap.error("--max-new-tokens must be >= 1")
+    if a.batch_size < 1:
+        ap.error("--batch-size must be >= 1")
+    dl = a.decoding_length
+    if dl != "auto":
+        try:
+            dl = int(dl)
+        except ValueError:
+            ap.error(f"--decoding-length must be an integer or 'auto', got {dl!r}")
+    if a.prompt is not None:
+        if not a.prompt.strip():
+            ap.error("--prompt is empty")
+        prompts, refs = [a.prompt], [()]
+        if a.references_field:
+            ap.error("--references-field needs --prompts-file")
+    else:
+        prompts, refs = _read_prompts_file(a.prompts_file, a.references_field)
+    return CliConfig(
+        model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=a.chat,
+        strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+        top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, json=a.json,
+        stop=tuple(a.stop), batch_size=a.batch_size, decoding_length=dl,
+        branch_length=a.branch_length, mode=a.lookahead_mode, verbose=a.verbose,
+    )
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING, format="%(message)s")
+    from .loading import load
+
+    try:
+        model, tok = load(cfg.model, dtype=cfg.dtype)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    def stream(i, text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    kw = dict(
+        max_new_tokens=cfg.max_new_tokens, strategy=cfg.strategy, temperature=cfg.temperature,
+        top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
+        decoding_length=cfg.decoding_length, branch_length=cfg.branch_length, mode=cfg.mode,
+    )
+    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, host_s=0.0)
+    for start in range(0, len(cfg.prompts), cfg.batch_size):
+        batch = list(cfg.prompts[start:start + cfg.batch_size])
+        refs = [list(r) for r in cfg.references[start:start + cfg.batch_size]]
+        streaming = not cfg.json and len(batch) == 1
+        try:
+            out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None, **kw)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for r in out.rows:
+            r.prompt_index += start
+            if cfg.json:
+                print(json.dumps(r.to_json(), ensure_ascii=False), flush=True)
+            elif streaming:
+                print(flush=True)
+            else:
+                print(f"--- prompt {r.prompt_index}\n{r.text}", flush=True)
+        for k in totals:
+            totals[k] += out.stats[k]
+    summary = dict(
+        model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
+        new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
+        tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
+        compile_s=round(totals["compile_s"], 3), host_s=round(totals["host_s"], 4),
+        compilations=len(model._compiled.compilations),
+    )
+    if cfg.json:
+        print(json.dumps({"summary": summary}), flush=True)
+    else:
+        print(
+            f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
+            f"{summary['tokens_per_s']:.1f} tok/s; compile {summary['compile_s']:.1f} s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

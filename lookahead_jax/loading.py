@@ -1,0 +1,144 @@
+"""`load(name_or_path)`: presets, local checkpoints, GGUF files, HF directories, hub ids.
+
+Resolution order for `name_or_path`:
+1. a preset name (`presets.PRESETS`): its converted orbax checkpoint is cached under
+   `cache_root()/<preset>/<dtype>/`; the first load converts the packaged GGUF (progress
+   bar), later loads restore the checkpoint in seconds;
+2. a local path: a directory saved by `save_pretrained` below (orbax checkpoint + config),
+   an HF directory (config.json + safetensors), or a `.gguf` file;
+3. an HF hub id ("org/name"): downloaded with huggingface_hub when online (clear error when
+   not), then treated as an HF directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from . import presets
+from .convert import checkpoint as ckpt
+from .convert import load_gguf, load_hf_dir
+from .convert.tokenizer import Tokenizer
+from .models.config import ModelConfig
+
+log = logging.getLogger("lookahead_jax")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded decoder: static config + params pytree (+ where it came from)."""
+
+    config: ModelConfig
+    params: Any
+    name: str = ""
+    dtype: Any = jnp.float32
+
+    @property
+    def dtype_name(self) -> str:
+        return jnp.dtype(self.dtype).name
+
+
+def parse_dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32 or bfloat16")
+    return dtype
+
+
+def save_pretrained(model: Model, tokenizer: Tokenizer, directory) -> Path:
+    """Write an orbax checkpoint + config + tokenizer that `load(directory)` restores."""
+    directory = Path(directory).absolute()
+    ckpt.save_checkpoint(directory / "params", model.config, model.params)
+    tokenizer.save(directory / "tokenizer")
+    (directory / "LOOKAHEAD_JAX").write_text(f"{model.name}\n")
+    return directory
+
+
+def _is_saved(path: Path) -> bool:
+    return (path / "LOOKAHEAD_JAX").exists()
+
+
+def _restore(path: Path, dtype, name: str):
+    config, params = ckpt.restore_checkpoint(path / "params", dtype=dtype)
+    return Model(config, params, name, dtype), Tokenizer.load(path / "tokenizer")
+
+
+def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress: bool = True):
+    """Load (model, tokenizer). See the module docstring for what `name_or_path` may be."""
+    dtype = parse_dtype(dtype)
+    dname = jnp.dtype(dtype).name
+    if not name_or_path or not str(name_or_path).strip():
+        raise ValueError("empty model name; pass a preset name, a local path or an HF hub id")
+    name = str(name_or_path)
+    if name in presets.PRESETS:
+        target = presets.cache_root() / name / dname
+        if _is_saved(target):
+            try:
+                return _restore(target, dtype, name)
+            except Exception as e:  # a half-written or stale cache entry: rebuild it
+                log.warning("cached checkpoint at %s is unusable (%s); reconverting", target, e)
+                shutil.rmtree(target, ignore_errors=True)
+        from .fetch import gguf_path
+
+        path = gguf_path(name)  # raises with the exact fetch command when not installed
+        config, params = load_gguf(path, dtype=dtype, progress=progress)
+        model = Model(config, params, name, dtype)
+        tok = Tokenizer.from_gguf(path)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_pretrained(model, tok, tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        return model, tok
+
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file or a model directory")
+            config, params = load_gguf(path, dtype=dtype, progress=progress)
+            return Model(config, params, path.name, dtype), Tokenizer.from_gguf(path)
+        if _is_saved(path):
+            return _restore(path, dtype, path.name)
+        if (path / "config.json").exists():
+            config, params = load_hf_dir(path, dtype=dtype)
+            return Model(config, params, path.name, dtype), Tokenizer.from_dir(path)
+        raise ValueError(
+            f"{path} is neither a lookahead_jax checkpoint (save_pretrained) nor an HF model "
+            "directory (config.json + *.safetensors)"
+        )
+
+    if "/" in name and not name.startswith((".", "/", "~")):
+        return _load_from_hub(name, dtype)
+    raise ValueError(
+        f"unknown model {name!r}: not a preset ({', '.join(presets.PRESETS)}), "
+        "not an existing path, not an HF hub id (org/name)"
+    )
+
+
+def _load_from_hub(repo_id: str, dtype):
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]
+        )
+    except Exception as e:  # offline, unknown repo, gated...
+        raise RuntimeError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            "This machine may be offline: use a preset (python -m lookahead_jax.fetch --list) "
+            "or a local directory / .gguf file instead."
+        ) from None
+    config, params = load_hf_dir(local, dtype=dtype)
+    return Model(config, params, repo_id, dtype), Tokenizer.from_dir(local)
