@@ -29,7 +29,9 @@ from .compile import CompiledFunctions
 from .models import KVCache, hidden_states, init_cache, logits_from_hidden
 from .models.config import ModelConfig
 from .sampling import SamplingParams, select_tokens
+from . import tree as tree_lib
 from .budget import AutoBudget
+from .trie import Draft
 from .verify import jitted_verify_step
 
 log = logging.getLogger("lookahead_jax")
@@ -108,53 +110,12 @@ def jitted_prefill(config: ModelConfig, sampling: SamplingParams):
 
 
 # ----------------------------------------------------------------------------- helpers
-@dataclasses.dataclass(frozen=True)
-class _Draft:
-    tokens: list
-    parents: list
+_EMPTY = Draft([], [])
 
 
-_EMPTY = _Draft([], [])
-TREE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def _tree_bucket(n):
-    return _bucket(n, TREE_BUCKETS)
-
-
-@dataclasses.dataclass
-class Block:
-    tokens: np.ndarray  # [B,1+T]
-    parent: np.ndarray  # [B,1+T]
-    depth: np.ndarray  # [B,1+T]
-    anc: np.ndarray  # [B,1+T,1+T]
-
-
-def verify_block(root, drafts, T) -> Block:
-    B = len(drafts)
-    tokens = np.zeros((B, 1 + T), np.int32)
-    parent = np.full((B, 1 + T), -1, np.int32)
-    depth = np.zeros((B, 1 + T), np.int32)
-    anc = np.broadcast_to(np.eye(1 + T, dtype=bool), (B, 1 + T, 1 + T)).copy()
-    tokens[:, 0] = root
-    anc[:, :, 0] = True
-    for b, d in enumerate(drafts):
-        for i, (t, p) in enumerate(zip(d.tokens, d.parents)):
-            j = i + 1
-            pj = p + 1
-            tokens[b, j] = t
-            parent[b, j] = pj
-            depth[b, j] = depth[b, pj] + 1
-            anc[b, j] |= anc[b, pj]
-    # padding rows: see only themselves and the root (harmless; never accepted: parent -1)
-    return Block(tokens, parent, depth, anc)
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+def verify_block(root, drafts, T: int) -> tree_lib.VerifyBlock:
+    """Root + drafts packed into the static [B,1+T] block the verify step takes."""
+    return tree_lib.with_root(tree_lib.pack(drafts, T), root)
 
 
 def _compiled_for(model) -> CompiledFunctions:
@@ -310,17 +271,17 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
 
         drafter = TrieDrafter.shared(model, branch_length=branch_length, mode=mode)
     if drafter is not None:
-        if not auto and (not isinstance(decoding_length, int) or not 0 <= decoding_length <= TREE_BUCKETS[-1]):
+        if not auto and (not isinstance(decoding_length, int) or not 0 <= decoding_length <= tree_lib.BUCKETS[-1]):
             raise ValueError(
-                f"decoding_length must be 'auto' or an integer in [0, {TREE_BUCKETS[-1]}], got {decoding_length!r}"
+                f"decoding_length must be 'auto' or an integer in [0, {tree_lib.BUCKETS[-1]}], got {decoding_length!r}"
             )
-        max_T = drafter.max_nodes if auto else _tree_bucket(decoding_length)
+        max_T = drafter.max_nodes if auto else tree_lib.bucket_for(decoding_length)
     else:
         max_T = 0
 
     # ---- shapes
     lens = [len(x) for x in ids]
-    P = _bucket(max(lens), PROMPT_BUCKETS)
+    P = tree_lib.bucket_for(max(lens), PROMPT_BUCKETS)
     need = max(lens) + max_new_tokens + max_T + 1
     S = max_cache_len or -(-need // CACHE_ROUND) * CACHE_ROUND
     S = min(S, max(cfg.max_position, need)) if max_cache_len is None else S
@@ -348,7 +309,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         refs = _norm_references(references, B)
         drafter.begin(ids, [[tokenizer.encode(t, add_special_tokens=False) for t in r] for r in refs])
         if auto:
-            buckets = [b for b in TREE_BUCKETS if b <= max_T]
+            buckets = [b for b in tree_lib.BUCKETS if b <= max_T]
             policy = AutoBudget(buckets, measure_verify_costs(model, verify, B, S, buckets))
 
     # ---- prefill
@@ -386,13 +347,13 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
                     full = drafter.propose(r.index, r.prompt_ids + r.ids, max_T if policy else limit)
                     if policy and full.tokens:
                         pending.append((r, len(r.ids), full))
-                    drafts[r.index] = _Draft(full.tokens[:limit], full.parents[:limit])
-        T = _tree_bucket(max(len(d.tokens) for d in drafts))
+                    drafts[r.index] = Draft(full.tokens[:limit], full.parents[:limit])
+        T = tree_lib.bucket_for(max(len(d.tokens) for d in drafts))
         blk = verify_block(root, drafts, T)
         host_s += time.perf_counter() - h0
         tree_sizes.append(T)
         emitted, n_emit, cache = compiled(
-            "verify", verify, model.params, cache, blk.tokens, blk.parent, blk.depth, blk.anc,
+            "verify", verify, model.params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
             active, seeds, rowids,
         )
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
@@ -452,8 +413,8 @@ def measure_verify_costs(model, verify, B: int, S: int, buckets) -> dict:
         key = (id(verify), B, S, T)
         if key not in costs:
             cache = init_cache(cfg, B, S, model.dtype).replace(length=jnp.full((B,), S // 2, jnp.int32))
-            blk = verify_block(np.zeros(B, np.int32), [_Draft([0] * T, list(range(-1, T - 1)))] * B, T)
-            args = (blk.tokens, blk.parent, blk.depth, blk.anc, np.ones(B, bool),
+            blk = verify_block(np.zeros(B, np.int32), [Draft([0] * T, list(range(-1, T - 1)))] * B, T)
+            args = (blk.tokens, blk.parents, blk.depth, blk.mask, np.ones(B, bool),
                     jnp.zeros((B,), jnp.uint32), jnp.arange(B, dtype=jnp.int32))
             times = []
             for i in range(6):

@@ -19,6 +19,7 @@ Contract (shared by plain decoding and every speculative verifier):
 * Masked scores use a finite large negative value so fully padded rows stay finite.
 
 Axis legend: B batch, T new tokens, S cache slots, N query heads, K kv heads, G = N/K,
+Q = G*T (queries grouped per kv head),
 H head dim, D model dim, F mlp dim, V vocab.
 
 Params layout (all leaves arrays; per-layer dicts in a list, layers Python-unrolled, which
@@ -87,12 +88,12 @@ def apply_rope(x, positions, inv_freq):
 
 
 def _write_rows(buf, new, length):
-    """buf [B,S,K,H] <- new [B,T,K,H] at slots length[b].. of each row.
+    """buf [B,K,S,H] <- new [B,K,T,H] at slots length[b].. of each row.
 
     The caller guarantees length + T <= S (dynamic_update_slice would clamp otherwise;
     the generate loop checks this on the host and raises a clear error).
     """
-    return jax.vmap(lambda b, n, l: jax.lax.dynamic_update_slice(b, n, (l, 0, 0)))(
+    return jax.vmap(lambda b, n, l: jax.lax.dynamic_update_slice(b, n, (0, l, 0)))(
         buf, new.astype(buf.dtype), length
     )
 
@@ -144,17 +145,17 @@ def _attention(p, x, positions, k_cache, v_cache, length, mask, cfg: ModelConfig
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
 
-    k_cache = _write_rows(k_cache, k, length)
-    v_cache = _write_rows(v_cache, v, length)
+    k_cache = _write_rows(k_cache, k.transpose(0, 2, 1, 3), length)  # [B,K,S,H]
+    v_cache = _write_rows(v_cache, v.transpose(0, 2, 1, 3), length)
 
-    qg = q.reshape(B, T, K, G, H)
-    scores = jnp.einsum(
-        "BTKGH,BSKH->BKGTS", qg, k_cache, preferred_element_type=jnp.float32
-    ) * cfg.attn_scale  # [B,K,G,T,S]
+    # queries grouped per kv head: [B,K,G*T,H], so both einsums are batched matmuls
+    qg = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_cache, preferred_element_type=jnp.float32)
+    scores = scores.reshape(B, K, G, T, -1) * cfg.attn_scale  # [B,K,G,T,S]
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_cache)  # [B,T,K,G,H]
-    out = out.reshape(B, T, N * H) @ p["o"]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, G * T, -1)
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, v_cache)  # [B,K,G*T,H]
+    out = out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H) @ p["o"]
     return out, k_cache, v_cache
 
 
@@ -165,7 +166,7 @@ def hidden_states(params, tokens, positions, cache: KVCache, attn_mask, config: 
     x = jnp.take(params["embed"], tokens, axis=0)  # [B,T,D]
     if cfg.embed_scale:
         x = x * jnp.asarray(math.sqrt(cfg.d_model), dtype=x.dtype)
-    S = cache.k[0].shape[1]
+    S = cache.max_len
     length = cache.length
     if any(cfg.layer_window(i) is not None for i in range(cfg.n_layers)):
         kpos = key_positions(length, positions, S)  # [B,S]

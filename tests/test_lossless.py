@@ -1,0 +1,214 @@
+"""Losslessness: every accelerated path emits exactly plain decoding's tokens (f32).
+
+Tiny random models (fast) over 54 prompts from RAG passages, HumanEval and GSM8K; every
+lookahead mode x budget x branch length; batch 1 and 4; EOS and stop strings; warm and
+cold tries; drafts that force partial and zero acceptance; sampling with the same seed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from lookahead_jax import generate as G
+from lookahead_jax.drafters.trie import TrieDrafter
+from lookahead_jax.trie import Draft, NgramTrie
+from tiny import ByteTokenizer, load_prompts, tiny_model
+
+MAX_NEW = 32
+CACHE = 1280  # one cache length for every call keeps compilations few
+PROMPTS = load_prompts(18)  # 54 prompts, 18 per source
+TEXTS = [p["prompt"] for p in PROMPTS]
+REFS = [[p["reference"]] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer()
+
+
+def run(model, tok, batch, **kw):
+    """Generate all TEXTS in batches of `batch`; returns (token ids, total steps, outputs)."""
+    ids, steps, rows = [], 0, []
+    for s in range(0, len(TEXTS), batch):
+        refs = REFS[s:s + batch] if kw.get("strategy") == "lookahead" else None
+        out = G.generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, references=refs,
+                         max_cache_len=CACHE, **kw)
+        ids += out.token_ids
+        steps += out.stats["forward_steps"]
+        rows += out.rows
+    return ids, steps, rows
+
+
+@pytest.fixture(scope="module")
+def greedy(model, tok):
+    return {b: run(model, tok, b)[0] for b in (1, 4)}
+
+
+def test_batched_greedy_equals_unbatched(greedy):
+    assert greedy[1] == greedy[4]
+
+
+@pytest.mark.parametrize("mode", ["hierarchical", "parallel", "single"])
+@pytest.mark.parametrize("budget", [1, 8, 32, 128])
+@pytest.mark.parametrize("branch", [1, 4, 12])
+def test_lookahead_equals_greedy_batch4(model, tok, greedy, mode, budget, branch):
+    drafter = TrieDrafter(branch_length=branch, mode=mode, max_nodes=budget)  # cold trie
+    ids, steps, rows = run(model, tok, 4, strategy="lookahead", decoding_length=budget,
+                           branch_length=branch, mode=mode, drafter=drafter)
+    assert ids == greedy[4]
+    # the reference passages make drafts accept: fewer forwards than tokens
+    assert steps < sum(len(x) for x in ids)
+
+
+@pytest.mark.parametrize("mode", ["hierarchical", "parallel", "single"])
+@pytest.mark.parametrize("budget,branch", [(1, 12), (8, 4), (32, 12), (128, 1), ("auto", 12)])
+def test_lookahead_equals_greedy_batch1(model, tok, greedy, mode, budget, branch):
+    ids, _, _ = run(model, tok, 1, strategy="lookahead", decoding_length=budget,
+                    branch_length=branch, mode=mode,
+                    drafter=TrieDrafter(branch_length=branch, mode=mode))
+    assert ids == greedy[1]
+
+
+def test_warm_global_trie(model, tok, greedy):
+    """The shared trie keeps outputs across calls: the second pass accepts more, same tokens."""
+    m = tiny_model("llama", seed=1)  # fresh model object -> fresh global trie
+    ids1, steps1, _ = run(m, tok, 4, strategy="lookahead", decoding_length=32)
+    ids2, steps2, _ = run(m, tok, 4, strategy="lookahead", decoding_length=32)
+    assert ids1 == greedy[4] and ids2 == greedy[4]
+    assert steps2 < steps1
+
+
+class OracleDrafter:
+    """Proposes the true continuation (from a reference run) corrupted at depth `cut`, plus
+    a random branch: exactly `cut` drafts must be accepted per step (partial acceptance);
+    cut = 0 gives zero acceptance."""
+
+    branch_length = 8
+
+    def __init__(self, truth, cut, seed=0):
+        self.truth, self.cut, self.rng = truth, cut, random.Random(seed)
+        self.max_nodes = 16
+
+    def begin(self, prompts, references=None):
+        self.n_prompt = [len(p) for p in prompts]
+        self.pos = [0] * len(prompts)
+        self.last = [None] * len(prompts)
+
+    def propose(self, row, context, budget):
+        g = len(context) - self.n_prompt[row]
+        true = self.truth[row][g:g + 8]
+        toks, parents = [], []
+        for i, t in enumerate(true):
+            toks.append(t if i != self.cut else (t + 1) % 259)
+            parents.append(len(toks) - 2 if i else -1)
+        prev = -1
+        for i in range(min(4, len(true))):  # a branch that is wrong at its first token
+            toks.append((true[i] + 1 + self.rng.randrange(257)) % 259)
+            parents.append(prev)
+            prev = len(toks) - 1
+        self.last[row] = (g, len(true))
+        return Draft(toks[:budget], parents[:budget])
+
+    def accept(self, row, tokens):
+        pass
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, 8])
+def test_forced_partial_and_zero_acceptance(model, tok, greedy, cut):
+    batch = TEXTS[:4]
+    truth = greedy[4][:4]
+    out = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, strategy="lookahead",
+                     drafter=OracleDrafter(truth, cut), decoding_length=16, max_cache_len=CACHE)
+    assert out.token_ids == truth
+    for r in out.rows:
+        # prefill gives 1 token; each later step gives cut + 1 (until the budget runs out)
+        expected_steps = 1 + -(-(MAX_NEW - 1) // (cut + 1))
+        assert r.forward_steps == expected_steps, (cut, r.forward_steps)
+
+
+class GarbageDrafter(OracleDrafter):
+    def propose(self, row, context, budget):
+        toks = [self.rng.randrange(259) for _ in range(budget)]
+        parents = [self.rng.randrange(-1, i) for i in range(budget)]  # random tree
+        return Draft(toks, parents)
+
+
+def test_garbage_drafts_are_harmless(model, tok, greedy):
+    d = GarbageDrafter(None, 0)
+    d.max_nodes = 32
+    ids, _, rows = run(model, tok, 4, strategy="lookahead", drafter=d, decoding_length=32)
+    assert ids == greedy[4]
+
+
+def test_wrong_trie_is_harmless(model, tok, greedy):
+    """A trie filled with unrelated n-grams (wrong references) still gives identical output."""
+    rng = np.random.default_rng(0)
+    trie = NgramTrie(branch_length=6)
+    trie.insert_output(rng.integers(3, 259, 5000).tolist(), req="junk")
+    trie.end_request("junk")
+    d = TrieDrafter(branch_length=6, trie=trie, max_nodes=32)
+    wrong = [["".join(chr(rng.integers(97, 123)) for _ in range(300))] for _ in TEXTS]
+    ids = []
+    for s in range(0, len(TEXTS), 4):
+        out = G.generate(model, tok, TEXTS[s:s + 4], max_new_tokens=MAX_NEW, strategy="lookahead",
+                         drafter=d, decoding_length=32, references=wrong[s:s + 4],
+                         max_cache_len=CACHE)
+        ids += out.token_ids
+    assert ids == greedy[4]
+
+
+def test_eos_mid_batch(model, greedy):
+    """Rows end at an EOS token at different steps; lookahead ends them identically."""
+    eos = greedy[4][1][10]  # a token row 1 emits at step 10 (other rows: wherever it occurs)
+    tok = ByteTokenizer()
+    tok.eos_token_ids = {eos}
+    batch = TEXTS[:4]
+    ref = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, max_cache_len=CACHE)
+    assert ref.rows[1].finish_reason == "eos" and ref.rows[1].token_ids[-1] == eos
+    assert len({len(r.token_ids) for r in ref.rows}) > 1  # rows finish at different steps
+    for budget in (8, 32):
+        out = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, strategy="lookahead",
+                         decoding_length=budget, references=REFS[:4], max_cache_len=CACHE,
+                         drafter=TrieDrafter(max_nodes=budget))
+        assert out.token_ids == ref.token_ids
+        assert [r.finish_reason for r in out.rows] == [r.finish_reason for r in ref.rows]
+
+
+def test_stop_strings(model, tok, greedy):
+    batch = TEXTS[4:8]
+    texts = [tok.decode(g) for g in greedy[4][4:8]]
+    stop = texts[0][12:14]
+    ref = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, stop=[stop], max_cache_len=CACHE)
+    assert ref.rows[0].finish_reason == "stop" and stop not in ref.rows[0].text
+    out = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, stop=[stop], strategy="lookahead",
+                     decoding_length=32, references=REFS[4:8], max_cache_len=CACHE)
+    assert out.token_ids == ref.token_ids and out.texts == ref.texts
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_lookahead_sampling_equals_plain_sampling(model, tok, temperature, top_k, top_p):
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234)
+    ref, _, _ = run(model, tok, 4, **kw)
+    ids, steps, _ = run(model, tok, 4, strategy="lookahead", decoding_length=32, **kw)
+    assert ids == ref
+    other, _, _ = run(model, tok, 4, **{**kw, "seed": 99})
+    assert other != ref  # the seed matters
+
+
+def test_sampling_rng_is_keyed_by_row_and_position(model, tok):
+    """The same prompt as row 0 of two different batches samples the same tokens."""
+    kw = dict(max_new_tokens=16, temperature=1.0, seed=7, max_cache_len=CACHE)
+    a = G.generate(model, tok, [TEXTS[0], TEXTS[1]], **kw)
+    b = G.generate(model, tok, [TEXTS[0], TEXTS[5], TEXTS[9]], **kw)
+    assert a.token_ids[0] == b.token_ids[0]

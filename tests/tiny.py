@@ -1,0 +1,67 @@
+"""Tiny models and a byte-level tokenizer for fast tests (no downloads, no real weights)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import types
+
+import jax
+import numpy as np
+
+from lookahead_jax.models import ModelConfig, init_params
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 3..258; 0 = pad, 1 = BOS, 2 = EOS."""
+
+    eos_token_ids = {2}
+    bos_token_id = 1
+    pad_token_id = 0
+    vocab_size = 259
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(int(i) - 3 for i in ids if int(i) >= 3).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def tiny_config(family="llama", **kw) -> ModelConfig:
+    base = dict(family=family, vocab_size=259, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                head_dim=16, d_ff=128, tie_embeddings=False, max_position=4096)
+    if family == "qwen2":
+        base.update(qkv_bias=True)
+    if family == "gemma3":
+        base.update(layer_types=("sliding", "full"), sliding_window=16, qk_norm=True,
+                    sandwich_norm=True, embed_scale=True, act="gelu_tanh",
+                    query_pre_attn_scalar=16, rope_theta=1e6)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def tiny_model(family="llama", seed=0, head_scale=6.0, **kw):
+    """A random model whose sharpened head gives varied, non-degenerate greedy text."""
+    cfg = tiny_config(family, **kw)
+    params = init_params(cfg, jax.random.PRNGKey(seed))
+    if "lm_head" in params:
+        params["lm_head"] = params["lm_head"] * head_scale
+    return types.SimpleNamespace(config=cfg, params=params, name=f"tiny-{family}", dtype=np.float32)
+
+
+def load_prompts(n_per_source=None):
+    rows = [json.loads(line) for line in open(DATA / "prompts.jsonl")]
+    if n_per_source is None:
+        return rows
+    out, seen = [], {}
+    for r in rows:
+        if seen.get(r["source"], 0) < n_per_source:
+            seen[r["source"]] = seen.get(r["source"], 0) + 1
+            out.append(r)
+    return out
