@@ -231,7 +231,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
              stop=None, chat: bool = False, references=None, decoding_length="auto",
              branch_length: int = 12, mode: str = "hierarchical", drafter=None,
              on_text: Optional[Callable[[int, str], None]] = None,
-             max_cache_len: Optional[int] = None) -> GenerateOutput:
+             max_cache_len: Optional[int] = None, ignore_eos: bool = False) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     prompts: a str, chat messages, token ids, or a list of those (one row each; rows are
@@ -249,6 +249,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         maximises expected tokens/s from measured verify costs.
     branch_length: lookahead maximum draft depth.  mode: "hierarchical"|"parallel"|"single".
     on_text(prompt_index, text_delta): streaming callback, called as tokens are accepted.
+    max_cache_len: KV cache slots (default: prompt + max_new_tokens + verify block, rounded).
+    ignore_eos: keep generating past EOS (benchmarks of a fixed length, as in vLLM).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
@@ -300,7 +302,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         tokens[b, : len(x)] = x
     seeds = jnp.full((B,), seed, jnp.uint32)
     rowids = jnp.arange(B, dtype=jnp.int32)
-    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    eos = set() if ignore_eos else set(getattr(tokenizer, "eos_token_ids", ()) or ())
     rows = [_Row(i, x, tokenizer, eos, stop, max_new_tokens, on_text) for i, x in enumerate(ids)]
     verify = jitted_verify_step(cfg, sampling)
 

@@ -24,16 +24,21 @@ too, so nothing counted is ever orphaned.
 
 Streaming output
 ----------------
-``insert_output`` keeps a per-request tail of the last W-1 tokens. A window is inserted
-once it is complete (W tokens seen); the short windows of the tail are inserted by
-``end_request``. So streaming a sequence in any chunks inserts exactly the windows that
-inserting it whole would, each once.
+Output windows are built up token by token, so a request's own recent n-grams can be
+drafted at once (a model repeating a phrase is caught on its second occurrence, not W
+tokens later). ``insert_output`` keeps a per-request tail of the last W-1 tokens; each new
+token p extends every window that starts in the tail (start s, p - s < W) by one node,
+adding 1 to that node only (the earlier nodes of the window were counted when it was
+shorter); a window of two tokens counts both. Streaming a sequence in any chunks therefore
+counts exactly the windows of the whole sequence, each once, and ``end_request`` only
+drops the tail.
 
-    # W=3   insert_output([5, 6]) -> buffer [5, 6]        nothing complete, tail [5, 6]
-    #       insert_output([7])    -> buffer [5, 6, 7]     insert [5,6,7],    tail [6, 7]
-    #       insert_output([8, 9]) -> buffer [6, 7, 8, 9]  insert [6,7,8] and [7,8,9],
-    #                                                     tail [8, 9]
-    #       end_request()         -> insert [8, 9]        tail dropped
+    # W=3   insert_output([5, 6]) -> [5,6]                 tail [5, 6]
+    #       insert_output([7])    -> [5,6,7] (7 added), [6,7]         tail [6, 7]
+    #       insert_output([8])    -> [6,7,8] (8 added), [7,8]         tail [7, 8]
+
+Should a squeeze evict part of a window that is still growing, the window stops growing,
+and a grown node's count is capped by its parent's, which keeps counts monotone.
 
 Capacity and squeeze
 --------------------
@@ -227,21 +232,23 @@ class NgramTrie:
     def insert_output(self, tokens: Sequence[int], req: Hashable = 0) -> None:
         """Stream newly accepted tokens of ``req`` into the shared output counts.
 
-        Windows are inserted once complete; ``end_request(req)`` flushes the tail.
+        Every window that ends at a new token grows by that token at once (module
+        docstring, "Streaming output").
         """
-        buf = self._tails.get(req, []) + _as_ints(tokens)
+        tail = self._tails.get(req, [])
+        buf = tail + _as_ints(tokens)
         w = self.window
-        for i in range(len(buf) - w + 1):
-            self._put_output_window(buf, i, i + w)
+        for p in range(len(tail), len(buf)):
+            for s in range(max(0, p - w + 1), p - 1):  # windows of >= 3 tokens grow by one
+                self._grow_output_window(buf, s, p)
+            if p >= 1:  # a new two-token window
+                self._put_output_window(buf, p - 1, p + 1)
         self._tails[req] = buf[max(0, len(buf) - w + 1):]
 
     def end_request(self, req: Hashable = 0) -> None:
-        """Finish ``req``: flush its pending output windows, then remove its input counts
-        (dropping nodes left with no count)."""
-        tail = self._tails.pop(req, None)
-        if tail:
-            for i in range(len(tail) - 1):
-                self._put_output_window(tail, i, len(tail))
+        """Finish ``req``: drop its output tail, then remove its input counts (dropping
+        nodes left with no count)."""
+        self._tails.pop(req, None)
         trail = self._trails.pop(req, None)
         if not trail:
             return
@@ -414,6 +421,29 @@ class NgramTrie:
                 self._n_out += 1
             node.out += 1
             children = node.children
+        if self._n_out > self.max_output_nodes:
+            target = self.max_output_nodes - self.max_output_nodes // 8
+            while self._n_out > target:
+                self.squeeze()
+
+    def _grow_output_window(self, seq: list[int], i: int, p: int) -> None:
+        """Add 1 to the node of seq[p] below the path seq[i:p] (counted earlier)."""
+        self._reserve(1)  # may squeeze: before the walk, so the path below is current
+        children, node = self._root, None
+        for k in range(i, p):
+            node = children.get(seq[k])
+            if node is None or node.out == 0:  # evicted by a squeeze: stop growing
+                return
+            children = node.children
+        child = children.get(seq[p])
+        if child is None:
+            if self._n_nodes >= self.max_nodes:
+                return
+            child = children[seq[p]] = _Node()
+            self._n_nodes += 1
+        if child.out == 0:
+            self._n_out += 1
+        child.out = min(child.out + 1, node.out)
         if self._n_out > self.max_output_nodes:
             target = self.max_output_nodes - self.max_output_nodes // 8
             while self._n_out > target:

@@ -87,19 +87,26 @@ def test_numpy_tokens_are_accepted():
     assert d.tokens == [2, 3] and all(type(t) is int for t in d.tokens)
 
 
-def test_streaming_output_inserts_each_window_once():
+def test_streaming_output_grows_windows_token_by_token():
     trie = NgramTrie(branch_length=2)  # W = 3
     trie.insert_output([5, 6], req=0)
-    assert trie.num_nodes == 0  # no complete window yet
-    trie.insert_output([7], req=0)  # [5,6,7]
-    assert trie.counts([5, 6, 7]) == (0, 1) and trie.num_nodes == 3
-    trie.insert_output([8, 9], req=0)  # [6,7,8] [7,8,9]
+    assert trie.counts([5, 6]) == (0, 1) and trie.num_nodes == 2  # visible at once
+    assert trie.retrieve([5], 4).tokens == [6]
+    trie.insert_output([7], req=0)  # [5,6] grows to [5,6,7]; new [6,7]
+    assert trie.counts([5, 6, 7]) == (0, 1) and trie.counts([5, 6]) == (0, 1)
+    assert trie.counts([6, 7]) == (0, 1) and trie.num_nodes == 5
+    trie.insert_output([8, 9], req=0)  # [6,7,8] [7,8,9] [8,9]
     assert trie.counts([6, 7, 8]) == (0, 1) and trie.counts([7, 8, 9]) == (0, 1)
-    assert trie.counts([8]) is None
-    trie.end_request(0)  # flush the tail window [8, 9]
-    assert trie.counts([8, 9]) == (0, 1)
+    assert trie.counts([8, 9]) == (0, 1) and trie.counts([9]) is None
+    trie.end_request(0)  # nothing left to flush
     assert trie.num_nodes == 3 + 3 + 3 + 2
     trie.check_invariants()
+
+
+def test_repetition_is_drafted_on_its_second_occurrence():
+    trie = NgramTrie(branch_length=8)
+    trie.insert_output([1, 2, 3, 4, 5, 1, 2], req=0)
+    assert trie.retrieve([5, 1, 2], 8).tokens[:3] == [3, 4, 5]
 
 
 def test_streaming_tails_are_per_request():

@@ -1,0 +1,105 @@
+"""Shared pieces of the benchmarks: prompts from ../shared/data, the HF peer, JSON output.
+
+Every benchmark prints and saves JSON (with the command that produced it). Speed is only
+ever measured here, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("LOOKAHEAD_JAX_DATA", ROOT.parent / "shared" / "data"))
+
+
+def read_jsonl(name: str, n: int):
+    path = DATA / name
+    if not path.exists():
+        sys.exit(f"error: {path} not found; set LOOKAHEAD_JAX_DATA to the folder holding {name}")
+    rows = []
+    with open(path) as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if len(rows) >= n:
+                break
+    return rows
+
+
+def dataset_prompts(name: str, n: int, max_chars: int = 2400):
+    """(prompts, references) per dataset; prompts are chat messages or plain text."""
+    if name == "nq":
+        rows = [r for r in read_jsonl("nq_rag.jsonl", 40 * n) if len(r["context"]) <= max_chars][:n]
+        msgs = [[{"role": "user", "content":
+                  f"Answer the question using the passage.\n\nPassage: {r['context']}\n\n"
+                  f"Question: {r['question']}?"}] for r in rows]
+        return msgs, [[r["context"]] for r in rows]
+    if name == "humaneval":
+        rows = read_jsonl("humaneval.jsonl", n)
+        return [r["prompt"] for r in rows], [[] for _ in rows]
+    if name == "gsm8k":
+        rows = read_jsonl("gsm8k_test.jsonl", n)
+        msgs = [[{"role": "user", "content": r["question"] + "\nLet's think step by step."}] for r in rows]
+        return msgs, [[] for _ in rows]
+    raise SystemExit(f"unknown dataset {name!r}; use nq, humaneval, gsm8k")
+
+
+def encode_all(tokenizer, prompts):
+    from lookahead_jax.generate import encode_prompts
+
+    return encode_prompts(tokenizer, prompts, chat=False)
+
+
+class HFPeer:
+    """HF transformers (torch, CPU) on the same GGUF file, fed the same token ids."""
+
+    def __init__(self, gguf_path, dtype: str, threads: int | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads or os.cpu_count())
+        self.torch = torch
+        p = Path(gguf_path)
+        td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=td)
+        self.model.eval()
+
+    def generate(self, ids, max_new_tokens: int, prompt_lookup: int = 0):
+        torch = self.torch
+        x = torch.tensor([ids])
+        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                  use_cache=True, pad_token_id=0)
+        if prompt_lookup:
+            kw["prompt_lookup_num_tokens"] = prompt_lookup
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model.generate(x, **kw)
+            dt = time.perf_counter() - t0
+        return out[0, len(ids):].tolist(), dt
+
+
+def environment() -> dict:
+    import jax
+
+    env = dict(python=platform.python_version(), jax=jax.__version__, device=str(jax.devices()[0]),
+               cpu_count=os.cpu_count(), machine=platform.machine())
+    try:
+        import torch
+        import transformers
+
+        env.update(torch=torch.__version__, transformers=transformers.__version__)
+    except ImportError:
+        pass
+    return env
+
+
+def save(result: dict, out: str) -> None:
+    result["command"] = " ".join([Path(sys.executable).name] + sys.argv)
+    result["environment"] = environment()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
+    print(f"saved {out}")

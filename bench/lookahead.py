@@ -1,0 +1,142 @@
+"""Lookahead vs greedy vs HF transformers (greedy and prompt-lookup decoding).
+
+    python bench/lookahead.py                                  # 20 prompts x 3 datasets
+    python bench/lookahead.py --datasets nq --n 8 --no-hf      # quick look
+
+Same model (SmolLM2-135M by default, f32), same token ids, `--max-new-tokens` tokens per
+prompt (EOS ignored so every method does the same work). Per prompt the methods run one
+after another (noise hits all alike). Lookahead's output is checked token for token against
+our greedy. Reports per dataset and method: tokens/s, forward steps, mean accepted tokens
+per step (tokens emitted per forward, so greedy = 1), host trie time, speedups. Saves JSON
+and a bar plot (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import HFPeer, dataset_prompts, encode_all, save  # noqa: E402
+
+
+def parse_config(s: str) -> dict:
+    """'auto:12:hierarchical' -> decoding_length, branch_length, mode."""
+    dl, bl, mode = (s.split(":") + ["12", "hierarchical"])[:3]
+    return dict(decoding_length=dl if dl == "auto" else int(dl), branch_length=int(bl), mode=mode)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(result["datasets"])
+    methods = list(result["datasets"][sets[0]]["methods"])
+    fig, ax = plt.subplots(figsize=(1.5 + 1.6 * len(sets) * len(methods) / 3, 4.2))
+    w = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        vals = [result["datasets"][d]["methods"][m]["tokens_per_s"] for d in sets]
+        bars = ax.bar([i + j * w for i in range(len(sets))], vals, w, label=m)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks([i + w * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{result['model']} ({result['dtype']}), {result['max_new_tokens']} new tokens, "
+                 f"{result['prompts_per_dataset']} prompts/dataset")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--datasets", nargs="+", default=["nq", "humaneval", "gsm8k"])
+    ap.add_argument("--n", type=int, default=20, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--configs", nargs="+", default=["auto:12:hierarchical", "8:8:hierarchical", "16:12:parallel"],
+                    help="lookahead configs decoding_length:branch_length:mode ('auto' = the default)")
+    ap.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--out", default="bench/results/lookahead.json")
+    a = ap.parse_args(argv)
+
+    import lookahead_jax as lj
+    from lookahead_jax.drafters.trie import TrieDrafter
+    from lookahead_jax.fetch import gguf_path
+    from lookahead_jax.trie import NgramTrie
+
+    model, tok = lj.load(a.model, dtype=a.dtype)
+    hf = None if a.no_hf else HFPeer(gguf_path(a.model), a.dtype)
+    configs = {f"lookahead[{c}]": parse_config(c) for c in a.configs}
+    result = dict(model=a.model, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
+                  prompts_per_dataset=a.n, datasets={})
+    for ds in a.datasets:
+        prompts, refs = dataset_prompts(ds, a.n)
+        ids = encode_all(tok, prompts)
+        # each config has its own global trie (warm across this dataset's prompts, cold at start)
+        tries = {n: NgramTrie(branch_length=c["branch_length"]) for n, c in configs.items()}
+
+        def drafter(name):
+            c = configs[name]
+            return TrieDrafter(c["branch_length"], c["mode"], trie=tries[name])
+
+        acc = {m: dict(tokens=0, time=0.0, steps=0, host=0.0, identical=0)
+               for m in ["greedy", *configs] + ([] if not hf else ["hf_greedy", "hf_prompt_lookup"])}
+        # warm-up: compile greedy and every lookahead bucket once (not timed)
+        lj.generate(model, tok, [ids[0]], max_new_tokens=8, ignore_eos=True)
+        for cfg in configs.values():
+            lj.generate(model, tok, [ids[0]], max_new_tokens=8, ignore_eos=True, strategy="lookahead", **cfg,
+                        drafter=TrieDrafter(cfg["branch_length"], cfg["mode"]))
+        if hf:
+            hf.generate(ids[0], 4)
+        for i, x in enumerate(ids):
+            base = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=True)
+            rows = {"greedy": base}
+            for name, cfg in configs.items():
+                rows[name] = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=True,
+                                         strategy="lookahead", references=[refs[i]], **cfg,
+                                         drafter=drafter(name))
+            for name, out in rows.items():
+                s = out.stats
+                acc[name]["tokens"] += s["new_tokens"]
+                acc[name]["time"] += s["wall_s"]
+                acc[name]["steps"] += s["forward_steps"]
+                acc[name]["host"] += s["host_s"]
+                acc[name]["identical"] += out.token_ids == base.token_ids
+            line = f"[{ds} {i}] " + " ".join(
+                f"{n}={o.stats['tokens_per_s']:.1f}t/s,{o.stats['mean_accepted_tokens']:.2f}acc" for n, o in rows.items())
+            if hf:
+                for name, k in (("hf_greedy", 0), ("hf_prompt_lookup", a.prompt_lookup)):
+                    toks, dt = hf.generate(x, a.max_new_tokens, prompt_lookup=k)
+                    acc[name]["tokens"] += len(toks)
+                    acc[name]["time"] += dt
+                    line += f" {name}={len(toks) / dt:.1f}t/s"
+            print(line, flush=True)
+        methods = {}
+        g = acc["greedy"]["tokens"] / acc["greedy"]["time"]
+        for name, v in acc.items():
+            tps = v["tokens"] / v["time"]
+            m = dict(tokens_per_s=round(tps, 3), speedup_vs_our_greedy=round(tps / g, 3))
+            if not name.startswith("hf"):
+                m.update(forward_steps=v["steps"], mean_accepted_tokens=round(v["tokens"] / v["steps"], 3),
+                         host_s=round(v["host"], 3), host_fraction=round(v["host"] / v["time"], 4),
+                         identical_to_greedy=f"{v['identical']}/{len(ids)}")
+            if hf:
+                for h in ("hf_greedy", "hf_prompt_lookup"):
+                    m[f"speedup_vs_{h}"] = round(tps / (acc[h]["tokens"] / acc[h]["time"]), 3)
+            methods[name] = m
+        best = max(configs, key=lambda n: methods[n]["tokens_per_s"])
+        result["datasets"][ds] = dict(methods=methods, best_lookahead=best)
+        print(f"== {ds}: " + "; ".join(f"{n}: {m['tokens_per_s']:.1f} tok/s ({m['speedup_vs_our_greedy']:.2f}x)"
+                                      for n, m in methods.items()), flush=True)
+    save(result, a.out)
+    plot(result, str(Path(a.out).with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
