@@ -1,0 +1,177 @@
+"""Save / restore (config, params) with orbax-checkpoint.
+
+Directory layout:
+
+    <directory>/model_config.json   ModelConfig.to_dict(), written after the params commit
+    <directory>/params/             orbax StandardCheckpointer checkpoint of the pytree
+
+Restore builds the target pytree from the config (`models.param_shapes`), so the stored
+structure and shapes are checked against the config before any array is read, and each
+leaf is restored straight into the requested dtype and sharding (orbax reads only the
+shards each device needs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from lookahead_jax.models import ModelConfig
+
+from .keymaps import expected_leaves
+
+CONFIG_FILE = "model_config.json"
+PARAMS_DIR = "params"
+FORMAT = "lookahead-jax-checkpoint/1"
+
+
+def _flat(tree, prefix="") -> dict:
+    """{"layers.0.q": leaf, ...} of a dict/list pytree (our params layout)."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    out = {}
+    for k, v in items:
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _unflat(flat: dict) -> dict:
+    """Inverse of `_flat` for our params layout (top-level dict, "layers" a list of dicts)."""
+    tree: dict = {}
+    for path, leaf in flat.items():
+        parts = path.split(".")
+        if parts[0] == "layers":
+            layers = tree.setdefault("layers", [])
+            i = int(parts[1])
+            while len(layers) <= i:
+                layers.append({})
+            layers[i][parts[2]] = leaf
+        else:
+            tree[path] = leaf
+    return tree
+
+
+def _check_tree(flat_shapes: dict, config: ModelConfig, what: str) -> None:
+    want = expected_leaves(config)
+    missing = sorted(set(want) - set(flat_shapes))
+    extra = sorted(set(flat_shapes) - set(want))
+    wrong = [
+        f"{p}: {tuple(flat_shapes[p])} != {want[p]}"
+        for p in want
+        if p in flat_shapes and tuple(flat_shapes[p]) != want[p]
+    ]
+    if missing or extra or wrong:
+        raise ValueError(
+            f"{what} does not match the config (family={config.family}, "
+            f"n_layers={config.n_layers}, d_model={config.d_model}): missing {missing[:6]}, "
+            f"unexpected {extra[:6]}, wrong shapes {wrong[:6]}"
+        )
+
+
+def save_checkpoint(directory, config: ModelConfig, params, *, overwrite: bool = False) -> str:
+    """Write params (orbax) and config (JSON) under `directory`; returns its absolute path."""
+    directory = os.path.abspath(os.fspath(directory))
+    _check_tree({p: x.shape for p, x in _flat(params).items()}, config, "params")
+    pdir = os.path.join(directory, PARAMS_DIR)
+    if os.path.exists(pdir) and not overwrite:
+        raise ValueError(f"{pdir} already exists; pass overwrite=True to replace it")
+    os.makedirs(directory, exist_ok=True)
+    cfg_path = os.path.join(directory, CONFIG_FILE)
+    if os.path.exists(cfg_path):
+        os.remove(cfg_path)  # a config only ever sits beside a committed params dir
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(pdir, params, force=overwrite)
+        ckptr.wait_until_finished()
+    with open(cfg_path, "w") as f:
+        json.dump({"format": FORMAT, "config": config.to_dict()}, f, indent=1)
+    return directory
+
+
+def _read_config(directory: str) -> ModelConfig:
+    cfg_path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.isfile(cfg_path):
+        raise ValueError(
+            f"{directory} is not a lookahead-jax checkpoint: no {CONFIG_FILE} (it is written "
+            "last, so an interrupted save_checkpoint leaves none)"
+        )
+    try:
+        with open(cfg_path) as f:
+            blob = json.load(f)
+        if blob.get("format") != FORMAT:
+            raise ValueError(f"format {blob.get('format')!r}, expected {FORMAT!r}")
+        return ModelConfig.from_dict(blob["config"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{cfg_path} is malformed: {type(e).__name__}: {e}") from e
+
+
+def restore_checkpoint(directory, dtype=None, sharding: Any = None):
+    """-> (config, params), restored straight into `dtype` and `sharding`.
+
+    dtype: None keeps the stored dtype of each leaf; otherwise every leaf is cast to it.
+    sharding: None (first local device), one `jax.sharding.Sharding` for every leaf, a
+      pytree of Shardings with the params structure (e.g. NamedShardings from a mesh), or
+      a callable `config -> either of those` for when only the checkpoint knows the
+      config. Each leaf is read straight into its sharding: large models never
+      materialise unsharded.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(directory):
+        raise ValueError(f"checkpoint directory {directory} does not exist")
+    config = _read_config(directory)
+    pdir = os.path.join(directory, PARAMS_DIR)
+    if not os.path.isdir(pdir):
+        raise ValueError(f"{directory}: missing the {PARAMS_DIR}/ directory of the checkpoint")
+
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            meta = ckptr.metadata(pdir).item_metadata
+            meta = getattr(meta, "tree", meta)
+        except Exception as e:
+            raise ValueError(
+                f"{pdir} is not a readable orbax checkpoint; the checkpoint is incomplete or "
+                f"corrupt ({type(e).__name__}: {e})"
+            ) from e
+        if meta is None:
+            raise ValueError(f"{pdir} has no orbax metadata; the checkpoint is incomplete")
+        stored = _flat(meta)
+        _check_tree({p: m.shape for p, m in stored.items()}, config, f"checkpoint {pdir}")
+
+        if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding):
+            sharding = sharding(config)
+        if sharding is None:
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        if isinstance(sharding, jax.sharding.Sharding):
+            shardings = {p: sharding for p in stored}
+        else:
+            shardings = _flat(sharding)
+            if set(shardings) != set(stored) or not all(
+                isinstance(s, jax.sharding.Sharding) for s in shardings.values()
+            ):
+                raise ValueError(
+                    "sharding must be a jax.sharding.Sharding or a pytree of Shardings with "
+                    f"the params structure; got leaves {sorted(shardings)[:6]}..."
+                )
+        target = _unflat({
+            p: jax.ShapeDtypeStruct(
+                tuple(m.shape), jnp.dtype(dtype) if dtype is not None else m.dtype,
+                sharding=shardings[p],
+            )
+            for p, m in stored.items()
+        })
+        try:
+            params = ckptr.restore(pdir, target)
+        except Exception as e:
+            raise ValueError(
+                f"{pdir}: orbax could not restore the params; the checkpoint is incomplete "
+                f"or corrupt ({type(e).__name__}: {e})"
+            ) from e
+    return config, params

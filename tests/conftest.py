@@ -1,0 +1,79 @@
+"""Shared test helpers: tiny random HF transformers models (torch imported lazily)."""
+
+from __future__ import annotations
+
+import pytest
+
+# Tiny dims chosen so every matrix row (the "in" dim) is a multiple of 32: the GGUF tests
+# can store them as Q8_0. V vocab, D model dim, N/K heads, H head dim, F mlp dim.
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+HF_KINDS = ("llama", "llama3", "qwen2", "gemma3")
+
+
+def make_tiny_hf(kind: str, seed: int = 0, **overrides):
+    """A tiny random float32 HF causal LM of `kind`, in eval mode, with eager attention.
+
+    llama:  tied embeddings, default RoPE.
+    llama3: llama3 rope_scaling (original context 64, so it changes many frequencies),
+            untied head, head_dim 24 != D/N. (HF llama's attention_bias also adds an
+            o_proj bias, which our model does not have: see test_convert.)
+    qwen2:  q/k/v biases, untied head.
+    gemma3: 3 layers [sliding, full, sliding], window 4, linear RoPE scaling on the full
+            layer only, query_pre_attn_scalar 24 != H, final logit softcap.
+    All weights are re-drawn (norms and biases too, which HF initialises to constants).
+    """
+    import torch
+    import transformers as T
+
+    torch.manual_seed(seed)
+    common = dict(TINY, rms_norm_eps=1e-5, attn_implementation="eager")
+    if kind == "llama":
+        cfg = T.LlamaConfig(**{**common, "tie_word_embeddings": True, **overrides})
+        model = T.LlamaForCausalLM(cfg)
+    elif kind == "llama3":
+        cfg = T.LlamaConfig(**{
+            **common, "head_dim": 24, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **overrides,
+        })
+        model = T.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = T.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
+        model = T.Qwen2ForCausalLM(cfg)
+    elif kind == "gemma3":
+        cfg = T.Gemma3TextConfig(**{
+            **common, "num_hidden_layers": 3, "num_key_value_heads": 1,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "sliding_window": 4, "query_pre_attn_scalar": 24, "final_logit_softcapping": 10.0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+            **overrides,
+        })
+        model = T.Gemma3ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    gemma = kind.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # gemma stores w (multiplier 1 + w)
+                p.copy_(0.2 * torch.randn_like(p) + (0.0 if gemma else 1.0))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            else:  # Linear [out,in]
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    """The `make_tiny_hf` factory (skips the test when torch/transformers are absent)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return make_tiny_hf
