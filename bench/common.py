@@ -67,12 +67,14 @@ class HFPeer:
         td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=td)
         self.model.eval()
+        # ignore EOS like our ignore_eos=True: EOS stays an ordinary token (min_new_tokens
+        # would instead forbid it and change the tokens)
+        self.model.generation_config.eos_token_id = None
 
     def generate(self, ids, max_new_tokens: int, prompt_lookup: int = 0):
         torch = self.torch
         x = torch.tensor([ids])
-        kw = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                  use_cache=True, pad_token_id=0)
+        kw = dict(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
         if prompt_lookup:
             kw["prompt_lookup_num_tokens"] = prompt_lookup
         with torch.inference_mode():

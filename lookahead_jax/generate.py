@@ -126,8 +126,10 @@ def _compiled_for(model) -> CompiledFunctions:
     return c
 
 
-def encode_prompts(tokenizer, prompts, chat: bool) -> list:
-    """Prompts as token-id lists. A prompt is a str, a list of chat messages, or token ids."""
+def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0) -> list:
+    """Prompts as token-id lists. A prompt is a str, a list of chat messages, or token ids.
+
+    Errors name prompts by `first_index + position`."""
     if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
     ):
@@ -135,7 +137,7 @@ def encode_prompts(tokenizer, prompts, chat: bool) -> list:
     if not prompts:
         raise ValueError("no prompts given")
     out = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts, first_index):
         if isinstance(p, str):
             if not p.strip():
                 raise ValueError(f"prompt {i} is empty")
@@ -231,7 +233,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
              stop=None, chat: bool = False, references=None, decoding_length="auto",
              branch_length: int = 12, mode: str = "hierarchical", drafter=None,
              on_text: Optional[Callable[[int, str], None]] = None,
-             max_cache_len: Optional[int] = None, ignore_eos: bool = False) -> GenerateOutput:
+             max_cache_len: Optional[int] = None, ignore_eos: bool = False,
+             first_index: int = 0) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     prompts: a str, chat messages, token ids, or a list of those (one row each; rows are
@@ -251,6 +254,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     on_text(prompt_index, text_delta): streaming callback, called as tokens are accepted.
     max_cache_len: KV cache slots (default: prompt + max_new_tokens + verify block, rounded).
     ignore_eos: keep generating past EOS (benchmarks of a fixed length, as in vLLM).
+    first_index: index of the first prompt (for prompt_index, error messages and the
+        sampling key's row), so a long list decoded in batches samples as one batch.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
@@ -262,8 +267,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         raise ValueError("stop strings must be non-empty")
     cfg: ModelConfig = model.config
     compiled = _compiled_for(model)
-    ids = encode_prompts(tokenizer, prompts, chat)
+    ids = encode_prompts(tokenizer, prompts, chat, first_index)
     B = len(ids)
+    for i, x in enumerate(ids, first_index):
+        if min(x) < 0 or max(x) >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size})")
 
     auto = decoding_length == "auto"
     if strategy == "greedy":
@@ -283,36 +291,46 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
 
     # ---- shapes
     lens = [len(x) for x in ids]
-    P = tree_lib.bucket_for(max(lens), PROMPT_BUCKETS)
     need = max(lens) + max_new_tokens + max_T + 1
     S = max_cache_len or -(-need // CACHE_ROUND) * CACHE_ROUND
-    S = min(S, max(cfg.max_position, need)) if max_cache_len is None else S
-    if need > S or need > cfg.max_position + max_T + 1:
+    if max_cache_len is None:
+        S = min(S, max(cfg.max_position, need))
+    if need > S or max(lens) + max_new_tokens > cfg.max_position:
         longest = int(np.argmax(lens))
+        limits = []
+        if need > S:
+            limits.append(f"it needs {need} cache slots (+{max_T + 1} for verification) but "
+                          f"the cache holds {S} (max_cache_len={max_cache_len})")
+        if max(lens) + max_new_tokens > cfg.max_position:
+            limits.append(f"the model's context is {cfg.max_position} positions")
         raise ValueError(
-            f"prompt {longest} has {lens[longest]} tokens; with max_new_tokens={max_new_tokens} "
-            f"(+{max_T + 1} verify slots) it needs {need} cache slots, but the cache holds {S} "
-            f"and the model's context is {cfg.max_position} positions. Shorten the prompt, "
+            f"prompt {first_index + longest} has {lens[longest]} tokens and "
+            f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + ". Shorten the prompt, "
             "lower max_new_tokens, or raise max_cache_len."
         )
+    P = next((b for b in PROMPT_BUCKETS if b >= max(lens)), -(-max(lens) // CACHE_ROUND) * CACHE_ROUND)
     P = min(P, S)
 
     tokens = np.zeros((B, P), np.int32)
     for b, x in enumerate(ids):
         tokens[b, : len(x)] = x
     seeds = jnp.full((B,), seed, jnp.uint32)
-    rowids = jnp.arange(B, dtype=jnp.int32)
+    rowids = jnp.arange(first_index, first_index + B, dtype=jnp.int32)
     eos = set() if ignore_eos else set(getattr(tokenizer, "eos_token_ids", ()) or ())
     rows = [_Row(i, x, tokenizer, eos, stop, max_new_tokens, on_text) for i, x in enumerate(ids)]
     verify = jitted_verify_step(cfg, sampling)
 
     policy = None
+    calibrate_s = 0.0
+    c_before = compiled.compile_s
     if drafter is not None:
         refs = _norm_references(references, B)
         drafter.begin(ids, [[tokenizer.encode(t, add_special_tokens=False) for t in r] for r in refs])
         if auto:
             buckets = [b for b in tree_lib.BUCKETS if b <= max_T]
+            t0 = time.perf_counter()
             policy = AutoBudget(buckets, measure_verify_costs(model, verify, B, S, buckets))
+            calibrate_s = time.perf_counter() - t0
 
     # ---- prefill
     cache = init_cache(cfg, B, S, model.dtype)
@@ -383,9 +401,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     wall = time.perf_counter() - t_start - (compiled.compile_s - c0)
     if drafter is not None:
         drafter.end()
-    compile_s = compiled.compile_s - c0
+    compile_s = compiled.compile_s - c_before
     outs = [
-        RowOutput(r.index, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
+        RowOutput(first_index + r.index, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
                   finish_s.get(r.index, wall))
         for r in rows
     ]
@@ -394,7 +412,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         strategy=strategy, batch=B, prompt_bucket=P, cache_len=S, forward_steps=steps,
         new_tokens=new, wall_s=wall, tokens_per_s=new / wall if wall > 0 else 0.0,
         mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
-        host_s=host_s, compile_s=compile_s, compilations=len(compiled.compilations),
+        host_s=host_s, compile_s=compile_s, calibrate_s=calibrate_s,
+        compilations=len(compiled.compilations),
         mean_tree_size=float(np.mean(tree_sizes)) if tree_sizes else 0.0,
     )
     if policy:
@@ -467,12 +486,17 @@ class CliConfig:
     verbose: bool = False
 
 
+def _fail(msg: str):
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _read_prompts_file(path: str, references_field: Optional[str]):
     prompts, refs = [], []
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
-        raise SystemExit(f"error: cannot read --prompts-file {path}: {e.strerror}")
+        _fail(f"cannot read --prompts-file {path}: {e.strerror}")
     with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -480,22 +504,24 @@ def _read_prompts_file(path: str, references_field: Optional[str]):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path}:{n}: not valid JSON ({e.msg})")
+                _fail(f"{path}:{n}: not valid JSON ({e.msg})")
+            if not isinstance(obj, dict):
+                _fail(f"{path}:{n}: each line must be a JSON object with 'prompt' or 'messages'")
             if "messages" in obj:
                 prompts.append(obj["messages"])
             elif "prompt" in obj:
                 prompts.append(obj["prompt"])
             else:
-                raise SystemExit(f"error: {path}:{n}: each line needs a 'prompt' or 'messages' field")
+                _fail(f"{path}:{n}: each line needs a 'prompt' or 'messages' field")
             if references_field:
                 if references_field not in obj:
-                    raise SystemExit(f"error: {path}:{n}: no field {references_field!r} (--references-field)")
+                    _fail(f"{path}:{n}: no field {references_field!r} (--references-field)")
                 r = obj[references_field]
                 refs.append(tuple([r] if isinstance(r, str) else r))
             else:
                 refs.append(())
     if not prompts:
-        raise SystemExit(f"error: --prompts-file {path} holds no prompts")
+        _fail(f"--prompts-file {path} holds no prompts")
     return prompts, refs
 
 
@@ -582,14 +608,14 @@ def main(argv=None) -> int:
     for start in range(0, len(cfg.prompts), cfg.batch_size):
         batch = list(cfg.prompts[start:start + cfg.batch_size])
         refs = [list(r) for r in cfg.references[start:start + cfg.batch_size]]
-        streaming = not cfg.json and len(batch) == 1
+        streaming = not cfg.json and cfg.batch_size == 1
         try:
-            out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None, **kw)
+            out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None,
+                           first_index=start, **kw)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         for r in out.rows:
-            r.prompt_index += start
             if cfg.json:
                 print(json.dumps(r.to_json(), ensure_ascii=False), flush=True)
             elif streaming:
@@ -614,6 +640,18 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+class _CallableModule(type(sys)):
+    """`lookahead_jax.generate(...)` calls the generate function even though the name is
+    also this module (needed for `python -m lookahead_jax.generate`)."""
+
+    def __call__(self, *args, **kwargs) -> GenerateOutput:
+        return generate(*args, **kwargs)
+
+
+if __name__ != "__main__":
+    sys.modules[__name__].__class__ = _CallableModule
 
 
 if __name__ == "__main__":

