@@ -19,7 +19,10 @@ log = logging.getLogger("lookahead_jax")
 
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree.flatten(args)
-    return (treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x)))) for x in leaves))
+    return (treedef, tuple(
+        (getattr(x, "shape", None), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+        for x in leaves
+    ))
 
 
 class CompiledFunctions:
