@@ -55,17 +55,26 @@ def encode_all(tokenizer, prompts):
 
 
 class HFPeer:
-    """HF transformers (torch, CPU) on the same GGUF file, fed the same token ids."""
+    """HF transformers (torch, CPU) on the same GGUF file, fed the same token ids.
 
-    def __init__(self, gguf_path, dtype: str, threads: int | None = None):
+    packed=False (the default, "same model"): weights dequantized at load into a dense
+    f32/bf16 model, exactly the weights we run. packed=True: transformers 5 keeps GGUF
+    weights in their quantized blocks and multiplies with dequantize-on-the-fly kernels
+    (4-5 bits per weight read instead of 32): a different, quantized execution, reported
+    separately for reference.
+    """
+
+    def __init__(self, gguf_path, dtype: str, threads: int | None = None, packed: bool = False):
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, GgufConfig
 
         torch.set_num_threads(threads or os.cpu_count())
         self.torch = torch
         p = Path(gguf_path)
         td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=td)
+        qc = GgufConfig(gguf_file=p.name, dequantize=not packed)
+        self.model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=td,
+                                                          quantization_config=qc)
         self.model.eval()
         # ignore EOS like our ignore_eos=True: EOS stays an ordinary token (min_new_tokens
         # would instead forbid it and change the tokens)

@@ -20,7 +20,7 @@ log = logging.getLogger("lookahead_jax")
 def _signature(args) -> tuple:
     leaves, treedef = jax.tree.flatten(args)
     return (treedef, tuple(
-        (getattr(x, "shape", None), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+        (x.shape, x.dtype, getattr(x, "sharding", None)) if hasattr(x, "shape") else (type(x),)
         for x in leaves
     ))
 
@@ -30,11 +30,18 @@ class CompiledFunctions:
 
     def __init__(self):
         self._table: dict[Any, Any] = {}
+        self._params_sig: dict[int, tuple] = {}
         self.compile_s = 0.0
         self.compilations: list[str] = []
 
     def __call__(self, name: str, jitted: Callable, *args):
-        key = (name, id(jitted), _signature(args))
+        # args[0] is the params pytree (hundreds of leaves, the same object every step):
+        # its signature is computed once per object, the rest of the arguments each call.
+        params = args[0]
+        psig = self._params_sig.get(id(params))
+        if psig is None or psig[0] is not params:
+            psig = self._params_sig[id(params)] = (params, _signature(params))
+        key = (name, id(jitted), psig[1], _signature(args[1:]))
         exe = self._table.get(key)
         if exe is None:
             t0 = time.perf_counter()

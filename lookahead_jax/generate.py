@@ -38,7 +38,7 @@ log = logging.getLogger("lookahead_jax")
 
 STRATEGIES = ("greedy", "lookahead")
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-CACHE_ROUND = 256
+CACHE_ROUND = 256  # smallest cache; caches are powers of two so few shapes compile
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -292,7 +292,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     # ---- shapes
     lens = [len(x) for x in ids]
     need = max(lens) + max_new_tokens + max_T + 1
-    S = max_cache_len or -(-need // CACHE_ROUND) * CACHE_ROUND
+    S = max_cache_len or max(CACHE_ROUND, 1 << (need - 1).bit_length())  # few distinct S
     if max_cache_len is None:
         S = min(S, max(cfg.max_position, need))
     if need > S or max(lens) + max_new_tokens > cfg.max_position:
