@@ -45,7 +45,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_ylabel("tokens / s")
     ax.set_title(f"{result['model']} ({result['dtype']}), {result['max_new_tokens']} new tokens, "
                  f"{result['prompts_per_dataset']} prompts/dataset")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")
