@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HFPeer, dataset_prompts, encode_all, save  # noqa: E402
+from common import HFPeer, dataset_prompts, save  # noqa: E402
 
 
 def main(argv=None):
@@ -31,13 +31,14 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     import lookahead_jax as lj
+    from lookahead_jax.generate import encode_prompts
     from lookahead_jax.fetch import gguf_path
 
     result = dict(model=a.model, prompts=a.n, max_new_tokens=a.max_new_tokens, runs={})
     for dtype in a.dtypes:
         model, tok = lj.load(a.model, dtype=dtype)
         prompts, _ = dataset_prompts("nq", a.n)
-        ids = encode_all(tok, prompts)
+        ids = encode_prompts(tok, prompts, chat=False)  # chat messages use the template
         hf = None if a.no_hf else HFPeer(gguf_path(a.model), dtype)
         # warm-up: compile our shapes, and let torch settle
         lj.generate(model, tok, [ids[0]], max_new_tokens=a.max_new_tokens, ignore_eos=True)

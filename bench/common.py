@@ -48,12 +48,6 @@ def dataset_prompts(name: str, n: int, max_chars: int = 2400):
     raise SystemExit(f"unknown dataset {name!r}; use nq, humaneval, gsm8k")
 
 
-def encode_all(tokenizer, prompts):
-    from lookahead_jax.generate import encode_prompts
-
-    return encode_prompts(tokenizer, prompts, chat=False)
-
-
 class HFPeer:
     """HF transformers (torch, CPU) on the same GGUF file, fed the same token ids.
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HFPeer, dataset_prompts, encode_all, save  # noqa: E402
+from common import HFPeer, dataset_prompts, save  # noqa: E402
 
 
 def parse_config(s: str) -> dict:
@@ -66,6 +66,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     import lookahead_jax as lj
+    from lookahead_jax.generate import encode_prompts
     from lookahead_jax.drafters.trie import TrieDrafter
     from lookahead_jax.fetch import gguf_path
     from lookahead_jax.trie import NgramTrie
@@ -77,7 +78,7 @@ def main(argv=None):
                   prompts_per_dataset=a.n, datasets={})
     for ds in a.datasets:
         prompts, refs = dataset_prompts(ds, a.n)
-        ids = encode_all(tok, prompts)
+        ids = encode_prompts(tok, prompts, chat=False)  # chat messages use the template
         # each config has its own global trie (warm across this dataset's prompts, cold at start)
         tries = {n: NgramTrie(branch_length=c["branch_length"]) for n, c in configs.items()}
 

@@ -41,10 +41,6 @@ class Model:
     name: str = ""
     dtype: Any = jnp.float32
 
-    @property
-    def dtype_name(self) -> str:
-        return jnp.dtype(self.dtype).name
-
 
 def parse_dtype(dtype) -> Any:
     if isinstance(dtype, str):

@@ -6,7 +6,8 @@ nodes, packed by `tree.py` into a block of 1+T:
     tokens [B,1+T]   root then nodes (pad token where invalid)
     parent [B,1+T]   index of each node's parent in the block (root: -1, padding: -2)
     depth  [B,1+T]   0 for the root, 1 for its children, ...
-    anc    [B,1+T,1+T] anc[i, j] = j is i or an ancestor of i (padding sees only itself)
+    anc    [B,1+T,1+T] anc[i, j] = j is i or an ancestor of i; the root is everyone's
+                     ancestor (padding sees the root and itself, and is never accepted)
 
 Algorithm (one forward, no shape depends on the outcome):
 1. Forward the block at positions `length + depth`, slots `length .. length+T`; each query
