@@ -27,7 +27,7 @@ from .keymaps import expected_leaves
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
-FORMAT = "lookahead-jax-checkpoint/1"
+FORMAT = "lookahead-jax-checkpoint/2"  # /2: fused qkv and gate_up (models.fuse_layer)
 
 
 def _flat(tree, prefix="") -> dict:
@@ -61,7 +61,7 @@ def _unflat(flat: dict) -> dict:
 
 
 def _check_tree(flat_shapes: dict, config: ModelConfig, what: str) -> None:
-    want = expected_leaves(config)
+    want = expected_leaves(config, split=False)
     missing = sorted(set(want) - set(flat_shapes))
     extra = sorted(set(flat_shapes) - set(want))
     wrong = [
@@ -107,7 +107,10 @@ def _read_config(directory: str) -> ModelConfig:
         with open(cfg_path) as f:
             blob = json.load(f)
         if blob.get("format") != FORMAT:
-            raise ValueError(f"format {blob.get('format')!r}, expected {FORMAT!r}")
+            raise ValueError(
+                f"format {blob.get('format')!r}, expected {FORMAT!r} (a checkpoint written by "
+                "another lookahead-jax version: convert the original weights again with "
+                "lookahead_jax.load(...) and save_pretrained)")
         return ModelConfig.from_dict(blob["config"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{cfg_path} is malformed: {type(e).__name__}: {e}") from e

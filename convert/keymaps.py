@@ -7,12 +7,15 @@ entry is a `Rule`: the destination leaf and the transformations applied, in this
     add_one    HF Gemma only: RMSNorm weights are stored as w, our params hold 1 + w
     transpose  Linear weights: HF/GGUF rows are outputs [out,in], ours are [in,out]
 
-Our params layout (see models/transformer.py):
+Rules fill the "split" layout (models.split_param_shapes), one leaf per checkpoint tensor:
 
     embed [V,D]; final_norm [D]; lm_head [D,V] (untied only)
     layers[i]: attn_norm [D], q [D,N*H], k [D,K*H], v [D,K*H], o [N*H,D],
                (q_bias [N*H], k_bias [K*H], v_bias [K*H]), (q_norm [H], k_norm [H],
                post_attn_norm [D], post_mlp_norm [D]), mlp_norm [D], gate/up [D,F], down [F,D]
+
+and `build_params` fuses each finished layer into the model's layout (models.fuse_layer:
+qkv [D,K,G+2,H], qkv_bias, gate_up [D,2,F]).
 
 `plan()` matches a checkpoint's names and shapes against a config before any data is
 read, and fails loudly (ValueError naming the tensor and the fix) on a tensor that no rule
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from lookahead_jax.models import ModelConfig, param_shapes
+from lookahead_jax.models import ModelConfig, fuse_layer, param_shapes, split_param_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,9 +239,10 @@ def apply_rule(rule: Rule, x: np.ndarray, config: ModelConfig) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- plan / build
-def expected_leaves(config: ModelConfig) -> dict:
-    """Flat {path: shape} of every params leaf the config needs ("layers.3.q" style)."""
-    shapes = param_shapes(config)
+def expected_leaves(config: ModelConfig, split: bool = True) -> dict:
+    """Flat {path: shape} of every params leaf the config needs ("layers.3.q" style), in the
+    split layout the rules fill (split=True) or the model's fused one (split=False)."""
+    shapes = split_param_shapes(config) if split else param_shapes(config)
     flat = {k: tuple(v) for k, v in shapes.items() if k != "layers"}
     for i, layer in enumerate(shapes["layers"]):
         for name, s in layer.items():
@@ -353,9 +357,11 @@ def build_params(
         x = apply_rule(rule, load(name), config)
         assert x.shape == expected[path], (name, x.shape, expected[path])
         parts = path.split(".")
-        leaf = jnp.asarray(x, dtype=dtype)
         if parts[0] == "layers":
-            params["layers"][int(parts[1])][parts[2]] = leaf
+            params["layers"][int(parts[1])][parts[2]] = x  # f32 numpy until fused below
         else:
-            params[path] = leaf
+            params[path] = jnp.asarray(x, dtype=dtype)
+    for i, layer in enumerate(params["layers"]):
+        params["layers"][i] = {k: jnp.asarray(v, dtype=dtype) for k, v in fuse_layer(layer, config).items()}
+        layer.clear()  # free the split copies as we go
     return params

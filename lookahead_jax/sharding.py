@@ -9,11 +9,13 @@ A 2-axis mesh ("data", "model"):
 
 The rules map param paths ("embed", "layers.3.q", ... as in `models/transformer.py`) to a
 PartitionSpec, together with what each dimension is in the axis legend (V vocab, D model,
-NH = N*H query heads x head dim, KH = K*H, H head dim, F mlp). A dimension is split only
-whole heads at a time: when the "model" axis does not divide the unit it splits (N for NH,
-K for KH, F, V), that tensor is replicated along it instead (logged once per call), e.g.
-a GQA model with K=2 kv heads on model=4 keeps k, v and the cache's kv heads replicated
-while q, o and the MLP are still split.
+NH = N*H query heads x head dim, K kv heads, C = G+2 (a kv head's G query heads, its key
+and its value), H head dim, F mlp, "2" gate/up). A dimension is split only whole heads at
+a time: when the "model" axis does not divide the unit it splits (N for NH, K, F, V), that
+tensor is replicated along it instead (logged once per call), e.g. a GQA model with K=2 kv
+heads on model=4 keeps qkv and the cache's kv heads replicated while o and the MLP are
+still split. qkv is split by kv head (models/transformer.py groups each kv head with its
+query heads), so a K-split gives every device whole GQA groups and the matching cache.
 
 embed [V,D] is split over V, not D: with tied embeddings (Gemma, SmolLM2) the same matrix
 is the LM head, and a V-split head gives each device its own slice of the logits with no
@@ -61,12 +63,10 @@ PARAM_RULES = (
     (r"final_norm", "D", P(None)),
     (r"layers\.\d+\.(attn_norm|mlp_norm|post_attn_norm|post_mlp_norm)", "D", P(None)),
     (r"layers\.\d+\.(q_norm|k_norm)", "H", P(None)),
-    (r"layers\.\d+\.q", "D NH", P(None, MODEL)),  # columns = query heads
-    (r"layers\.\d+\.[kv]", "D KH", P(None, MODEL)),  # columns = kv heads
+    (r"layers\.\d+\.qkv", "D K C H", P(None, MODEL, None, None)),  # kv heads with their query heads
     (r"layers\.\d+\.o", "NH D", P(MODEL, None)),  # rows = query heads
-    (r"layers\.\d+\.q_bias", "NH", P(MODEL)),  # biases follow their columns
-    (r"layers\.\d+\.[kv]_bias", "KH", P(MODEL)),
-    (r"layers\.\d+\.(gate|up)", "D F", P(None, MODEL)),  # columns = F
+    (r"layers\.\d+\.qkv_bias", "K C H", P(MODEL, None, None)),  # biases follow their columns
+    (r"layers\.\d+\.gate_up", "D 2 F", P(None, None, MODEL)),  # columns = F
     (r"layers\.\d+\.down", "F D", P(MODEL, None)),  # rows = F
 )
 
@@ -108,15 +108,16 @@ def _axis_sizes(mesh) -> dict:
 def _units(config: ModelConfig) -> dict:
     """What a split of each param legend dim must divide (whole heads, not N*H columns)."""
     c = config
-    return {"V": c.vocab_size, "D": c.d_model, "NH": c.n_heads, "KH": c.n_kv_heads,
-            "H": c.head_dim, "F": c.d_ff}
+    return {"V": c.vocab_size, "D": c.d_model, "NH": c.n_heads, "K": c.n_kv_heads,
+            "C": c.n_heads // c.n_kv_heads + 2, "H": c.head_dim, "F": c.d_ff, "2": 2}
 
 
 def _sizes(config: ModelConfig) -> dict:
     """The size of each legend dim, for shape checks."""
     c = config
     return {"V": c.vocab_size, "D": c.d_model, "NH": c.n_heads * c.head_dim,
-            "KH": c.n_kv_heads * c.head_dim, "H": c.head_dim, "F": c.d_ff}
+            "K": c.n_kv_heads, "C": c.n_heads // c.n_kv_heads + 2, "H": c.head_dim,
+            "F": c.d_ff, "2": 2}
 
 
 def path_str(path) -> str:
@@ -155,7 +156,7 @@ def _fit(path: str, dims: tuple, spec: P, units: dict, sizes: dict, fallbacks: d
     return P(*out)
 
 
-_UNIT_NAMES = {"V": "vocab_size", "NH": "n_heads", "KH": "n_kv_heads", "K": "n_kv_heads",
+_UNIT_NAMES = {"V": "vocab_size", "NH": "n_heads", "K": "n_kv_heads",
                "F": "d_ff", "D": "d_model", "H": "head_dim", "B": "batch"}
 
 

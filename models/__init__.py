@@ -2,9 +2,13 @@
 
 from .cache import KVCache, advance, commit, init_cache
 from .config import ModelConfig, RopeScaling
-from .transformer import forward, hidden_states, init_params, logits_from_hidden, param_shapes
+from .transformer import (
+    forward, fuse_layer, hidden_states, init_params, logits_from_hidden, param_shapes,
+    split_layer, split_param_shapes,
+)
 
 __all__ = [
     "KVCache", "ModelConfig", "RopeScaling", "advance", "commit", "forward", "hidden_states",
-    "init_cache", "init_params", "logits_from_hidden", "param_shapes",
+    "fuse_layer", "init_cache", "init_params", "logits_from_hidden", "param_shapes",
+    "split_layer", "split_param_shapes",
 ]

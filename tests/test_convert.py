@@ -450,7 +450,7 @@ def test_checkpoint_round_trip(small_model, tmp_path):
     col = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
     tree = jax.tree.map(lambda x: col if x.ndim == 2 else rep, params)
     _, p5 = convert.restore_checkpoint(tmp_path / "ckpt", sharding=tree)
-    assert p5["layers"][1]["q"].sharding == col and p5["final_norm"].sharding == rep
+    assert p5["layers"][1]["o"].sharding == col and p5["final_norm"].sharding == rep
     _assert_same(p5, params)
 
     # Overwrite protection, and mismatched params.
@@ -465,7 +465,7 @@ def test_checkpoint_restore_sharded_over_two_devices(small_model, tmp_path):
     """Restore into a 2-device NamedSharding (CPU devices forced in a fresh process)."""
     config, params = small_model
     convert.save_checkpoint(tmp_path / "ckpt", config, params)
-    np.save(tmp_path / "q.npy", np.asarray(params["layers"][0]["q"]))
+    np.save(tmp_path / "o.npy", np.asarray(params["layers"][0]["o"]))
     script = textwrap.dedent(f"""
         import jax, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -479,11 +479,11 @@ def test_checkpoint_restore_sharded_over_two_devices(small_model, tmp_path):
             return jax.tree.map(lambda x: col if x.ndim == 2 else rep, shapes)
 
         _, p = convert.restore_checkpoint({str(tmp_path / "ckpt")!r}, sharding=rules)
-        q = p["layers"][0]["q"]  # [D=32, N*H=32]
-        assert q.sharding == col, q.sharding
-        assert [s.data.shape for s in q.addressable_shards] == [(32, 16), (32, 16)]
+        o = p["layers"][0]["o"]  # [N*H=32, D=32]
+        assert o.sharding == col, o.sharding
+        assert [s.data.shape for s in o.addressable_shards] == [(32, 16), (32, 16)]
         assert p["final_norm"].sharding == rep
-        np.testing.assert_array_equal(np.asarray(q), np.load({str(tmp_path / "q.npy")!r}))
+        np.testing.assert_array_equal(np.asarray(o), np.load({str(tmp_path / "o.npy")!r}))
         print("OK")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
@@ -608,3 +608,36 @@ def test_real_gemma3_gguf_matches_transformers(tmp_path):
     ours = our_logits(params, config, tokens)
     np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_fuse_and_split_layer_round_trip(family):
+    """Checkpoint tensors arrive split (q, k, v, gate, up, biases); the model holds them
+    fused, grouped per kv head: query head n = k*G + g sits at qkv[:, k, g]."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny import tiny_config
+
+    cfg = tiny_config(family, n_heads=6, n_kv_heads=2, head_dim=4)  # G = 3
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    shapes = models.split_param_shapes(cfg)["layers"][0]
+    rng = np.random.default_rng(0)
+    split = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    fused = models.fuse_layer(split, cfg)
+    assert {k: v.shape for k, v in fused.items()} == models.param_shapes(cfg)["layers"][0]
+    assert fused["qkv"].shape == (D, K, N // K + 2, H) and fused["gate_up"].shape == (D, 2, F)
+    for n in range(N):
+        k, g = divmod(n, N // K)
+        np.testing.assert_array_equal(fused["qkv"][:, k, g], split["q"][:, n * H:(n + 1) * H])
+    for k in range(K):
+        np.testing.assert_array_equal(fused["qkv"][:, k, -2], split["k"][:, k * H:(k + 1) * H])
+        np.testing.assert_array_equal(fused["qkv"][:, k, -1], split["v"][:, k * H:(k + 1) * H])
+    np.testing.assert_array_equal(fused["gate_up"][:, 1], split["up"])
+    back = models.split_layer(fused, cfg)
+    assert back.keys() == split.keys()
+    for k in split:
+        np.testing.assert_array_equal(back[k], split[k])
+    jfused = models.fuse_layer({k: jnp.asarray(v) for k, v in split.items()}, cfg)
+    assert all(isinstance(v, jax.Array) for v in jfused.values())
+    np.testing.assert_array_equal(np.asarray(jfused["qkv"]), fused["qkv"])

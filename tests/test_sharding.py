@@ -32,7 +32,7 @@ N_DEVICES = 8
 
 # Tiny configs for the mesh runs. vocab 260 = 4 * 65 so the vocab splits over model=4
 # (ByteTokenizer needs >= 259). llama: N=8, K=4, F=128 all divide 4 -> every rule splits.
-# gemma3: K=2 does not -> k, v and the cache's kv heads fall back to replication; tied
+# gemma3: K=2 does not -> qkv and the cache's kv heads fall back to replication; tied
 # embeddings, so the vocab-split embed is also the LM head.
 CONFIGS = {
     "llama": dict(vocab_size=260, n_heads=8, n_kv_heads=4, head_dim=8),
@@ -74,12 +74,11 @@ def test_specs_split_heads_mlp_and_vocab_when_they_divide():
     layer = s["layers"][1]
     assert s["embed"] == P("model", None) and s["lm_head"] == P(None, "model")
     assert s["final_norm"] == P(None)
-    for name in ("q", "k", "v", "gate", "up"):
-        assert layer[name] == P(None, "model"), name
+    assert layer["qkv"] == P(None, "model", None, None)  # [D,K,G+2,H]: whole GQA groups
+    assert layer["qkv_bias"] == P("model", None, None)
+    assert layer["gate_up"] == P(None, None, "model")  # [D,2,F]
     for name in ("o", "down"):
         assert layer[name] == P("model", None), name
-    for name in ("q_bias", "k_bias", "v_bias"):
-        assert layer[name] == P("model"), name
     for name in ("attn_norm", "mlp_norm"):
         assert layer[name] == P(None), name
 
@@ -91,41 +90,41 @@ def test_gemma_norms_replicated():
 
 
 def test_fallback_to_replication_when_not_divisible(caplog):
-    # N=6 (q, o, q_bias), K=3 (k, v, k/v biases and the cache), F=96, V=259 on model=4:
-    # every split falls back; D=48 and everything else as usual.
+    # N=6 (o), K=3 (qkv, qkv_bias and the cache), F=96, V=259 on model=4: every split but
+    # the MLP's falls back; D=48 and everything else as usual.
     cfg = tiny_config("qwen2", d_model=48, n_heads=6, n_kv_heads=3, head_dim=8, d_ff=96)
     with caplog.at_level(logging.WARNING, logger="lookahead_jax"):
         s = sh.param_specs(cfg, abstract_mesh(1, 4))
-    mlp = {"gate": P(None, "model"), "up": P(None, "model"), "down": P("model", None)}
+    mlp = {"gate_up": P(None, None, "model"), "down": P("model", None)}
     for path, spec in leaves_with_paths(s).items():
         name = path.split(".")[-1]
         assert spec == mlp.get(name, P(*[None] * len(spec))), (path, spec)
     text = caplog.text
     for unit in ("n_heads=6", "n_kv_heads=3", "vocab_size=259"):
         assert unit in text, unit
-    assert "layers.*.k, layers.*.k_bias, layers.*.v, layers.*.v_bias" in text
-    assert "layers.*.o, layers.*.q, layers.*.q_bias" in text
+    assert "n_kv_heads=3; replicating layers.*.qkv, layers.*.qkv_bias" in text
+    assert "n_heads=6; replicating layers.*.o" in text
     assert "embed, lm_head" in text
-    assert "d_ff" not in text  # 96 divides by 4: gate/up/down still split
+    assert "d_ff" not in text  # 96 divides by 4: gate_up/down still split
 
 
 def test_fallback_is_per_tensor():
-    # model=8: N=8 divides (q, o split), K=2 does not (k, v replicated), F=128 divides.
+    # model=8: N=8 divides (o split), K=2 does not (qkv replicated), F=128 divides.
     cfg = tiny_config("llama", n_heads=8, n_kv_heads=2, head_dim=8)
     s = sh.param_specs(cfg, abstract_mesh(1, 8))["layers"][0]
-    assert s["q"] == P(None, "model") and s["o"] == P("model", None)
-    assert s["k"] == P(None, None) and s["v"] == P(None, None)
-    assert s["gate"] == P(None, "model") and s["down"] == P("model", None)
+    assert s["o"] == P("model", None)
+    assert s["qkv"] == P(None, None, None, None)
+    assert s["gate_up"] == P(None, None, "model") and s["down"] == P("model", None)
     # split whole heads only: N*H = 64 divides 16 but N = 8 does not -> replicated
     s16 = sh.param_specs(cfg, abstract_mesh(1, 16))["layers"][0]
-    assert s16["q"] == P(None, None) and s16["gate"] == P(None, "model")
+    assert s16["o"] == P(None, None) and s16["gate_up"] == P(None, None, "model")
 
 
 def test_d_ff_fallback():
     cfg = tiny_config("llama", d_ff=90)  # 90 % 4 = 2
     s = sh.param_specs(cfg, abstract_mesh(1, 4))["layers"][0]
-    assert s["gate"] == s["up"] == P(None, None) and s["down"] == P(None, None)
-    assert s["q"] == P(None, "model")
+    assert s["gate_up"] == P(None, None, None) and s["down"] == P(None, None)
+    assert s["o"] == P("model", None)  # N=4 divides: attention still split
 
 
 def test_cache_specs():
@@ -162,7 +161,7 @@ def test_one_device_mesh_and_shape_checks():
     cfg = tiny_config("llama")
     params = init_params(cfg, jax.random.PRNGKey(0))
     ps = sh.shard_params(params, cfg, mesh)
-    assert ps["layers"][0]["q"].sharding.spec == P(None, "model")
+    assert ps["layers"][0]["qkv"].sharding.spec == P(None, "model", None, None)
     bad = dict(params, embed=params["embed"].T)
     with pytest.raises(ValueError, match="embed"):
         sh.shard_params(bad, cfg, mesh)
@@ -234,10 +233,10 @@ def _child_setup(family):
 
 
 def _shard_facts(ps, mesh) -> dict:
-    q = ps["layers"][0]["q"]
+    o = ps["layers"][0]["o"]
     return dict(
-        q_spec=_spec(q), q_shard=list(q.addressable_shards[0].data.shape),
-        k_spec=_spec(ps["layers"][0]["k"]),
+        o_spec=_spec(o), o_shard=list(o.addressable_shards[0].data.shape),
+        qkv_spec=_spec(ps["layers"][0]["qkv"]),
         embed_shard=list(ps["embed"].addressable_shards[0].data.shape),
         all_on_mesh=all(x.sharding.mesh == mesh for x in jax.tree.leaves(ps)),
     )
@@ -408,16 +407,16 @@ def test_sharded_forward_matches_one_device(mesh_runs, family):
     assert r["logits_devices"] == N_DEVICES
     assert r["all_on_mesh"]
     cfg = tiny_config(family, **CONFIGS[family])
-    # q [D,N*H] split by columns over model=4; embed [V,D] split by rows (V=260)
-    assert r["q_spec"] == str(P(None, "model"))
-    assert r["q_shard"] == [cfg.d_model, cfg.n_heads * cfg.head_dim // 4]
+    # o [N*H,D] split by rows over model=4; embed [V,D] split by rows (V=260)
+    assert r["o_spec"] == str(P("model", None))
+    assert r["o_shard"] == [cfg.n_heads * cfg.head_dim // 4, cfg.d_model]
     assert r["embed_shard"] == [cfg.vocab_size // 4, cfg.d_model]
     if family == "llama":  # K=4 divides: kv heads split in the weights and in the cache
-        assert r["k_spec"] == str(P(None, "model"))
+        assert r["qkv_spec"] == str(P(None, "model", None, None))
         assert r["cache_spec"] == str(P("data", "model", None, None))
         assert r["cache_shard"] == [2, 1, 32, cfg.head_dim]
     else:  # K=2 on model=4: replicated over model, batch still over data
-        assert r["k_spec"] == str(P(None, None))
+        assert r["qkv_spec"] == str(P(None, None, None, None))
         assert r["cache_spec"] == str(P("data", None, None, None))
         assert r["cache_shard"] == [2, 2, 32, cfg.head_dim]
 
@@ -450,4 +449,5 @@ def test_restore_checkpoint_into_shards(mesh_runs):
     assert r["config_equal"] and r["structure_equal"]
     assert r["shardings_equal"] and r["abstract_equal"] and r["all_on_mesh"]
     assert r["values_equal"]
-    assert r["q_spec"] == str(P(None, "model")) and r["k_spec"] == str(P(None, None))
+    # gemma3 tiny: N=4 divides model=4 (o split), K=2 does not (qkv replicated)
+    assert r["o_spec"] == str(P("model", None)) and r["qkv_spec"] == str(P(None, None, None, None))
