@@ -248,8 +248,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         completed the stop string).
     references: lookahead only; per prompt a list of texts (e.g. retrieved passages) whose
         n-grams seed the trie. A single list of texts applies to every prompt.
-    decoding_length: lookahead draft budget per step (nodes), "auto" picks the budget that
-        maximises expected tokens/s from measured verify costs.
+    decoding_length: lookahead draft budget per step (nodes, 0..128), "auto" picks the
+        budget that maximises expected tokens/s from measured verify costs among tree sizes
+        T = 0, 1, 3, 7, 15, 31, 63 (verify blocks of 1+T = 2^k tokens, the cheap ones).
     branch_length: lookahead maximum draft depth.  mode: "hierarchical"|"parallel"|"single".
     on_text(prompt_index, text_delta): streaming callback, called as tokens are accepted.
     max_cache_len: KV cache slots (default: prompt + max_new_tokens + verify block, rounded).
@@ -281,13 +282,17 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
 
         drafter = TrieDrafter.shared(model, branch_length=branch_length, mode=mode)
     if drafter is not None:
-        if not auto and (not isinstance(decoding_length, int) or not 0 <= decoding_length <= tree_lib.BUCKETS[-1]):
+        if not auto and (not isinstance(decoding_length, int) or isinstance(decoding_length, bool)
+                         or not 0 <= decoding_length <= tree_lib.MAX_NODES):
             raise ValueError(
-                f"decoding_length must be 'auto' or an integer in [0, {tree_lib.BUCKETS[-1]}], got {decoding_length!r}"
+                f"decoding_length must be 'auto' or an integer in [0, {tree_lib.MAX_NODES}], got {decoding_length!r}"
             )
-        max_T = drafter.max_nodes if auto else tree_lib.bucket_for(decoding_length)
+        max_T = drafter.max_nodes if auto else decoding_length
+        # tree sizes of a step: auto calibrates and picks among the power-of-two blocks
+        step_buckets = (tuple(b for b in tree_lib.BUCKETS if b <= max_T) if auto
+                        else tree_lib.buckets_up_to(decoding_length))
     else:
-        max_T = 0
+        max_T, step_buckets = 0, (0,)
 
     # ---- shapes
     lens = [len(x) for x in ids]
@@ -327,9 +332,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         refs = _norm_references(references, B)
         drafter.begin(ids, [[tokenizer.encode(t, add_special_tokens=False) for t in r] for r in refs])
         if auto:
-            buckets = [b for b in tree_lib.BUCKETS if b <= max_T]
             t0 = time.perf_counter()
-            policy = AutoBudget(buckets, measure_verify_costs(model, verify, B, S, buckets))
+            policy = AutoBudget(step_buckets, measure_verify_costs(model, verify, B, S, step_buckets))
             calibrate_s = time.perf_counter() - t0
 
     # ---- prefill
@@ -368,7 +372,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
                     if policy and full.tokens:
                         pending.append((r, len(r.ids), full))
                     drafts[r.index] = Draft(full.tokens[:limit], full.parents[:limit])
-        T = tree_lib.bucket_for(max(len(d.tokens) for d in drafts))
+        T = tree_lib.bucket_for(max(len(d.tokens) for d in drafts), step_buckets)
         blk = verify_block(root, drafts, T)
         host_s += time.perf_counter() - h0
         tree_sizes.append(T)

@@ -12,7 +12,9 @@ from lookahead_jax.tree import (
     PAD_TOKEN,
     ROOT,
     PackedTree,
+    BUCKETS,
     bucket_for,
+    buckets_up_to,
     pack,
     verify_block_mask,
     with_root,
@@ -143,19 +145,30 @@ def test_with_root_literal():
 
 
 def test_bucket_for():
+    assert BUCKETS == (0, 1, 3, 7, 15, 31, 63, 127)  # verify blocks of 1+T = 2^k rows
     assert bucket_for(0) == 0
     assert bucket_for(1) == 1
-    assert bucket_for(3) == 4
-    assert bucket_for(4) == 4
-    assert bucket_for(17) == 32
-    assert bucket_for(128) == 128
+    assert bucket_for(2) == 3
+    assert bucket_for(4) == 7
+    assert bucket_for(17) == 31
+    assert bucket_for(127) == 127
     assert bucket_for(5, buckets=(16, 8)) == 8
-    with pytest.raises(ValueError, match="128"):
-        bucket_for(129)
+    with pytest.raises(ValueError, match="largest bucket 127"):
+        bucket_for(128)
     with pytest.raises(ValueError, match="largest bucket 8"):
         bucket_for(9, buckets=(4, 8))
     with pytest.raises(ValueError):
         bucket_for(-1)
+
+
+def test_buckets_up_to_a_fixed_budget():
+    assert buckets_up_to(0) == (0,)
+    assert buckets_up_to(7) == (0, 1, 3, 7)
+    assert buckets_up_to(8) == (0, 1, 3, 7, 8)  # never padded past the budget
+    assert buckets_up_to(128) == BUCKETS + (128,)
+    for bad in (-1, 129):
+        with pytest.raises(ValueError, match=r"\[0, 128\]"):
+            buckets_up_to(bad)
 
 
 def test_too_long_is_an_error_unless_truncating():
@@ -223,8 +236,8 @@ def test_packs_trie_drafts():
     trie = NgramTrie(branch_length=3)
     trie.insert_input([1, 2, 3, 4, 1, 2, 5])
     drafts = [trie.retrieve([9, 1], 8, mode=m) for m in ("hierarchical", "parallel", "single")]
-    T = bucket_for(max(len(d) for d in drafts))
-    assert T == 8
+    T = bucket_for(max(len(d) for d in drafts), buckets_up_to(8))
+    assert T == 7  # the longest draft has 5 nodes: padded to the 8-row block, not to 8
     p = pack(drafts, T)
     expect = [[1, 2, 3, 2, 0], [1, 2, 3, 1, 2], [1, 2, 3, 0, 0]]
     np.testing.assert_array_equal(p.depth[:, :5], expect)
