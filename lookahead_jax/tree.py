@@ -48,9 +48,10 @@ Static sizes: T is chosen from a few buckets (``bucket_for``) so the number of c
 shapes stays small. The buckets make the verify block 1+T a power of two (T = 0, 1, 3, 7,
 15, ...): XLA:CPU's dot is markedly cheaper when its row count is a multiple of 8. Measured
 for the SmolLM2-135M verify step here: T=7 48 ms vs T=8 51 ms, T=15 56 ms vs T=16 62 ms.
-A fixed budget d (``buckets_up_to``) adds d itself, so the tree is never padded past it. A draft longer than T is an error unless ``truncate=True``, which keeps
-its first T nodes; a prefix of a topological order is closed under parents, so the kept
-nodes still form a tree (for a best-first hierarchical draft, the T best nodes).
+A fixed budget d (``buckets_up_to``) adds d itself, so the tree is never padded past it.
+A draft longer than T is an error unless ``truncate=True``, which keeps its first T nodes;
+a prefix of a topological order is closed under parents, so the kept nodes still form a
+tree (for a best-first hierarchical draft, the T best nodes).
 """
 
 from __future__ import annotations

@@ -85,16 +85,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -
 
 
 def rope_tables(positions, inv_freq):
-    """(cos, sin) [B,T,H/2] f32 for positions [B,T]."""
+    """(cos, sin) [B,T,H/2] f32 for positions [B,T]; computed once per forward and RoPE."""
     ang = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(ang), jnp.sin(ang)
 
 
-def apply_rope(x, positions, inv_freq, tables=None):
-    """x [B,T,...,H] rotated by positions [B,T] (HF "rotate_half" layout).
-
-    `tables` = rope_tables(positions, inv_freq), to compute them once for many layers."""
-    cos, sin = tables if tables is not None else rope_tables(positions, inv_freq)
+def apply_rope(x, tables):
+    """x [B,T,...,H] rotated by tables = rope_tables(positions, inv_freq) (HF "rotate_half")."""
+    cos, sin = tables
     extra = (1,) * (x.ndim - 3)  # head axes between T and H
     cos = cos.reshape(cos.shape[:2] + extra + cos.shape[2:])
     sin = sin.reshape(sin.shape[:2] + extra + sin.shape[2:])
@@ -133,9 +131,13 @@ def key_positions(cache_len, positions, n_slots):
     return jnp.where(new, taken, s)
 
 
+def _dense(x, w):
+    """x [B,T,D] @ w [D,...] -> [B,T,...] as one 2-D dot (the fused weights' layout)."""
+    return (x @ w.reshape(w.shape[0], -1)).reshape(*x.shape[:2], *w.shape[1:])
+
+
 def _mlp(p, x, cfg: ModelConfig):
-    w = p["gate_up"]
-    gu = (x @ w.reshape(w.shape[0], -1)).reshape(*x.shape[:2], *w.shape[1:])  # [B,T,2,F]
+    gu = _dense(x, p["gate_up"])  # [B,T,2,F]
     gate, up = gu[:, :, 0], gu[:, :, 1]
     if cfg.act == "silu":
         h = jax.nn.silu(gate) * up
@@ -144,21 +146,20 @@ def _mlp(p, x, cfg: ModelConfig):
     return h @ p["down"]
 
 
-def _attention(p, x, positions, rope, k_cache, v_cache, length, mask, cfg: ModelConfig):
+def _attention(p, x, rope, k_cache, v_cache, length, mask, cfg: ModelConfig):
     """One attention block (rope: its layer's rope_tables). Returns (out [B,T,D], k_cache, v_cache)."""
     B, T, _ = x.shape
     N, K, H = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     G = N // K
-    w = p["qkv"]
-    qkv = (x @ w.reshape(w.shape[0], -1)).reshape(B, T, *w.shape[1:])  # [B,T,K,G+2,H]
+    qkv = _dense(x, p["qkv"])  # [B,T,K,G+2,H]
     if "qkv_bias" in p:
         qkv = qkv + p["qkv_bias"]
     q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]  # [B,T,K,G,H], [B,T,K,H] x2
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_eps)
-    q = apply_rope(q, positions, None, rope)
-    k = apply_rope(k, positions, None, rope)
+    q = apply_rope(q, rope)
+    k = apply_rope(k, rope)
 
     k_cache = _write_rows(k_cache, k.transpose(0, 2, 1, 3), length)  # [B,K,S,H]
     v_cache = _write_rows(v_cache, v.transpose(0, 2, 1, 3), length)
@@ -197,7 +198,7 @@ def hidden_states(params, tokens, positions, cache: KVCache, attn_mask, config: 
         if w is not None:
             mask = attn_mask & (dist < w)
         h = rms_norm(x, p["attn_norm"], cfg.rms_eps)
-        a, kc, vc = _attention(p, h, positions, tables[key], cache.k[i], cache.v[i], length, mask, cfg)
+        a, kc, vc = _attention(p, h, tables[key], cache.k[i], cache.v[i], length, mask, cfg)
         new_k.append(kc)
         new_v.append(vc)
         if cfg.sandwich_norm:
@@ -302,19 +303,11 @@ def split_layer(p: dict, config: ModelConfig) -> dict:
 
 def split_param_shapes(config: ModelConfig):
     """Like `param_shapes`, in the split layout that checkpoints use (see `fuse_layer`)."""
-    c = config
-    NH, KH = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = param_shapes(c)
-    layers = []
-    for layer in shapes["layers"]:
-        layer = dict(layer)
-        layer.pop("qkv"), layer.pop("gate_up")
-        layer.update(q=(c.d_model, NH), k=(c.d_model, KH), v=(c.d_model, KH),
-                     gate=(c.d_model, c.d_ff), up=(c.d_model, c.d_ff))
-        if layer.pop("qkv_bias", None) is not None:
-            layer.update(q_bias=(NH,), k_bias=(KH,), v_bias=(KH,))
-        layers.append(layer)
-    return dict(shapes, layers=layers)
+    def split():
+        params = init_params(config, jax.random.PRNGKey(0))
+        return dict(params, layers=[split_layer(p, config) for p in params["layers"]])
+
+    return jax.tree.map(lambda x: tuple(x.shape), jax.eval_shape(split))
 
 
 def param_shapes(config: ModelConfig):
