@@ -32,7 +32,7 @@ from .sampling import SamplingParams, select_tokens
 from . import tree as tree_lib
 from .budget import AutoBudget
 from .trie import Draft
-from .verify import jitted_verify_step
+from .verify import jitted_verify_step, window_for
 
 log = logging.getLogger("lookahead_jax")
 
@@ -94,9 +94,9 @@ def prefill_step(params, cache: KVCache, tokens, lengths, seed, row, *, config: 
                  sampling: SamplingParams):
     """Prompt forward (right-padded [B,P]); returns (first generated token [B], cache)."""
     B, P = tokens.shape
-    S = cache.max_len
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] <= jnp.arange(P)[None, :, None], (B, P, S))
+    # causal over the prompt's own P slots: attention reads a window of P slots, not S
+    mask = jnp.broadcast_to(jnp.arange(P)[None, None, :] <= jnp.arange(P)[None, :, None], (B, P, P))
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)
     last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [B,1,D]
     logits = logits_from_hidden(params, last, config)  # [B,1,V]
@@ -333,7 +333,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         drafter.begin(ids, [[tokenizer.encode(t, add_special_tokens=False) for t in r] for r in refs])
         if auto:
             t0 = time.perf_counter()
-            policy = AutoBudget(step_buckets, measure_verify_costs(model, verify, B, S, step_buckets))
+            mid = max(lens) + max_new_tokens // 2  # calibrate at a typical length of this run
+            policy = AutoBudget(step_buckets, measure_verify_costs(model, verify, B, S, step_buckets, mid))
             calibrate_s = time.perf_counter() - t0
 
     # ---- prefill
@@ -351,6 +352,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         if drafter is not None:
             drafter.accept(r.index, kept)
     root = first.astype(np.int32)
+    lengths = np.asarray(lens, np.int64)  # committed cache slots per row (host mirror)
     finish_s = {}
     tree_sizes, pending = [], []
 
@@ -374,14 +376,16 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
                     drafts[r.index] = Draft(full.tokens[:limit], full.parents[:limit])
         T = tree_lib.bucket_for(max(len(d.tokens) for d in drafts), step_buckets)
         blk = verify_block(root, drafts, T)
+        window = window_for(int(lengths[active].max()) + 1 + T, S)
         host_s += time.perf_counter() - h0
         tree_sizes.append(T)
         emitted, n_emit, cache = compiled(
             "verify", verify, model.params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
-            active, seeds, rowids,
+            active, seeds, rowids, window=window,
         )
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         h0 = time.perf_counter()
+        lengths += n_emit
         steps += 1
         for r in rows:
             if not active[r.index]:
@@ -426,31 +430,34 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     return GenerateOutput(outs, stats)
 
 
-def measure_verify_costs(model, verify, B: int, S: int, buckets) -> dict:
+def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optional[int] = None) -> dict:
     """Seconds per verify step for each tree bucket T (median of 5), cached on the model.
 
-    Uses a scratch cache of the real shape; compilation happens here, once per bucket."""
+    Measured at cache length `length` (default S // 2) with the attention window a step at
+    that length uses, on a scratch cache of the real shape; compiles once per bucket."""
     costs = model.__dict__.setdefault("_verify_costs", {})
     compiled = _compiled_for(model)
     cfg = model.config
     out = {}
     for T in buckets:
-        key = (id(verify), B, S, T)
+        L = min(S // 2 if length is None else length, S - 1 - T)
+        window = window_for(L + 1 + T, S)
+        key = (id(verify), B, S, T, window)
         if key not in costs:
-            cache = init_cache(cfg, B, S, model.dtype).replace(length=jnp.full((B,), S // 2, jnp.int32))
+            cache = init_cache(cfg, B, S, model.dtype).replace(length=jnp.full((B,), L, jnp.int32))
             blk = verify_block(np.zeros(B, np.int32), [Draft([0] * T, list(range(-1, T - 1)))] * B, T)
             args = (blk.tokens, blk.parents, blk.depth, blk.mask, np.ones(B, bool),
                     jnp.zeros((B,), jnp.uint32), jnp.arange(B, dtype=jnp.int32))
             times = []
             for i in range(6):
                 t0 = time.perf_counter()
-                res = compiled("verify", verify, model.params, cache, *args)
+                res = compiled("verify", verify, model.params, cache, *args, window=window)
                 jax.block_until_ready(res)
                 if i:
                     times.append(time.perf_counter() - t0)
-                cache = res[2].replace(length=jnp.full((B,), S // 2, jnp.int32))
+                cache = res[2].replace(length=jnp.full((B,), L, jnp.int32))
             costs[key] = float(np.median(times))
-            log.info("verify cost T=%d: %.2f ms", T, costs[key] * 1e3)
+            log.info("verify cost T=%d (window %d): %.2f ms", T, window, costs[key] * 1e3)
         out[T] = costs[key]
     return out
 

@@ -57,13 +57,15 @@ def tree_mask(length, anc, n_slots):
 
 
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
-                *, config: ModelConfig, sampling: SamplingParams):
-    """Returns (emitted [B,1+T] int32 (-1 past n+1), n_emitted [B] int32, cache)."""
+                *, config: ModelConfig, sampling: SamplingParams, window: int = 0):
+    """Returns (emitted [B,1+T] int32 (-1 past n+1), n_emitted [B] int32, cache).
+
+    window: static number of cache slots attention reads (0: all). Every active row needs
+    length + 1 + T <= window; `generate` picks it from `window_for`."""
     B, T1 = tokens.shape
-    S = cache.max_len
     length = cache.length
     positions = length[:, None] + depth  # [B,1+T]
-    mask = tree_mask(length, anc, S)
+    mask = tree_mask(length, anc, window or cache.max_len)
     logits, cache = forward(params, tokens, positions, cache, mask, config)
     choice = select_tokens(logits, sampling, seed, row, positions + 1)  # [B,1+T]
     active = active.astype(bool)
@@ -95,7 +97,23 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
 
 @functools.lru_cache(maxsize=None)
 def jitted_verify_step(config: ModelConfig, sampling: SamplingParams):
-    """jit(verify_step) for one (config, sampling); the cache (argument 1) is donated."""
+    """jit(verify_step) for one (config, sampling); the cache (argument 1) is donated and
+    `window` (keyword) is static: one compilation per (tree bucket, window)."""
     return jax.jit(
-        functools.partial(verify_step, config=config, sampling=sampling), donate_argnums=(1,)
+        functools.partial(verify_step, config=config, sampling=sampling), donate_argnums=(1,),
+        static_argnames=("window",),
     )
+
+
+WINDOW_MIN = 128
+
+
+def window_for(needed: int, max_len: int) -> int:
+    """Smallest attention window (a power of two >= WINDOW_MIN, or the whole cache) that
+    covers `needed` slots; windows keep a step's attention proportional to the length.
+    # window_for(100, 1024) -> 128; window_for(129, 1024) -> 256; window_for(700, 768) -> 768
+    """
+    if needed > max_len:
+        raise ValueError(f"a step needs {needed} cache slots but the cache holds {max_len}")
+    w = max(WINDOW_MIN, 1 << max(needed - 1, 0).bit_length())
+    return max_len if w >= max_len else w

@@ -15,6 +15,10 @@ Contract (shared by plain decoding and every speculative verifier):
   (`models.cache.advance` / the verifier's compaction). Rollback = not advancing.
 * `attn_mask[b, t, s]` (bool) says whether query t may see slot s. Slots of the new tokens
   are part of S, so a tree mask is just "cached prefix + ancestors in the tree".
+* The mask may be narrower than the cache: `attn_mask[B,T,W]` with W <= S makes attention
+  read only slots 0..W-1 (a static window; every visible slot and the T new slots must lie
+  below W). Decode steps pass the smallest bucketed W that covers the rows' lengths, so a
+  step's attention costs O(length), not O(S) (on CPU, S=1024 vs W=256 is ~5 ms a step).
 * `positions` are free per token (a tree node's position is its depth, not its slot).
 * Masked scores use a finite large negative value so fully padded rows stay finite.
 
@@ -163,14 +167,16 @@ def _attention(p, x, rope, k_cache, v_cache, length, mask, cfg: ModelConfig):
 
     k_cache = _write_rows(k_cache, k.transpose(0, 2, 1, 3), length)  # [B,K,S,H]
     v_cache = _write_rows(v_cache, v.transpose(0, 2, 1, 3), length)
+    W = mask.shape[-1]  # slots attention reads (static window, <= S)
+    k_seen, v_seen = k_cache[:, :, :W], v_cache[:, :, :W]
 
     # queries grouped per kv head: [B,K,G*T,H], so both einsums are batched matmuls
     qg = q.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_cache, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_seen, preferred_element_type=jnp.float32)
     scores = scores.reshape(B, K, G, T, -1) * cfg.attn_scale  # [B,K,G,T,S]
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, G * T, -1)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, v_cache)  # [B,K,G*T,H]
+    out = jnp.einsum("BKQS,BKSH->BKQH", probs, v_seen)  # [B,K,G*T,H]
     out = out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H) @ p["o"]
     return out, k_cache, v_cache
 
@@ -182,11 +188,13 @@ def hidden_states(params, tokens, positions, cache: KVCache, attn_mask, config: 
     x = jnp.take(params["embed"], tokens, axis=0)  # [B,T,D]
     if cfg.embed_scale:
         x = x * jnp.asarray(math.sqrt(cfg.d_model), dtype=x.dtype)
-    S = cache.max_len
+    W = attn_mask.shape[-1]
+    if W > cache.max_len:
+        raise ValueError(f"attn_mask spans {W} slots but the cache holds {cache.max_len}")
     length = cache.length
     if any(cfg.layer_window(i) is not None for i in range(cfg.n_layers)):
-        kpos = key_positions(length, positions, S)  # [B,S]
-        dist = positions[:, :, None] - kpos[:, None, :]  # [B,T,S]
+        kpos = key_positions(length, positions, W)  # [B,W]
+        dist = positions[:, :, None] - kpos[:, None, :]  # [B,T,W]
     tables = {}  # one (cos, sin) per distinct RoPE (Gemma: local and global theta)
     new_k, new_v = [], []
     for i, p in enumerate(params["layers"]):

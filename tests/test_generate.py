@@ -36,7 +36,7 @@ from lookahead_jax.loading import load, parse_dtype
 from lookahead_jax.models import forward, init_cache
 from lookahead_jax.sampling import SamplingParams
 from lookahead_jax.trie import Draft
-from lookahead_jax.verify import jitted_verify_step, tree_mask
+from lookahead_jax.verify import jitted_verify_step, tree_mask, window_for
 from tiny import ByteTokenizer, tiny_model
 
 G = sys.modules["lookahead_jax.generate"]
@@ -120,6 +120,72 @@ def test_greedy_equals_naive_full_forward_loop(models, tok, family):
     assert batch.token_ids == want
     assert [r.prompt_token_ids for r in batch.rows] == ids
     assert [r.finish_reason for r in batch.rows] == ["length"] * 3
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_generation_across_attention_windows(models, tok, family):
+    """Decode steps attend over a bucketed window of the cache (128, 256, ... slots), not all
+    of it. A prompt of 120 tokens decoding 24 crosses the 128 -> 256 boundary (S = 256) and
+    still matches the naive full-forward loop, greedy and lookahead, batch 1 and 2."""
+    model = models[family]
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, 250, n)] * 3 for n in (40, 27)]  # 120, 81 tokens
+    want = [naive_greedy_long(model, x, 24) for x in prompts]
+    compiled = G._compiled_for(model)
+    before = len(compiled.compilations)
+    for batch in ([prompts[0]], prompts):
+        out = generate(model, tok, batch, max_new_tokens=24)
+        assert out.token_ids == want[: len(batch)]
+        assert out.stats["cache_len"] == 256
+        la = generate(model, tok, batch, max_new_tokens=24, strategy="lookahead", decoding_length=7,
+                      drafter=TrieDrafter(branch_length=4))
+        assert la.token_ids == want[: len(batch)]
+    windows = {c.split("window=")[1].rstrip(")") for c in compiled.compilations[before:] if "window=" in c}
+    assert windows == {"128", "256"}
+
+
+def naive_greedy_long(model, prompt_ids, max_new):
+    """naive_greedy for sequences up to 160 tokens (its own full forward length)."""
+    seq = list(prompt_ids)
+    fn = full_logits_fn(model.config)
+    for _ in range(max_new):
+        tokens = np.zeros((1, 160), np.int32)
+        tokens[0, : len(seq)] = seq
+        seq.append(int(np.argmax(np.asarray(fn(model.params, tokens))[0, len(seq) - 1])))
+    return seq[len(prompt_ids):]
+
+
+def test_window_for():
+    assert window_for(1, 1024) == 128 and window_for(128, 1024) == 128
+    assert window_for(129, 1024) == 256 and window_for(600, 1024) == 1024
+    assert window_for(700, 768) == 768 and window_for(50, 64) == 64  # never past the cache
+    with pytest.raises(ValueError, match="cache holds 512"):
+        window_for(513, 512)
+
+
+def test_narrow_mask_equals_full_mask(models):
+    """A mask of W < S slots (attention reads slots < W only) gives the logits of the same
+    mask padded with False to all S slots."""
+    for family, model in models.items():
+        cfg = model.config
+        B, T, S, W, L = 2, 5, 64, 32, 20
+        rng = np.random.default_rng(1)
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+        positions = L + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        cache = init_cache(cfg, B, S)
+        cache = cache.replace(
+            k=tuple(jnp.asarray(rng.normal(size=k.shape), k.dtype) for k in cache.k),
+            v=tuple(jnp.asarray(rng.normal(size=v.shape), v.dtype) for v in cache.v),
+            length=jnp.full((B,), L, jnp.int32))
+        narrow = jnp.asarray(np.arange(W)[None, None, :] < L + 1 + np.arange(T)[None, :, None])
+        narrow = jnp.broadcast_to(narrow, (B, T, W))
+        full = jnp.concatenate([narrow, jnp.zeros((B, T, S - W), bool)], axis=-1)
+        a, ca = forward(model.params, tokens, positions, cache, narrow, cfg)
+        b, cb = forward(model.params, tokens, positions, cache, full, cfg)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5, err_msg=family)
+        np.testing.assert_array_equal(np.asarray(ca.k[0]), np.asarray(cb.k[0]))
+    with pytest.raises(ValueError, match="cache holds 64"):
+        forward(model.params, tokens, positions, cache, jnp.ones((B, T, 65), bool), cfg)
 
 
 def test_gemma3_window_matters(models, tok):
