@@ -70,6 +70,7 @@ def main(argv=None):
     from lookahead_jax.drafters.trie import TrieDrafter
     from lookahead_jax.fetch import gguf_path
     from lookahead_jax.trie import NgramTrie
+    from lookahead_jax.budget import AcceptanceStats
 
     model, tok = lj.load(a.model, dtype=a.dtype)
     hf = None if a.no_hf else HFPeer(gguf_path(a.model), a.dtype)
@@ -79,12 +80,14 @@ def main(argv=None):
     for ds in a.datasets:
         prompts, refs = dataset_prompts(ds, a.n)
         ids = encode_prompts(tok, prompts, chat=False)  # chat messages use the template
-        # each config has its own global trie (warm across this dataset's prompts, cold at start)
+        # each config has its own global trie and acceptance statistics (warm across this
+        # dataset's prompts, cold at its start), as TrieDrafter.shared gives generate()
         tries = {n: NgramTrie(branch_length=c["branch_length"]) for n, c in configs.items()}
+        stats = {n: AcceptanceStats() for n in configs}
 
         def drafter(name):
             c = configs[name]
-            return TrieDrafter(c["branch_length"], c["mode"], trie=tries[name])
+            return TrieDrafter(c["branch_length"], c["mode"], trie=tries[name], acceptance=stats[name])
 
         acc = {m: dict(tokens=0, time=0.0, steps=0, host=0.0, identical=0)
                for m in ["greedy", *configs] + ([] if not hf else ["hf_greedy", "hf_prompt_lookup"])}

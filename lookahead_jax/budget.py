@@ -1,72 +1,148 @@
 """Choosing the draft budget T (tree nodes per verify step) from measured costs.
 
 Model: a step that verifies T draft nodes costs t(T) seconds (measured once per model,
-batch and cache length by timing the compiled verify step) and emits 1 + a(T) tokens per
-row, where a(T) is the number of accepted drafts. Expected throughput is
+batch, cache length and attention window by timing the compiled verify step) and emits
+1 + a(T) tokens per row, where a(T) is the number of accepted drafts. Expected throughput
+of a step over rows r is
 
-    tokens/s(T) = E[1 + a(T)] / t(T),
+    tokens/s(T) = sum_r E[1 + a_r(T)] / t(T),
 
-and `AutoBudget` picks the bucket T that maximises it.
+and `AutoBudget` picks the bucket T that maximises it (one T per step: the batch shares
+the verify block), but only leaves plain decoding (T = 0) when the best tree is predicted
+to be at least `margin` (10%) faster: costs and acceptance are estimates, and a wrong
+tree costs more than it saves (the target is "never slower than plain decoding").
 
 a(T) is estimated without trying every T: drafters return nodes in best-first,
 topological order, so the tree of budget T' < T is the first T' nodes of the full draft.
 Since decoding is lossless, the tokens eventually generated are the ground truth, so for
 every step we can compute, once enough later tokens are known, how many drafts *any*
-budget would have had accepted (`accepted_length`). A running window of those counts
-gives a(T) for all buckets at once.
+budget would have had accepted (`accepted_lengths`). Those counts are kept per draft
+*class* (`Draft.key`, e.g. the trie's match length and how dominant its top
+continuation is), because acceptance differs a lot between classes: a two-token match
+with a single continuation is accepted far more often than a one-token match with many.
+The estimate of a(T) for the current draft is the mean over recent drafts of its class.
+
+`AcceptanceStats` outlives a request (like the drafter's global trie: a drafter keeps
+one), so a new request starts from what earlier ones measured. A class never seen yet
+is predicted to accept nothing, so the step stays plain decoding (T = 0, never slower)
+until evidence says a tree pays; its drafts are still proposed in full and scored, so
+the evidence comes without trying.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Hashable, Optional, Sequence
+
+from .tree import BUCKETS
 
 
-def accepted_length(tokens: Sequence[int], parents: Sequence[int], actual: Sequence[int], budget: int) -> int:
-    """Drafts a tree of the first `budget` nodes would have accepted, given the true
-    continuation `actual` (tokens after the root).
+def accepted_lengths(tokens: Sequence[int], parents: Sequence[int], actual: Sequence[int],
+                     budgets: Sequence[int]) -> tuple:
+    """Drafts a tree of the first `b` nodes would have accepted, for every b in `budgets`
+    (ascending), given the true continuation `actual` (tokens after the root).
 
-    # tokens [5, 7, 6], parents [-1, 0, -1], actual [5, 7, 9] -> node0 ok (depth 1),
-    # node1 ok (depth 2), node2 wrong -> 2 accepted
+    # tokens [5, 7, 6], parents [-1, 0, -1], actual [5, 7, 9], budgets (0, 1, 3)
+    # -> node0 ok (depth 1), node1 ok (depth 2), node2 wrong -> (0, 1, 2)
     """
-    depth = [0] * budget
-    ok = [False] * budget
+    n = len(tokens)
+    depth = [0] * n
+    ok = [False] * n
+    out = []
     best = 0
-    for i in range(min(budget, len(tokens))):
-        p = parents[i]
-        d = 1 if p < 0 else depth[p] + 1
-        depth[i] = d
-        if (p < 0 or ok[p]) and d <= len(actual) and tokens[i] == actual[d - 1]:
-            ok[i] = True
-            best = max(best, d)
-    return best
+    i = 0
+    for b in budgets:
+        while i < min(b, n):
+            p = parents[i]
+            d = 1 if p < 0 else depth[p] + 1
+            depth[i] = d
+            if (p < 0 or ok[p]) and d <= len(actual) and tokens[i] == actual[d - 1]:
+                ok[i] = True
+                best = max(best, d)
+            i += 1
+        out.append(best)
+    return tuple(out)
+
+
+def accepted_length(tokens, parents, actual, budget: int) -> int:
+    """`accepted_lengths` for one budget."""
+    return accepted_lengths(tokens, parents, actual, (budget,))[0]
+
+
+def outcome_known(tokens, parents, actual, max_depth: int) -> bool:
+    """Whether later tokens can no longer change how many drafts are accepted: `actual`
+    reaches the draft's depth, or the accepted path already stopped short of it (a node
+    deeper than the first mismatch needs an accepted parent)."""
+    return len(actual) >= max_depth or accepted_length(tokens, parents, actual, len(tokens)) < len(actual)
+
+
+class AcceptanceStats:
+    """Accepted drafts per budget bucket (all of `tree.BUCKETS`), kept per draft class over
+    the last `window` scored drafts of that class."""
+
+    def __init__(self, window: int = 256):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.samples: dict = {}  # key -> deque of tuples (a(T) for T in BUCKETS)
+
+    def observe(self, tokens, parents, actual, key: Hashable = None) -> None:
+        q = self.samples.get(key)
+        if q is None:
+            q = self.samples[key] = collections.deque(maxlen=self.window)
+        q.append(accepted_lengths(tokens, parents, actual, BUCKETS))
+
+    def expected(self, key: Hashable = None) -> Optional[dict]:
+        """Mean accepted drafts {T: a(T)} over the class's recent drafts; None if unseen."""
+        q = self.samples.get(key)
+        if not q:
+            return None
+        n = len(q)
+        return {b: sum(s[i] for s in q) / n for i, b in enumerate(BUCKETS)}
+
+    def count(self, key: Hashable = None) -> int:
+        q = self.samples.get(key)
+        return len(q) if q else 0
 
 
 class AutoBudget:
-    """Running estimate of a(T) per bucket and the argmax of E[1 + a(T)] / t(T)."""
+    """The bucket T that maximises expected tokens per second for the current drafts."""
 
-    def __init__(self, buckets: Sequence[int], cost: dict, window: int = 64, prior: float = 0.5):
+    def __init__(self, buckets: Sequence[int], cost: dict, stats: Optional[AcceptanceStats] = None,
+                 margin: float = 0.1):
         if not buckets:
             raise ValueError("AutoBudget needs at least one bucket")
         missing = [b for b in buckets if b not in cost]
         if missing:
             raise ValueError(f"no measured cost for buckets {missing}")
+        unknown = [b for b in buckets if b not in BUCKETS]
+        if unknown:
+            raise ValueError(f"buckets {unknown} are not tree buckets {BUCKETS}")
         self.buckets = tuple(sorted(buckets))
         self.cost = dict(cost)
-        self.window = window
-        self.prior = prior  # optimistic prior accepted drafts for an unexplored budget
-        self.samples = collections.deque(maxlen=window)  # each: tuple of a(T) per bucket
+        self.stats = stats if stats is not None else AcceptanceStats()
+        if margin < 0:
+            raise ValueError(f"margin must be >= 0, got {margin}")
+        self.margin = margin
 
-    def observe(self, tokens, parents, actual) -> None:
-        self.samples.append(tuple(accepted_length(tokens, parents, actual, b) for b in self.buckets))
+    def observe(self, tokens, parents, actual, key: Hashable = None) -> None:
+        self.stats.observe(tokens, parents, actual, key)
 
-    def expected_accepted(self) -> dict:
-        if not self.samples:
-            return {b: self.prior * min(b, 4) for b in self.buckets}
-        n = len(self.samples)
-        return {b: sum(s[i] for s in self.samples) / n for i, b in enumerate(self.buckets)}
+    def expected_accepted(self, key: Hashable = None) -> dict:
+        """a(T) per bucket for drafts of class `key` (0 for an unseen class)."""
+        acc = self.stats.expected(key)
+        return {b: (acc[b] if acc else 0.0) for b in self.buckets}
 
-    def choose(self) -> int:
-        acc = self.expected_accepted()
-        # max rate; ties go to the smaller tree
-        return max(self.buckets, key=lambda b: ((1.0 + acc[b]) / self.cost[b], -b))
+    def choose(self, keys: Sequence[Hashable] = (None,), rows: Optional[int] = None) -> int:
+        """T for a step of `rows` active rows (default len(keys)), of which those with a
+        draft have the classes `keys`; rows without a draft emit one token whatever T is."""
+        rows = len(keys) if rows is None else rows
+        if rows < len(keys):
+            raise ValueError(f"{len(keys)} drafts for {rows} rows")
+        accs = [self.expected_accepted(k) for k in keys]
+        rate = {b: (rows + sum(a[b] for a in accs)) / self.cost[b] for b in self.buckets}
+        best = max(self.buckets, key=lambda b: (rate[b], -b))  # ties go to the smaller tree
+        # a tree must beat plain decoding clearly: the estimates are noisy, plain is not
+        if 0 in rate and best != 0 and rate[best] < (1 + self.margin) * rate[0]:
+            return 0
+        return best

@@ -30,7 +30,7 @@ from .models import KVCache, hidden_states, init_cache, logits_from_hidden
 from .models.config import ModelConfig
 from .sampling import SamplingParams, select_tokens
 from . import tree as tree_lib
-from .budget import AutoBudget
+from .budget import AutoBudget, outcome_known
 from .trie import Draft
 from .verify import jitted_verify_step, window_for
 
@@ -334,7 +334,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         if auto:
             t0 = time.perf_counter()
             mid = max(lens) + max_new_tokens // 2  # calibrate at a typical length of this run
-            policy = AutoBudget(step_buckets, measure_verify_costs(model, verify, B, S, step_buckets, mid))
+            costs = measure_verify_costs(model, verify, B, S, step_buckets, mid)
+            policy = AutoBudget(step_buckets, costs, getattr(drafter, "acceptance", None))
             calibrate_s = time.perf_counter() - t0
 
     # ---- prefill
@@ -367,13 +368,14 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         h0 = time.perf_counter()
         drafts = [_EMPTY] * B
         if drafter is not None:
-            limit = policy.choose() if policy else decoding_length
-            for r in rows:
-                if r.finish is None:
-                    full = drafter.propose(r.index, r.prompt_ids + r.ids, max_T if policy else limit)
-                    if policy and full.tokens:
-                        pending.append((r, len(r.ids), full))
-                    drafts[r.index] = Draft(full.tokens[:limit], full.parents[:limit])
+            full = {r.index: drafter.propose(r.index, r.prompt_ids + r.ids, max_T)
+                    for r in rows if r.finish is None}
+            limit = decoding_length
+            if policy:  # one T for the step, from the classes of the rows' drafts
+                limit = policy.choose([d.key for d in full.values() if d.tokens], rows=len(full))
+                pending += [(rows[i], len(rows[i].ids), d) for i, d in full.items() if d.tokens]
+            for i, d in full.items():
+                drafts[i] = d if len(d.tokens) <= limit else Draft(d.tokens[:limit], d.parents[:limit])
         T = tree_lib.bucket_for(max(len(d.tokens) for d in drafts), step_buckets)
         blk = verify_block(root, drafts, T)
         window = window_for(int(lengths[active].max()) + 1 + T, S)
@@ -399,8 +401,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         if policy:  # score past drafts whose true continuation is now known
             keep = []
             for r, g0, d in pending:
-                if r.finish or len(r.ids) - g0 >= drafter.branch_length:
-                    policy.observe(d.tokens, d.parents, r.ids[g0:])
+                if r.finish or outcome_known(d.tokens, d.parents, r.ids[g0:], drafter.branch_length):
+                    policy.observe(d.tokens, d.parents, r.ids[g0:], d.key)
                 else:
                     keep.append((r, g0, d))
             pending = keep
@@ -426,39 +428,52 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     )
     if policy:
         stats["verify_cost_ms"] = {b: round(c * 1e3, 2) for b, c in policy.cost.items()}
-        stats["expected_accepted"] = {b: round(a, 3) for b, a in policy.expected_accepted().items()}
+        stats["expected_accepted"] = {  # per draft class (match length, dominance)
+            str(k): {b: round(a, 3) for b, a in policy.expected_accepted(k).items()}
+            for k in sorted(policy.stats.samples)}
     return GenerateOutput(outs, stats)
 
 
-def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optional[int] = None) -> dict:
-    """Seconds per verify step for each tree bucket T (median of 5), cached on the model.
+def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optional[int] = None,
+                         rounds: int = 5) -> dict:
+    """Seconds per verify step for each tree bucket T, cached on the model.
 
     Measured at cache length `length` (default S // 2) with the attention window a step at
-    that length uses, on a scratch cache of the real shape; compiles once per bucket."""
+    that length uses, on one scratch cache of the real shape. Each bucket is compiled and
+    run once, then timed in `rounds` round-robin passes over the buckets (median per
+    bucket), so a slow spell of the machine hits every bucket alike rather than one."""
     costs = model.__dict__.setdefault("_verify_costs", {})
     compiled = _compiled_for(model)
     cfg = model.config
-    out = {}
+    todo = {}
     for T in buckets:
         L = min(S // 2 if length is None else length, S - 1 - T)
         window = window_for(L + 1 + T, S)
         key = (id(verify), B, S, T, window)
         if key not in costs:
-            cache = init_cache(cfg, B, S, model.dtype).replace(length=jnp.full((B,), L, jnp.int32))
             blk = verify_block(np.zeros(B, np.int32), [Draft([0] * T, list(range(-1, T - 1)))] * B, T)
             args = (blk.tokens, blk.parents, blk.depth, blk.mask, np.ones(B, bool),
                     jnp.zeros((B,), jnp.uint32), jnp.arange(B, dtype=jnp.int32))
-            times = []
-            for i in range(6):
+            todo[key] = (T, L, window, args)
+    if todo:
+        cache = init_cache(cfg, B, S, model.dtype)
+        times = {key: [] for key in todo}
+        for r in range(rounds + 1):  # round 0 compiles and warms up
+            for key, (T, L, window, args) in todo.items():
+                cache = cache.replace(length=jnp.full((B,), L, jnp.int32))
                 t0 = time.perf_counter()
                 res = compiled("verify", verify, model.params, cache, *args, window=window)
                 jax.block_until_ready(res)
-                if i:
-                    times.append(time.perf_counter() - t0)
-                cache = res[2].replace(length=jnp.full((B,), L, jnp.int32))
-            costs[key] = float(np.median(times))
+                if r:
+                    times[key].append(time.perf_counter() - t0)
+                cache = res[2]
+        for key, (T, L, window, args) in todo.items():
+            costs[key] = float(np.median(times[key]))
             log.info("verify cost T=%d (window %d): %.2f ms", T, window, costs[key] * 1e3)
-        out[T] = costs[key]
+    out = {}
+    for T in buckets:
+        L = min(S // 2 if length is None else length, S - 1 - T)
+        out[T] = costs[(id(verify), B, S, T, window_for(L + 1 + T, S))]
     return out
 
 

@@ -115,12 +115,20 @@ class Draft:
 
     tokens[i]: token of node i.  parents[i]: index of its parent in this draft, or -1 if
     node i is a child of the root. Topological: parents[i] < i.  match_len: how many
-    context tokens were matched to find it (0 for the empty draft).
+    context tokens were matched to find it (0 for the empty draft).  dominance: 2 if the
+    matched context has a single continuation, 1 if the top one holds at least half of
+    the counts (input + output), else 0.
     """
 
     tokens: list[int]
     parents: list[int]
     match_len: int = 0
+    dominance: int = 0  # how dominant the top continuation is (see the docstring)
+
+    @property
+    def key(self) -> tuple:
+        """Class of the draft for the acceptance statistics of `budget.py`."""
+        return (self.match_len, self.dominance)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -310,6 +318,9 @@ class NgramTrie:
                 break
         else:
             return Draft([], [], 0)
+        counts = [c.out + (c.inp.get(req, 0) if c.inp else 0) for c in children.values()]
+        counts = [c for c in counts if c]
+        dominance = 2 if len(counts) == 1 else int(2 * max(counts) >= sum(counts))
         max_depth = min(depth_cap, self.window - k)
         if mode == "single":
             tokens, parents = self._single(node, decoding_length, max_depth, req, w)
@@ -317,7 +328,7 @@ class NgramTrie:
             tokens, parents = self._hierarchical(node, decoding_length, max_depth, req, w)
             if mode == "parallel":
                 tokens, parents = _parallel(tokens, parents, decoding_length)
-        return Draft(tokens, parents, k)
+        return Draft(tokens, parents, k, dominance)
 
     # -------------------------------------------------------------- internals
 

@@ -555,3 +555,16 @@ def test_determinism(seqs, outputs, context, perm_seed, decoding_length):
         da = a.retrieve(context, decoding_length, mode=mode)
         assert da == b.retrieve(context, decoding_length, mode=mode)
         assert da == c.retrieve(context, decoding_length, mode=mode)
+
+
+def test_draft_dominance_classes():
+    """Draft.key = (match length, dominance): 2 for a single continuation, 1 when the top
+    continuation holds at least half of the counts, 0 otherwise."""
+    t = NgramTrie(branch_length=3)
+    t.insert_input([1, 2, 3, 1, 2, 3], req=0)
+    assert t.retrieve([1, 2], 4, req=0).key == (2, 2)  # "1 2" is always followed by 3
+    t.insert_input([7, 1, 7, 2, 7, 3], req=0)
+    assert t.retrieve([5, 7], 4, req=0).key == (1, 0)  # 7 -> 1, 2, 3 once each
+    t.insert_input([7, 1], req=0)
+    assert t.retrieve([5, 7], 4, req=0).key == (1, 1)  # 7 -> 1 twice of 4
+    assert t.retrieve([5, 6], 4, req=0).key == (0, 0)  # no match: the empty draft

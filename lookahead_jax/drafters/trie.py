@@ -6,8 +6,11 @@ The drafter protocol used by `generate` (every drafter implements it):
     branch_length: int          deepest draft (how long until a draft can be scored)
     begin(prompts, references)  token ids per row; references: per row, list of id lists
     propose(row, context, budget) -> Draft   best-first, topological, <= budget nodes
+                                (Draft.key classes it for the acceptance statistics)
     accept(row, tokens)         tokens just emitted for the row (streamed)
     end()                       the request is over
+    acceptance                  optional `budget.AcceptanceStats` that outlives requests,
+                                used by decoding_length="auto" (one per request if absent)
 
 Input n-grams (prompt + references) belong to the request; output n-grams go into a
 trie that is shared across requests (`TrieDrafter.shared`), so it warms up.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 
+from ..budget import AcceptanceStats
 from ..trie import MODES, Draft, NgramTrie
 
 _request_ids = itertools.count()
@@ -24,7 +28,8 @@ _request_ids = itertools.count()
 
 class TrieDrafter:
     def __init__(self, branch_length: int = 12, mode: str = "hierarchical", max_nodes: int = 64,
-                 trie: NgramTrie | None = None, max_match: int = 2):
+                 trie: NgramTrie | None = None, max_match: int = 2,
+                 acceptance: AcceptanceStats | None = None):
         if mode not in MODES:
             raise ValueError(f"lookahead mode must be one of {MODES}, got {mode!r}")
         if not 1 <= branch_length <= 64:
@@ -36,15 +41,21 @@ class TrieDrafter:
         self.max_nodes = max_nodes
         self.max_match = max_match
         self.trie = trie if trie is not None else NgramTrie(branch_length=branch_length)
+        self.acceptance = acceptance if acceptance is not None else AcceptanceStats()
         self._req: dict[int, int] = {}
 
     @classmethod
     def shared(cls, model, branch_length: int = 12, mode: str = "hierarchical", **kw) -> "TrieDrafter":
-        """A drafter over the model's global output trie (created on first use)."""
+        """A drafter over the model's global output trie and acceptance statistics
+        (created on first use; the statistics are kept per drafter geometry)."""
         tries = model.__dict__.setdefault("_tries", {})
         if branch_length not in tries:
             tries[branch_length] = NgramTrie(branch_length=branch_length)
-        return cls(branch_length, mode, trie=tries[branch_length], **kw)
+        stats = model.__dict__.setdefault("_acceptance", {})
+        geometry = (branch_length, mode, kw.get("max_nodes", 64), kw.get("max_match", 2))
+        if geometry not in stats:
+            stats[geometry] = AcceptanceStats()
+        return cls(branch_length, mode, trie=tries[branch_length], acceptance=stats[geometry], **kw)
 
     def begin(self, prompts, references=None) -> None:
         self.end()

@@ -1,0 +1,181 @@
+"""The auto draft budget (`budget.py`): acceptance counting, per-class statistics, and the
+choice of T that maximises expected tokens per second."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lookahead_jax.budget import (AcceptanceStats, AutoBudget, accepted_length, accepted_lengths,
+                                  outcome_known)
+from lookahead_jax.drafters.trie import TrieDrafter
+from lookahead_jax.tree import BUCKETS
+
+
+def naive_accepted(tokens, parents, actual, budget):
+    """Deepest node among the first `budget` whose whole root path equals actual's prefix."""
+    best = 0
+    for i in range(min(budget, len(tokens))):
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        path.reverse()
+        if path == list(actual[:len(path)]):
+            best = max(best, len(path))
+    return best
+
+
+def test_accepted_lengths_worked_example():
+    # root -> 5 -> 7, root -> 6; actual 5 7 9: node0 ok (depth 1), node1 ok (depth 2)
+    assert accepted_lengths([5, 7, 6], [-1, 0, -1], [5, 7, 9], (0, 1, 2, 3)) == (0, 1, 2, 2)
+    # the right branch comes later in best-first order: only budgets >= 3 reach it
+    assert accepted_lengths([6, 5, 7], [-1, -1, 1], [5, 7], (1, 2, 3, 7)) == (0, 1, 2, 2)
+    assert accepted_length([6, 5, 7], [-1, -1, 1], [5, 7], 2) == 1
+    assert accepted_lengths([], [], [1, 2], BUCKETS) == (0,) * len(BUCKETS)
+
+
+@st.composite
+def trees(draw):
+    n = draw(st.integers(0, 20))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    tokens = [draw(st.integers(0, 3)) for _ in range(n)]
+    actual = draw(st.lists(st.integers(0, 3), max_size=8))
+    return tokens, parents, actual
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees())
+def test_accepted_lengths_equals_naive(t):
+    tokens, parents, actual = t
+    got = accepted_lengths(tokens, parents, actual, BUCKETS)
+    assert got == tuple(naive_accepted(tokens, parents, actual, b) for b in BUCKETS)
+    assert list(got) == sorted(got) and got[-1] <= len(actual)
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees(), st.lists(st.integers(0, 3), max_size=8))
+def test_outcome_known_means_final(t, more):
+    """Once outcome_known says so, no continuation of `actual` changes the count."""
+    tokens, parents, actual = t
+    depth = 8
+    if outcome_known(tokens, parents, actual, depth):
+        assert accepted_lengths(tokens, parents, actual + more, BUCKETS) == \
+            accepted_lengths(tokens, parents, actual, BUCKETS)
+
+
+def test_outcome_known_examples():
+    chain = ([5, 7, 9], [-1, 0, 1])
+    assert not outcome_known(*chain, [5, 7], 3)  # still matching, depth 3 not reached
+    assert outcome_known(*chain, [5, 7, 1], 3)
+    assert outcome_known(*chain, [5, 8], 3)  # mismatch at depth 2: final
+    assert outcome_known(*chain, [1], 3)
+
+
+def test_acceptance_stats_per_class_and_window():
+    s = AcceptanceStats(window=2)
+    assert s.expected("a") is None and s.count("a") == 0
+    s.observe([5, 7], [-1, 0], [5, 7], key="a")  # 2 accepted for budgets >= 2
+    s.observe([5, 7], [-1, 0], [5, 1], key="a")  # 1
+    s.observe([9], [-1], [5], key="b")  # 0
+    a = s.expected("a")
+    assert a[0] == 0 and a[1] == 1 and a[3] == 1.5 and a[127] == 1.5
+    assert s.expected("b") == {b: 0.0 for b in BUCKETS}
+    s.observe([9], [-1], [5], key="a")  # window 2: the first sample drops out
+    assert s.count("a") == 2 and s.expected("a")[3] == 0.5
+    with pytest.raises(ValueError, match="window"):
+        AcceptanceStats(window=0)
+
+
+COST = {0: 1.0, 1: 1.3, 3: 1.5, 7: 1.75, 15: 2.2}
+
+
+def test_unseen_class_stays_plain():
+    """No evidence: a tree is predicted to accept nothing, so the step is plain decoding."""
+    b = AutoBudget(tuple(COST), COST)
+    assert b.choose(["new"]) == 0 and b.choose([]) == 0 and b.choose([], rows=3) == 0
+    assert b.expected_accepted("new") == {t: 0.0 for t in COST}
+
+
+def test_choose_maximises_expected_rate():
+    stats = AcceptanceStats()
+    # class "good": trees of 1 / 3 / 7 / 15 nodes accept 1 / 3 / 4 / 4 drafts
+    tree = [1, 2, 3, 9, 9, 9, 4, 9, 9, 9, 9, 9, 9, 9, 9]
+    parents = [-1, 0, 1, -1, -1, -1, 2, -1, -1, -1, -1, -1, -1, -1, -1]
+    for _ in range(4):
+        stats.observe(tree, parents, [1, 2, 3, 4], key="good")
+    a = stats.expected("good")
+    assert (a[1], a[3], a[7], a[15]) == (1, 3, 4, 4)
+    b = AutoBudget(tuple(COST), COST, stats)
+    # rates: T=0 1/1, T=1 2/1.3, T=3 4/1.5 = 2.67, T=7 5/1.75 = 2.86, T=15 5/2.2
+    assert b.choose(["good"]) == 7
+    # a batch of 4 rows, one of them with a "good" draft: (4 + a) / cost
+    # T=0 4/1, T=1 5/1.3 = 3.85, T=3 7/1.5 = 4.67, T=7 8/1.75 = 4.57 -> 3
+    assert b.choose(["good"], rows=4) == 3
+    assert b.choose(["good", "unseen"]) == 7  # (2 + 4) / 1.75 = 3.43 beats (2 + 3) / 1.5
+    with pytest.raises(ValueError, match="2 drafts for 1 rows"):
+        b.choose(["good", "good"], rows=1)
+
+
+def test_ties_go_to_the_smaller_tree():
+    stats = AcceptanceStats()
+    stats.observe([1], [-1], [1], key="k")  # a(T) = 1 for every T >= 1
+    b = AutoBudget((0, 1, 3), {0: 1.0, 1: 1.5, 3: 1.5}, stats)
+    assert b.choose(["k"]) == 1  # T=1 and T=3 both give 2 / 1.5: the smaller wins
+    b = AutoBudget((0, 1, 3), {0: 1.0, 1: 2.0, 3: 2.0}, stats)
+    assert b.choose(["k"]) == 0  # all give 1 token per unit of time
+
+
+def test_a_tree_must_beat_plain_by_the_margin():
+    stats = AcceptanceStats()
+    for actual in ([1], [1], [1], [2]):  # a(1) = 0.75
+        stats.observe([1], [-1], actual, key="k")
+    cost = {0: 1.0, 1: 1.6}  # T=1: 1.75 / 1.6 = 1.094 tokens per unit, plain 1.0
+    assert AutoBudget((0, 1), cost, stats).choose(["k"]) == 0  # < 10% better: stay plain
+    assert AutoBudget((0, 1), cost, stats, margin=0.05).choose(["k"]) == 1
+    assert AutoBudget((1, 3), {1: 1.6, 3: 1.7}, stats).choose(["k"]) == 1  # no plain bucket
+    with pytest.raises(ValueError, match="margin"):
+        AutoBudget((0,), {0: 1.0}, margin=-1)
+
+
+def test_autobudget_argument_errors():
+    with pytest.raises(ValueError, match="at least one bucket"):
+        AutoBudget((), {})
+    with pytest.raises(ValueError, match=r"no measured cost for buckets \[3\]"):
+        AutoBudget((0, 3), {0: 1.0})
+    with pytest.raises(ValueError, match="not tree buckets"):
+        AutoBudget((0, 5), {0: 1.0, 5: 1.0})
+
+
+def test_shared_drafters_share_acceptance_per_geometry():
+    """TrieDrafter.shared keeps one AcceptanceStats per model and drafter geometry, so a new
+    request starts from what earlier requests measured (like the global trie)."""
+    class M:
+        pass
+
+    m = M()
+    a, b = TrieDrafter.shared(m), TrieDrafter.shared(m)
+    assert a.acceptance is b.acceptance and a.trie is b.trie
+    c = TrieDrafter.shared(m, mode="parallel")
+    assert c.acceptance is not a.acceptance and c.trie is a.trie
+    assert TrieDrafter().acceptance is not TrieDrafter().acceptance
+
+
+def test_random_classes_are_consistent():
+    """The estimate of a class equals the mean of its samples, independent of other classes."""
+    rng = random.Random(0)
+    s = AcceptanceStats(window=1000)
+    truth = {}
+    for _ in range(200):
+        k = rng.choice("xyz")
+        n = rng.randint(1, 6)
+        tokens = [rng.randint(0, 2) for _ in range(n)]
+        parents = [rng.randint(-1, i - 1) for i in range(n)]
+        actual = [rng.randint(0, 2) for _ in range(4)]
+        s.observe(tokens, parents, actual, key=k)
+        truth.setdefault(k, []).append(naive_accepted(tokens, parents, actual, 7))
+    for k, v in truth.items():
+        assert s.expected(k)[7] == pytest.approx(sum(v) / len(v))
