@@ -37,7 +37,10 @@ from .verify import jitted_verify_step, window_for
 log = logging.getLogger("lookahead_jax")
 
 STRATEGIES = ("greedy", "lookahead")
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# prompt lengths are padded to these (one prefill compilation each); steps of 1.5x above
+# 128 tokens, where prefill is compute-bound and padding 278 tokens to 512 cost ~40%
+PROMPT_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+                  6144, 8192, 12288, 16384, 24576, 32768)
 CACHE_ROUND = 256  # smallest cache; caches are powers of two so few shapes compile
 
 

@@ -1,0 +1,174 @@
+"""Replay lookahead's budget choice on recorded acceptances: policies and their ceiling.
+
+Lossless decoding makes the draft budget a pure scheduling question: the tokens are
+greedy's whatever T is. So this records, once per prompt, greedy's 128 tokens and, at
+every position, the trie's full draft (as lookahead would propose it: same global trie,
+references and streaming) and how many drafts every tree bucket T would accept there.
+Then it replays budget policies on those records with verify costs t(T) measured on the
+real model, without the machine's run-to-run noise:
+
+* fixed T for every bucket;
+* auto: the library's own `AutoBudget` + `AcceptanceStats` (per draft class, kept across
+  the dataset's prompts, scored as soon as the outcome is decided), exactly as `generate`
+  drives them;
+* oracle: the best T at every step with hindsight (dynamic programming over positions):
+  the ceiling of *any* budget policy with this drafter on this machine.
+
+Speedups are over decode steps (prefill excluded, the same for every strategy).
+
+    python bench/replay.py --n 20     # prints and saves bench/results/replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from common import ROOT, dataset_prompts, save
+
+
+def record(model, tok, drafter_cls, trie, prompt_ids, refs, max_new, branch_length, mode, max_nodes):
+    """Greedy tokens and, per decode position, (draft, accepted drafts per bucket)."""
+    import lookahead_jax as lj
+    from lookahead_jax.budget import accepted_lengths
+    from lookahead_jax.tree import BUCKETS
+
+    out = lj.generate(model, tok, [prompt_ids], max_new_tokens=max_new, ignore_eos=True).token_ids[0]
+    d = drafter_cls(branch_length, mode, max_nodes=max_nodes, trie=trie)
+    d.begin([prompt_ids], [refs])
+    d.accept(0, [out[0]])
+    steps = []
+    for i in range(1, len(out)):  # the root is out[i - 1]; out[i:] is the truth
+        draft = d.propose(0, prompt_ids + out[:i], max_nodes)
+        steps.append((draft, accepted_lengths(draft.tokens, draft.parents, out[i:], BUCKETS)))
+        d.accept(0, [out[i]])
+    d.end()
+    return out, steps
+
+
+def replay(steps, out, choose, cost, observe=None, branch_length=12):
+    """Walk the positions choosing T per step; returns (time, forward steps)."""
+    from lookahead_jax.budget import outcome_known
+    from lookahead_jax.tree import BUCKETS
+
+    n = len(steps)
+    i, t, nsteps, pending = 0, 0.0, 0, []
+    while i < n:
+        if observe is not None:  # score drafts whose outcome is decided by now
+            keep = []
+            for p, d in pending:
+                known = out[1 + p:1 + i]
+                if outcome_known(d.tokens, d.parents, known, branch_length):
+                    observe(d, known)
+                else:
+                    keep.append((p, d))
+            pending = keep
+        draft, acc = steps[i]
+        T = choose(draft) if draft.tokens else 0
+        T = next(b for b in BUCKETS if b >= min(T, len(draft.tokens)))  # the bucket generate runs
+        a = min(acc[BUCKETS.index(T)], n - i - 1)
+        t += cost[T]
+        nsteps += 1
+        if observe is not None and draft.tokens:
+            pending.append((i, draft))
+        i += a + 1
+    return t, nsteps
+
+
+def oracle(steps, cost):
+    from lookahead_jax.tree import BUCKETS
+
+    n = len(steps)
+    best = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        draft, acc = steps[i]
+        best[i] = min(cost[T] + best[min(n, i + acc[k] + 1)] for k, T in enumerate(BUCKETS)
+                      if T in cost and (T == 0 or draft.tokens))
+    return best[0]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--datasets", nargs="+", default=["nq", "humaneval", "gsm8k"])
+    ap.add_argument("--n", type=int, default=20, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--branch-length", type=int, default=12)
+    ap.add_argument("--mode", default="hierarchical")
+    ap.add_argument("--costs", type=float, nargs="+",
+                    help="verify cost of T = 0, 1, 3, 7, 15, 31, 63 (any unit); default: measured")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/replay.json"))
+    a = ap.parse_args(argv)
+
+    import lookahead_jax as lj
+    from lookahead_jax.budget import AcceptanceStats, AutoBudget
+    from lookahead_jax.drafters.trie import TrieDrafter
+    from lookahead_jax.generate import encode_prompts, measure_verify_costs
+    from lookahead_jax.sampling import SamplingParams
+    from lookahead_jax.trie import NgramTrie
+    from lookahead_jax.verify import jitted_verify_step
+
+    model, tok = lj.load(a.model)
+    buckets = (0, 1, 3, 7, 15, 31, 63)
+    if a.costs:
+        if len(a.costs) != len(buckets):
+            ap.error(f"--costs needs {len(buckets)} values, for T = {buckets}")
+        cost = dict(zip(buckets, a.costs))
+    else:  # a typical step of these runs: S = 512, length 256
+        verify = jitted_verify_step(model.config, SamplingParams(0.0, 0, 1.0))
+        cost = measure_verify_costs(model, verify, 1, 512, buckets, 256, rounds=10)
+    cost = {T: c / cost[0] for T, c in cost.items()}
+    print("relative verify cost t(T)/t(0):", {T: round(c, 3) for T, c in cost.items()})
+
+    result = dict(model=a.model, prompts_per_dataset=a.n, max_new_tokens=a.max_new_tokens,
+                  branch_length=a.branch_length, mode=a.mode,
+                  relative_verify_cost={str(T): round(c, 4) for T, c in cost.items()}, datasets={})
+    for ds in a.datasets:
+        prompts, refs = dataset_prompts(ds, a.n)
+        ids = encode_prompts(tok, prompts, chat=False)
+        trie = NgramTrie(branch_length=a.branch_length)  # warm across the dataset, as in bench/lookahead.py
+        recs = []
+        for i, x in enumerate(ids):
+            ref_ids = [tok.encode(t, add_special_tokens=False) for t in refs[i]]
+            recs.append(record(model, tok, TrieDrafter, trie, x, ref_ids, a.max_new_tokens,
+                               a.branch_length, a.mode, 64))
+            print(f"[{ds}] recorded {i + 1}/{len(ids)}", flush=True)
+
+        def evaluate(make):
+            """(speedup over greedy, tokens per step, per-prompt speedups)"""
+            state = make()
+            per, total_t, total_g, total_steps = [], 0.0, 0.0, 0
+            for out, steps in recs:
+                t, n = replay(steps, out, *state, branch_length=a.branch_length)
+                g = len(steps) * cost[0]
+                per.append(g / t)
+                total_t, total_g, total_steps = total_t + t, total_g + g, total_steps + n
+            return total_g / total_t, sum(len(s) for _, s in recs) / total_steps, per
+
+        policies = {}
+        for T in buckets:
+            policies[f"fixed {T}"] = evaluate(lambda T=T: (lambda d: T, cost))
+        def auto():
+            b = AutoBudget(buckets, cost, AcceptanceStats())
+            return (lambda d: b.choose([d.key], rows=1), cost,
+                    lambda d, known: b.observe(d.tokens, d.parents, known, d.key))
+        policies["auto"] = evaluate(auto)
+        o = [len(s) * cost[0] / oracle(s, cost) for _, s in recs]
+        og = sum(len(s) for _, s in recs) * cost[0] / sum(oracle(s, cost) for _, s in recs)
+        policies["oracle"] = (og, None, o)
+        rows = {}
+        for name, (sp, acc, per) in policies.items():
+            per = np.array(per)
+            rows[name] = dict(speedup=round(sp, 3), prompts_below_0_95=int((per < 0.95).sum()),
+                              worst_prompt=round(float(per.min()), 3))
+            if acc is not None:
+                rows[name]["tokens_per_step"] = round(acc, 3)
+        result["datasets"][ds] = rows
+        print(f"== {ds}: " + "; ".join(f"{n} {r['speedup']:.2f}x" + (f" ({r['tokens_per_step']:.2f}/step)" if "tokens_per_step" in r else "")
+                                      + f" [{r['prompts_below_0_95']} < 0.95x]" for n, r in rows.items()), flush=True)
+    save(result, a.out)
+
+
+if __name__ == "__main__":
+    main()
