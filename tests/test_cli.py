@@ -384,3 +384,21 @@ def test_real_model_streaming(real_env, real_greedy):
     p = run_cli(real_env, "--prompt", REAL_PROMPT, "--max-new-tokens", "8")
     assert p.stdout == real_greedy[0][0]["text"] + "\n"
     assert "tokens in" in p.stderr
+
+
+@pytest.mark.slow
+def test_real_model_cli_reuses_compiled_steps(real_env, real_greedy):
+    """The CLI keeps compiled steps in <LOOKAHEAD_JAX_CACHE>/xla/<host> (JAX's persistent
+    compilation cache), so a second identical run loads them instead of compiling."""
+    from pathlib import Path
+
+    xla = Path(real_env["LOOKAHEAD_JAX_CACHE"]) / "xla"
+    assert any(f.is_file() for f in xla.rglob("*"))
+    again = parse_json_lines(run_cli(real_env, "--prompt", REAL_PROMPT, "--max-new-tokens", "8",
+                                     "--json").stdout)
+    assert again[0][0]["token_ids"] == real_greedy[0][0]["token_ids"]
+    assert again[1]["compile_s"] < 0.5 * real_greedy[1]["compile_s"]
+    off = dict(real_env, LOOKAHEAD_JAX_XLA_CACHE="0")
+    cold = parse_json_lines(run_cli(off, "--prompt", REAL_PROMPT, "--max-new-tokens", "8", "--json").stdout)
+    assert cold[1]["compile_s"] > again[1]["compile_s"]
+
