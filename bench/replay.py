@@ -135,12 +135,12 @@ def main(argv=None):
                                a.branch_length, a.mode, 64))
             print(f"[{ds}] recorded {i + 1}/{len(ids)}", flush=True)
 
-        def evaluate(make):
-            """(speedup over greedy, tokens per step, per-prompt speedups)"""
-            state = make()
+        def evaluate(per_prompt):
+            """(speedup over greedy, tokens per step, per-prompt speedups); per_prompt() gives
+            each prompt's (choose, cost[, observe])"""
             per, total_t, total_g, total_steps = [], 0.0, 0.0, 0
             for out, steps in recs:
-                t, n = replay(steps, out, *state, branch_length=a.branch_length)
+                t, n = replay(steps, out, *per_prompt(), branch_length=a.branch_length)
                 g = len(steps) * cost[0]
                 per.append(g / t)
                 total_t, total_g, total_steps = total_t + t, total_g + g, total_steps + n
@@ -149,8 +149,10 @@ def main(argv=None):
         policies = {}
         for T in buckets:
             policies[f"fixed {T}"] = evaluate(lambda T=T: (lambda d: T, cost))
-        def auto():
-            b = AutoBudget(buckets, cost, AcceptanceStats())
+        shared = AcceptanceStats()  # across the dataset's prompts, like TrieDrafter.shared
+
+        def auto():  # one AutoBudget per request, as generate() makes
+            b = AutoBudget(buckets, cost, shared)
             return (lambda d: b.choose([d.key], rows=1), cost,
                     lambda d, known: b.observe(d.tokens, d.parents, known, d.key))
         policies["auto"] = evaluate(auto)

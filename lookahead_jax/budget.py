@@ -106,10 +106,16 @@ class AcceptanceStats:
 
 
 class AutoBudget:
-    """The bucket T that maximises expected tokens per second for the current drafts."""
+    """The bucket T that maximises expected tokens per second for the current drafts.
+
+    One per request. Its estimate of a(T) for a class blends the shared statistics with
+    this request's own drafts of that class, weighting the shared mean like `prior`
+    drafts of its own: a prompt on which a usually good class keeps failing (the model
+    paraphrases this passage) stops drafting after a few steps instead of paying for
+    trees until the shared window forgets."""
 
     def __init__(self, buckets: Sequence[int], cost: dict, stats: Optional[AcceptanceStats] = None,
-                 margin: float = 0.1):
+                 margin: float = 0.1, prior: float = 8.0):
         if not buckets:
             raise ValueError("AutoBudget needs at least one bucket")
         missing = [b for b in buckets if b not in cost]
@@ -123,15 +129,26 @@ class AutoBudget:
         self.stats = stats if stats is not None else AcceptanceStats()
         if margin < 0:
             raise ValueError(f"margin must be >= 0, got {margin}")
+        if prior < 0:
+            raise ValueError(f"prior must be >= 0, got {prior}")
         self.margin = margin
+        self.prior = prior
+        self.local = AcceptanceStats(window=1 << 30)  # this request's drafts only
 
     def observe(self, tokens, parents, actual, key: Hashable = None) -> None:
         self.stats.observe(tokens, parents, actual, key)
+        self.local.observe(tokens, parents, actual, key)
 
     def expected_accepted(self, key: Hashable = None) -> dict:
-        """a(T) per bucket for drafts of class `key` (0 for an unseen class)."""
-        acc = self.stats.expected(key)
-        return {b: (acc[b] if acc else 0.0) for b in self.buckets}
+        """a(T) per bucket for drafts of class `key` (0 for an unseen class): this request's
+        mean over its n drafts of the class and the shared mean, weighted n : prior."""
+        shared, own, n = self.stats.expected(key), self.local.expected(key), self.local.count(key)
+        if shared is None:
+            return {b: 0.0 for b in self.buckets}
+        if own is None:
+            return {b: shared[b] for b in self.buckets}
+        w = n / (n + self.prior) if n + self.prior else 1.0
+        return {b: w * own[b] + (1 - w) * shared[b] for b in self.buckets}
 
     def choose(self, keys: Sequence[Hashable] = (None,), rows: Optional[int] = None) -> int:
         """T for a step of `rows` active rows (default len(keys)), of which those with a

@@ -438,13 +438,15 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
 
 
 def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optional[int] = None,
-                         rounds: int = 5) -> dict:
+                         rounds: int = 7) -> dict:
     """Seconds per verify step for each tree bucket T, cached on the model.
 
     Measured at cache length `length` (default S // 2) with the attention window a step at
     that length uses, on one scratch cache of the real shape. Each bucket is compiled and
     run once, then timed in `rounds` round-robin passes over the buckets (median per
-    bucket), so a slow spell of the machine hits every bucket alike rather than one."""
+    bucket), so a slow spell of the machine hits every bucket alike rather than one. A
+    bigger tree never costs less than a smaller one (running max over T): a noisy low
+    reading for T = 1 would otherwise make trees look cheaper than plain decoding."""
     costs = model.__dict__.setdefault("_verify_costs", {})
     compiled = _compiled_for(model)
     cfg = model.config
@@ -473,10 +475,11 @@ def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optiona
         for key, (T, L, window, args) in todo.items():
             costs[key] = float(np.median(times[key]))
             log.info("verify cost T=%d (window %d): %.2f ms", T, window, costs[key] * 1e3)
-    out = {}
-    for T in buckets:
+    out, floor = {}, 0.0
+    for T in sorted(buckets):
         L = min(S // 2 if length is None else length, S - 1 - T)
-        out[T] = costs[(id(verify), B, S, T, window_for(L + 1 + T, S))]
+        floor = max(floor, costs[(id(verify), B, S, T, window_for(L + 1 + T, S))])
+        out[T] = floor
     return out
 
 

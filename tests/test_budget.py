@@ -141,6 +141,28 @@ def test_a_tree_must_beat_plain_by_the_margin():
         AutoBudget((0,), {0: 1.0}, margin=-1)
 
 
+def test_own_drafts_outweigh_shared_statistics_as_they_accumulate():
+    """A class that earlier requests found good but that keeps failing in this request
+    stops being drafted: this request's mean gets weight n / (n + prior)."""
+    shared = AcceptanceStats()
+    for _ in range(20):
+        shared.observe([1, 2, 3], [-1, 0, 1], [1, 2, 3], key="k")  # a(3) = 3 elsewhere
+    cost = {0: 1.0, 3: 1.5}
+    b = AutoBudget((0, 3), cost, shared, prior=8)
+    assert b.choose(["k"]) == 3  # (1 + 3) / 1.5 = 2.67 > 1
+    for n in range(1, 25):
+        b.observe([1, 2, 3], [-1, 0, 1], [7, 7, 7], key="k")  # fails here every time
+        # shared now holds 20 hits and n misses (window 256); own mean 0
+        shared_mean = 3 * 20 / (20 + n)
+        want = (8 / (n + 8)) * shared_mean
+        assert b.expected_accepted("k")[3] == pytest.approx(want)
+    assert b.choose(["k"]) == 0
+    # another request (a fresh AutoBudget over the same shared statistics) starts from them
+    assert AutoBudget((0, 3), cost, shared).expected_accepted("k")[3] == pytest.approx(60 / 44)
+    with pytest.raises(ValueError, match="prior"):
+        AutoBudget((0,), {0: 1.0}, prior=-1)
+
+
 def test_autobudget_argument_errors():
     with pytest.raises(ValueError, match="at least one bucket"):
         AutoBudget((), {})
