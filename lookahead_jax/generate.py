@@ -450,11 +450,11 @@ def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optiona
     costs = model.__dict__.setdefault("_verify_costs", {})
     compiled = _compiled_for(model)
     cfg = model.config
-    todo = {}
+    todo, keys = {}, {}
     for T in buckets:
         L = min(S // 2 if length is None else length, S - 1 - T)
         window = window_for(L + 1 + T, S)
-        key = (id(verify), B, S, T, window)
+        key = keys[T] = (id(verify), B, S, T, window)
         if key not in costs:
             blk = verify_block(np.zeros(B, np.int32), [Draft([0] * T, list(range(-1, T - 1)))] * B, T)
             args = (blk.tokens, blk.parents, blk.depth, blk.mask, np.ones(B, bool),
@@ -477,8 +477,7 @@ def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optiona
             log.info("verify cost T=%d (window %d): %.2f ms", T, window, costs[key] * 1e3)
     out, floor = {}, 0.0
     for T in sorted(buckets):
-        L = min(S // 2 if length is None else length, S - 1 - T)
-        floor = max(floor, costs[(id(verify), B, S, T, window_for(L + 1 + T, S))])
+        floor = max(floor, costs[keys[T]])
         out[T] = floor
     return out
 
