@@ -41,7 +41,8 @@ share kv head k (query head n = k*G + g, as HF's repeat_kv), qkv[:, k, G] its ke
 qkv[:, k, G+1] its value; gate and up are one matrix too. One dot instead of three (and
 two) per layer made the SmolLM2 decode step ~15% faster on XLA:CPU (fewer, larger ops;
 bench/results/README.md), and grouping by kv head keeps a "model"-axis split of K whole.
-Checkpoints name the pieces separately: `fuse_layer` / `split_layer` convert a layer
+The weight products go through `cpu_kernels.matmul` (a skinny-matmul kernel when lowering
+for CPU with f32 and few rows, plain dot otherwise). Checkpoints name the pieces separately: `fuse_layer` / `split_layer` convert a layer
 between that "split" layout (q [D,N*H], k/v [D,K*H], q/k/v_bias, gate/up [D,F]) and this one.
 """
 
@@ -54,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import cpu_kernels
 from .cache import KVCache
 from .config import ModelConfig, RopeScaling
 
@@ -136,8 +138,10 @@ def key_positions(cache_len, positions, n_slots):
 
 
 def _dense(x, w):
-    """x [B,T,D] @ w [D,...] -> [B,T,...] as one 2-D dot (the fused weights' layout)."""
-    return (x @ w.reshape(w.shape[0], -1)).reshape(*x.shape[:2], *w.shape[1:])
+    """x [B,T,D] @ w [D,...] -> [B,T,...] as one 2-D matmul (the fused weights' layout).
+    On CPU, f32 and few rows this is the skinny-matmul kernel (`cpu_kernels`)."""
+    y = cpu_kernels.matmul(x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1))
+    return y.reshape(*x.shape[:2], *w.shape[1:])
 
 
 def _mlp(p, x, cfg: ModelConfig):
@@ -147,7 +151,7 @@ def _mlp(p, x, cfg: ModelConfig):
         h = jax.nn.silu(gate) * up
     else:
         h = jax.nn.gelu(gate, approximate=True) * up
-    return h @ p["down"]
+    return _dense(h, p["down"])
 
 
 def _attention(p, x, rope, k_cache, v_cache, length, mask, cfg: ModelConfig):
@@ -177,7 +181,7 @@ def _attention(p, x, rope, k_cache, v_cache, length, mask, cfg: ModelConfig):
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, G * T, -1)
     out = jnp.einsum("BKQS,BKSH->BKQH", probs, v_seen)  # [B,K,G*T,H]
-    out = out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H) @ p["o"]
+    out = _dense(out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H), p["o"])
     return out, k_cache, v_cache
 
 
@@ -223,10 +227,15 @@ def hidden_states(params, tokens, positions, cache: KVCache, attn_mask, config: 
 
 def logits_from_hidden(params, h, config: ModelConfig):
     """h [...,D] -> logits [...,V] in f32."""
-    if config.tie_embeddings:
-        logits = jnp.einsum("...D,VD->...V", h, params["embed"], preferred_element_type=jnp.float32)
+    w = params["embed"] if config.tie_embeddings else params["lm_head"]
+    if h.dtype == w.dtype == jnp.float32:  # f32: the CPU kernel where it applies
+        flat = h.reshape(-1, h.shape[-1])
+        logits = (cpu_kernels.matmul_nt(flat, w) if config.tie_embeddings
+                  else cpu_kernels.matmul(flat, w)).reshape(*h.shape[:-1], -1)
+    elif config.tie_embeddings:
+        logits = jnp.einsum("...D,VD->...V", h, w, preferred_element_type=jnp.float32)
     else:
-        logits = jnp.einsum("...D,DV->...V", h, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...D,DV->...V", h, w, preferred_element_type=jnp.float32)
     if config.final_logit_softcap:
         c = config.final_logit_softcap
         logits = jnp.tanh(logits / c) * c

@@ -1,0 +1,166 @@
+"""Skinny f32 matmuls for XLA:CPU: decode and verify steps read the weights once.
+
+On CPU a decode step is a pass over the weights, and XLA's dot costs ~30% more at 2 rows
+than at 1 and ~60% more at 4 (bench/ceiling.py): a tree verify step of a few tokens pays
+for rows it barely computes. `cpu_kernels.cc` (an XLA FFI custom call) uses every loaded
+weight vector for all rows at once, so up to ~8 rows cost about one pass over the weights.
+
+`matmul(x, w)` and `matmul_nt(x, e)` are drop-in for `x @ w` and `x @ e.T` on 2-D f32
+operands. They take the kernel only where it pays and is possible, decided at trace time:
+
+* lowering for CPU (`lax.platform_dependent`: GPU/TPU lower plain `dot`),
+* f32 operands, 1..MAX_ROWS rows, the other dims multiples of the vector width,
+* the kernel built: at first use, by the host C++ compiler (`c++ -O3 -march=native`,
+  AVX2+FMA or AVX-512; cached per source, CPU and jax version under
+  `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/kernels`). No compiler, another
+  architecture, or `LOOKAHEAD_JAX_CPU_KERNELS=0`: plain `dot`, with one log line.
+
+Rows are computed in the same order whatever their number, so the logits of a token do
+not depend on how many tokens share its step (greedy and a verify block agree bitwise in
+these matmuls). Derivatives go through plain dots (custom JVP), so training code can
+differentiate a model that uses them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("lookahead_jax")
+
+MAX_ROWS = 16  # above this XLA's GEMM is as fast (compute, not weight reads, dominates)
+MAX_ROWS_NT = 2  # x @ e.T: from 4 rows on XLA's GEMM is as fast as the kernel's reductions
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_lock = threading.Lock()
+_state: dict = {}  # "width": vector width once built and registered, or "error": why not
+
+
+def _cache_root() -> Path:
+    base = os.environ.get("LOOKAHEAD_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lookahead_jax")
+    return Path(base) / "kernels"
+
+
+def _cpu_signature() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return flags + platform.machine()
+
+
+def _build() -> Path:
+    asked = os.environ.get("CXX")
+    cxx = shutil.which(asked) if asked else (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++"))
+    if not cxx:
+        raise RuntimeError(f"no C++ compiler found ({'CXX=' + asked if asked else 'c++, g++, clang++'}); "
+                           "install g++ or set CXX")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha1(src + _cpu_signature().encode() + jax.__version__.encode() + cxx.encode()).hexdigest()[:16]
+    out = _cache_root() / key / "libcpu_kernels.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+               "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp_so)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"compiling {SOURCE.name} failed: {r.stderr.strip()[-800:]}")
+        os.replace(tmp_so, out)  # atomic: concurrent builders never load a half-written file
+    return out
+
+
+def vector_width() -> Optional[int]:
+    """The kernel's vector width (16 AVX-512, 8 AVX2), building and registering it on first
+    call; None where it is off or cannot be built (then everything uses plain dot)."""
+    if "width" in _state or "error" in _state:
+        return _state.get("width")
+    with _lock:
+        if "width" in _state or "error" in _state:
+            return _state.get("width")
+        if os.environ.get("LOOKAHEAD_JAX_CPU_KERNELS", "1") == "0":
+            _state["error"] = "LOOKAHEAD_JAX_CPU_KERNELS=0"
+        elif platform.machine().lower() not in ("x86_64", "amd64"):
+            _state["error"] = f"no kernel for {platform.machine()}"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_build()))
+                for name in ("lookahead_matmul_nn", "lookahead_matmul_nt"):
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+                _state["width"] = int(lib.lookahead_vector_width())
+                _state["lib"] = lib  # keep the library loaded
+            except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
+                _state["error"] = str(e)
+        if "error" in _state:
+            log.info("CPU matmul kernels off (%s): XLA dot everywhere", _state["error"])
+    return _state.get("width")
+
+
+def _usable(x, w, vec_dim: int, max_rows: int) -> bool:
+    """Whether the kernel takes this product (vec_dim: the dim it vectorises over)."""
+    if x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        return False
+    if not 1 <= x.shape[0] <= max_rows:
+        return False
+    vw = vector_width()
+    return bool(vw) and vec_dim % vw == 0
+
+
+def _ffi(name, x, w, n):
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)
+
+
+@jax.custom_jvp
+def _nn(x, w):
+    return jax.lax.platform_dependent(
+        x, w, cpu=lambda x, w: _ffi("lookahead_matmul_nn", x, w, w.shape[1]), default=jnp.matmul)
+
+
+@_nn.defjvp
+def _nn_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    return _nn(x, w), dx @ w + x @ dw
+
+
+@jax.custom_jvp
+def _nt(x, e):
+    return jax.lax.platform_dependent(
+        x, e, cpu=lambda x, e: _ffi("lookahead_matmul_nt", x, e, e.shape[0]), default=lambda x, e: x @ e.T)
+
+
+@_nt.defjvp
+def _nt_jvp(primals, tangents):
+    (x, e), (dx, de) = primals, tangents
+    return _nt(x, e), dx @ e.T + x @ de.T
+
+
+def matmul(x, w):
+    """x [M,K] @ w [K,N]."""
+    if _usable(x, w, w.shape[1], MAX_ROWS):
+        return _nn(x, w)
+    return x @ w
+
+
+def matmul_nt(x, e):
+    """x [M,D] @ e [V,D].T (tied embeddings as the output layer)."""
+    if _usable(x, e, e.shape[1], MAX_ROWS_NT):
+        return _nt(x, e)
+    return x @ e.T
