@@ -105,6 +105,52 @@ class AcceptanceStats:
         return len(q) if q else 0
 
 
+class StepTimes:
+    """Verify step times observed while decoding, as ratios to a plain decoding step.
+
+    Calibration times each bucket a few times before a run; on a busy or throttling
+    machine those readings are off by 10-20%, which is the whole margin of a tree that
+    accepts one draft in three. Real steps are timed anyway (the host waits for their
+    tokens), so every step of size T > 0 yields a sample t(T) / t(0), where t(0) is a
+    moving average of recent plain steps at the same attention window. Ratios, not
+    seconds: the machine's speed drifts by tens of percent within minutes, and it drifts
+    for every T alike. A sample is only taken while that average is fresh (a plain step
+    at the window within the last `max_age` steps). Shared by the requests of one model,
+    batch and cache shape, like the calibrated costs."""
+
+    def __init__(self, window: int = 32, max_age: int = 32, alpha: float = 0.3):
+        if window < 1 or max_age < 1 or not 0 < alpha <= 1:
+            raise ValueError(f"need window >= 1, max_age >= 1, 0 < alpha <= 1; got {window}, {max_age}, {alpha}")
+        self.window, self.max_age, self.alpha = window, max_age, alpha
+        self.steps = 0
+        self.base: dict = {}  # attention window -> (moving average of t(0), step it was updated)
+        self.samples: dict = {}  # T -> deque of t(T) / t(0)
+
+    def record(self, T: int, window: int, seconds: float) -> None:
+        self.steps += 1
+        if T == 0:
+            old = self.base.get(window)
+            avg = seconds if old is None else (1 - self.alpha) * old[0] + self.alpha * seconds
+            self.base[window] = (avg, self.steps)
+            return
+        base = self.base.get(window)
+        if base is None or self.steps - base[1] > self.max_age:
+            return
+        q = self.samples.get(T)
+        if q is None:
+            q = self.samples[T] = collections.deque(maxlen=self.window)
+        q.append(seconds / base[0])
+
+    def ratio(self, T: int) -> tuple:
+        """(median observed t(T) / t(0), number of samples); (None, 0) if none."""
+        q = self.samples.get(T)
+        if not q:
+            return None, 0
+        s = sorted(q)
+        n = len(s)
+        return (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2), n
+
+
 class AutoBudget:
     """The bucket T that maximises expected tokens per second for the current drafts.
 
@@ -115,7 +161,8 @@ class AutoBudget:
     trees until the shared window forgets."""
 
     def __init__(self, buckets: Sequence[int], cost: dict, stats: Optional[AcceptanceStats] = None,
-                 margin: float = 0.1, prior: float = 8.0):
+                 margin: float = 0.1, prior: float = 8.0, times: Optional[StepTimes] = None,
+                 cost_prior: float = 4.0):
         if not buckets:
             raise ValueError("AutoBudget needs at least one bucket")
         missing = [b for b in buckets if b not in cost]
@@ -134,6 +181,29 @@ class AutoBudget:
         self.margin = margin
         self.prior = prior
         self.local = AcceptanceStats(window=1 << 30)  # this request's drafts only
+        self.times = times if times is not None else StepTimes()
+        if cost_prior < 0:
+            raise ValueError(f"cost_prior must be >= 0, got {cost_prior}")
+        self.cost_prior = cost_prior
+
+    def record(self, T: int, window: int, seconds: float) -> None:
+        """Time of a real verify step of bucket T at attention `window`."""
+        self.times.record(T, window, seconds)
+
+    def cost_ratios(self) -> dict:
+        """t(T) / t(0) per bucket: the calibrated ratio, blended with the ratios observed
+        on real steps (n samples weighted n : cost_prior), kept monotone in T."""
+        c0 = self.cost.get(0) or self.cost[self.buckets[0]]
+        out, floor = {}, 0.0
+        for b in self.buckets:
+            r = self.cost[b] / c0
+            if b and self.buckets[0] == 0:  # observed ratios are to plain steps
+                obs, n = self.times.ratio(b)
+                if n:
+                    r = (n * obs + self.cost_prior * r) / (n + self.cost_prior)
+            floor = max(floor, r)
+            out[b] = floor
+        return out
 
     def observe(self, tokens, parents, actual, key: Hashable = None) -> None:
         self.stats.observe(tokens, parents, actual, key)
@@ -157,7 +227,8 @@ class AutoBudget:
         if rows < len(keys):
             raise ValueError(f"{len(keys)} drafts for {rows} rows")
         accs = [self.expected_accepted(k) for k in keys]
-        rate = {b: (rows + sum(a[b] for a in accs)) / self.cost[b] for b in self.buckets}
+        ratio = self.cost_ratios()
+        rate = {b: (rows + sum(a[b] for a in accs)) / ratio[b] for b in self.buckets}
         best = max(self.buckets, key=lambda b: (rate[b], -b))  # ties go to the smaller tree
         # a tree must beat plain decoding clearly: the estimates are noisy, plain is not
         if 0 in rate and best != 0 and rate[best] < (1 + self.margin) * rate[0]:

@@ -30,7 +30,7 @@ from .models import KVCache, hidden_states, init_cache, logits_from_hidden
 from .models.config import ModelConfig
 from .sampling import SamplingParams, select_tokens
 from . import tree as tree_lib
-from .budget import AutoBudget, outcome_known
+from .budget import AutoBudget, StepTimes, outcome_known
 from .trie import Draft
 from .verify import jitted_verify_step, window_for
 
@@ -338,7 +338,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
             t0 = time.perf_counter()
             mid = max(lens) + max_new_tokens // 2  # calibrate at a typical length of this run
             costs = measure_verify_costs(model, verify, B, S, step_buckets, mid)
-            policy = AutoBudget(step_buckets, costs, getattr(drafter, "acceptance", None))
+            times = model.__dict__.setdefault("_step_times", {}).setdefault((id(verify), B, S), StepTimes())
+            policy = AutoBudget(step_buckets, costs, getattr(drafter, "acceptance", None), times=times)
             calibrate_s = time.perf_counter() - t0
 
     # ---- prefill
@@ -384,12 +385,15 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         window = window_for(int(lengths[active].max()) + 1 + T, S)
         host_s += time.perf_counter() - h0
         tree_sizes.append(T)
+        c1, t1 = compiled.compile_s, time.perf_counter()
         emitted, n_emit, cache = compiled(
             "verify", verify, model.params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
             active, seeds, rowids, window=window,
         )
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         h0 = time.perf_counter()
+        if policy and compiled.compile_s == c1:  # real step times correct the calibration
+            policy.record(T, window, h0 - t1)
         lengths += n_emit
         steps += 1
         for r in rows:
@@ -431,6 +435,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     )
     if policy:
         stats["verify_cost_ms"] = {b: round(c * 1e3, 2) for b, c in policy.cost.items()}
+        stats["verify_cost_ratio"] = {b: round(r, 3) for b, r in policy.cost_ratios().items()}
+        stats["observed_cost_ratio"] = {  # median t(T)/t(0) of real steps, samples
+            b: [round(r, 3), n] for b in policy.buckets for r, n in [policy.times.ratio(b)] if n}
         stats["expected_accepted"] = {  # per draft class (match length, dominance)
             str(k): {b: round(a, 3) for b, a in policy.expected_accepted(k).items()}
             for k in sorted(policy.stats.samples)}

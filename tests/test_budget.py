@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_jax.budget import (AcceptanceStats, AutoBudget, accepted_length, accepted_lengths,
+from lookahead_jax.budget import (AcceptanceStats, AutoBudget, StepTimes, accepted_length, accepted_lengths,
                                   outcome_known)
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.tree import BUCKETS
@@ -201,3 +201,49 @@ def test_random_classes_are_consistent():
         truth.setdefault(k, []).append(naive_accepted(tokens, parents, actual, 7))
     for k, v in truth.items():
         assert s.expected(k)[7] == pytest.approx(sum(v) / len(v))
+
+
+def test_step_times_are_ratios_to_fresh_plain_steps_at_the_same_window():
+    t = StepTimes(window=4, max_age=3, alpha=0.5)
+    t.record(1, 128, 0.030)  # no plain step at this window yet: no sample
+    assert t.ratio(1) == (None, 0)
+    t.record(0, 128, 0.020)
+    t.record(1, 128, 0.030)
+    t.record(1, 256, 0.050)  # another window: no base there
+    assert t.ratio(1) == (1.5, 1)
+    t.record(0, 128, 0.030)  # moving average: 0.025
+    t.record(3, 128, 0.050)
+    assert t.ratio(3) == (2.0, 1)
+    for _ in range(3):
+        t.record(7, 128, 0.050)  # the third is 3 steps after the last plain one, then stale
+    assert t.ratio(7) == (2.0, 2)
+    for r in (1.0, 5.0, 1.2, 1.1, 1.3):  # median of the last `window` samples
+        t.record(0, 512, 0.01)
+        t.record(15, 512, 0.01 * r)
+    assert t.ratio(15)[1] == 4 and t.ratio(15)[0] == pytest.approx((1.2 + 1.3) / 2)
+    with pytest.raises(ValueError):
+        StepTimes(alpha=0)
+
+
+def test_observed_step_times_correct_the_calibrated_costs():
+    """A tree the calibration priced too cheaply is dropped once real steps show its cost."""
+    stats = AcceptanceStats()
+    for _ in range(20):  # drafts of class "k" accept 0.3 drafts at T=1
+        stats.observe([5], [-1], [5] if random.Random(_).random() < 0.3 else [6], "k")
+    a1 = stats.expected("k")[1]
+    cost = {0: 1.0, 1: 1.1}
+    b = AutoBudget((0, 1), cost, stats, margin=0.0, cost_prior=4.0)
+    assert (1 + a1) / 1.1 > 1.0 and b.choose(["k"]) == 1  # calibrated: the tree pays
+    assert b.cost_ratios() == {0: 1.0, 1: pytest.approx(1.1)}
+    for _ in range(12):  # real steps: T=1 costs 1.6x plain
+        b.record(0, 128, 0.020)
+        b.record(1, 128, 0.032)
+    r = b.cost_ratios()[1]
+    assert r == pytest.approx((12 * 1.6 + 4 * 1.1) / 16)
+    assert (1 + a1) / r < 1.0 and b.choose(["k"]) == 0  # observed: plain decoding is faster
+    # ratios stay monotone in T even if a bigger tree was observed cheaper
+    c = AutoBudget((0, 1, 3), {0: 1.0, 1: 1.2, 3: 1.3}, stats, times=StepTimes())
+    for _ in range(10):
+        c.record(0, 128, 0.02)
+        c.record(3, 128, 0.02)
+    assert c.cost_ratios()[3] >= c.cost_ratios()[1]
