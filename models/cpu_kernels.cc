@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -59,6 +60,7 @@ static inline float vsum(vec v) {
 #endif
 
 constexpr int MR = 8;        // rows of x per register block (8 x 3 accumulators)
+static_assert(MR == 8, "for_row_blocks spells out remainders of 1..7 rows");
 constexpr int PREFETCH = 16;  // rows of w ahead ("nn")
 
 // ---------------------------------------------------------------- nn: x[M,K] @ w[K,N]
@@ -84,22 +86,27 @@ static void nn_block(const float* x, const float* w, float* y, int64_t K, int64_
     for (int j = 0; j < NV; ++j) vstore(y + r * N + n0 + j * VW, acc[r][j]);
 }
 
-template <int NV>
-static void nn_tile(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+// Calls f(m, R) for the row blocks of M rows: full blocks of MR, then one of M % MR rows
+// (R a compile-time constant, so each block size gets its own register allocation).
+template <typename F>
+static void for_row_blocks(int64_t M, const F& f) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) nn_block<NV, MR>(x + m * K, w, y + m * N, K, N, n0);
-  const float* xm = x + m * K;
-  float* ym = y + m * N;
+  for (; m + MR <= M; m += MR) f(m, std::integral_constant<int, MR>{});
   switch (M - m) {
-    case 1: nn_block<NV, 1>(xm, w, ym, K, N, n0); break;
-    case 2: nn_block<NV, 2>(xm, w, ym, K, N, n0); break;
-    case 3: nn_block<NV, 3>(xm, w, ym, K, N, n0); break;
-    case 4: nn_block<NV, 4>(xm, w, ym, K, N, n0); break;
-    case 5: nn_block<NV, 5>(xm, w, ym, K, N, n0); break;
-    case 6: nn_block<NV, 6>(xm, w, ym, K, N, n0); break;
-    case 7: nn_block<NV, 7>(xm, w, ym, K, N, n0); break;
+    case 1: f(m, std::integral_constant<int, 1>{}); break;
+    case 2: f(m, std::integral_constant<int, 2>{}); break;
+    case 3: f(m, std::integral_constant<int, 3>{}); break;
+    case 4: f(m, std::integral_constant<int, 4>{}); break;
+    case 5: f(m, std::integral_constant<int, 5>{}); break;
+    case 6: f(m, std::integral_constant<int, 6>{}); break;
+    case 7: f(m, std::integral_constant<int, 7>{}); break;
     default: break;
   }
+}
+
+template <int NV>
+static void nn_tile(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+  for_row_blocks(M, [&](int64_t m, auto R) { nn_block<NV, decltype(R)::value>(x + m * K, w, y + m * N, K, N, n0); });
 }
 
 // ---------------------------------------------------------------- nt: x[M,D] @ e[V,D]^T
@@ -122,20 +129,7 @@ static void nt_block(const float* x, const float* e, float* y, int64_t D, int64_
 
 template <int RV>
 static void nt_tile(const float* x, const float* e, float* y, int64_t M, int64_t D, int64_t V, int64_t v0) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) nt_block<RV, MR>(x + m * D, e, y + m * V, D, V, v0);
-  const float* xm = x + m * D;
-  float* ym = y + m * V;
-  switch (M - m) {
-    case 1: nt_block<RV, 1>(xm, e, ym, D, V, v0); break;
-    case 2: nt_block<RV, 2>(xm, e, ym, D, V, v0); break;
-    case 3: nt_block<RV, 3>(xm, e, ym, D, V, v0); break;
-    case 4: nt_block<RV, 4>(xm, e, ym, D, V, v0); break;
-    case 5: nt_block<RV, 5>(xm, e, ym, D, V, v0); break;
-    case 6: nt_block<RV, 6>(xm, e, ym, D, V, v0); break;
-    case 7: nt_block<RV, 7>(xm, e, ym, D, V, v0); break;
-    default: break;
-  }
+  for_row_blocks(M, [&](int64_t m, auto R) { nt_block<RV, decltype(R)::value>(x + m * D, e, y + m * V, D, V, v0); });
 }
 
 // ---------------------------------------------------------------- work sharing
