@@ -48,8 +48,31 @@ def dataset_prompts(name: str, n: int, max_chars: int = 2400):
     raise SystemExit(f"unknown dataset {name!r}; use nq, humaneval, gsm8k")
 
 
+def model_gguf(model: str) -> Path:
+    """The GGUF behind `--model`: a `.gguf` path as given, else the preset's packaged file."""
+    if model.endswith(".gguf"):
+        p = Path(model).expanduser()
+        if not p.is_file():
+            sys.exit(f"error: {p} not found")
+        return p
+    from lookahead_jax.fetch import gguf_path
+
+    return gguf_path(model)
+
+
+def resolve_hf_device(device: str) -> str:
+    """'auto' -> 'cuda' when JAX's default backend is a GPU and torch sees CUDA, else 'cpu'."""
+    if device != "auto":
+        return device
+    import jax
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 class HFPeer:
-    """HF transformers (torch, CPU) on the same GGUF file, fed the same token ids.
+    """HF transformers (torch; CPU by default, `device="cuda"` on a GPU) on the same GGUF
+    file, fed the same token ids.
 
     packed=False (the default, "same model"): weights dequantized at load into a dense
     f32/bf16 model, exactly the weights we run. packed=True: transformers 5 keeps GGUF
@@ -58,17 +81,20 @@ class HFPeer:
     separately for reference.
     """
 
-    def __init__(self, gguf_path, dtype: str, threads: int | None = None, packed: bool = False):
+    def __init__(self, gguf_path, dtype: str, threads: int | None = None, packed: bool = False,
+                 device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM, GgufConfig
 
         torch.set_num_threads(threads or os.cpu_count())
         self.torch = torch
+        self.device = device
         p = Path(gguf_path)
         td = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         qc = GgufConfig(gguf_file=p.name, dequantize=not packed)
         self.model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=td,
                                                           quantization_config=qc)
+        self.model.to(device)
         self.model.eval()
         # ignore EOS like our ignore_eos=True: EOS stays an ordinary token (min_new_tokens
         # would instead forbid it and change the tokens)
@@ -76,13 +102,16 @@ class HFPeer:
 
     def generate(self, ids, max_new_tokens: int, prompt_lookup: int = 0):
         torch = self.torch
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.device)
         kw = dict(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
         if prompt_lookup:
             kw["prompt_lookup_num_tokens"] = prompt_lookup
+        sync = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
         with torch.inference_mode():
+            sync()
             t0 = time.perf_counter()
             out = self.model.generate(x, **kw)
+            sync()
             dt = time.perf_counter() - t0
         return out[0, len(ids):].tolist(), dt
 

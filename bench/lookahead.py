@@ -2,6 +2,7 @@
 
     python bench/lookahead.py                                  # 20 prompts x 3 datasets
     python bench/lookahead.py --datasets nq --n 8 --no-hf      # quick look
+    python bench/lookahead.py --model path/to/model.gguf --hf-device cuda   # a GGUF file, HF on GPU
 
 Same model (SmolLM2-135M by default, f32), same token ids, `--max-new-tokens` tokens per
 prompt (EOS ignored so every method does the same work). Per prompt the methods run one
@@ -20,12 +21,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HFPeer, dataset_prompts, save  # noqa: E402
+from common import HFPeer, dataset_prompts, model_gguf, resolve_hf_device, save  # noqa: E402
 
 
 def parse_config(s: str) -> dict:
     """'auto:12:hierarchical' -> decoding_length, branch_length, mode."""
-    dl, bl, mode = (s.split(":") + ["12", "hierarchical"])[:3]
+    parts = s.split(":")
+    dl, bl, mode = parts + ["auto", "12", "hierarchical"][len(parts):]  # '15:12' -> hierarchical
     return dict(decoding_length=dl if dl == "auto" else int(dl), branch_length=int(bl), mode=mode)
 
 
@@ -45,7 +47,7 @@ def plot(result: dict, path: str) -> None:
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks([i + w * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"{result['model']} ({result['dtype']}), {result['max_new_tokens']} new tokens, "
+    ax.set_title(f"{Path(result['model']).name} ({result['dtype']}), {result['max_new_tokens']} new tokens, "
                  f"{result['prompts_per_dataset']} prompts/dataset")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
@@ -55,7 +57,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m", help="preset name or a .gguf file (used by both us and HF)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--datasets", nargs="+", default=["nq", "humaneval", "gsm8k"])
     ap.add_argument("--n", type=int, default=20, help="prompts per dataset")
@@ -64,21 +66,23 @@ def main(argv=None):
                     help="lookahead configs decoding_length:branch_length:mode ('auto' = the default)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-device", default="auto",
+                    help="torch device of the HF peer: cpu, cuda, or auto (cuda when JAX runs on a GPU, else cpu)")
     ap.add_argument("--out", default="bench/results/lookahead.json")
     a = ap.parse_args(argv)
 
     import lookahead_jax as lj
     from lookahead_jax.generate import encode_prompts
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.fetch import gguf_path
     from lookahead_jax.trie import NgramTrie
     from lookahead_jax.budget import AcceptanceStats
 
-    model, tok = lj.load(a.model, dtype=a.dtype)
-    hf = None if a.no_hf else HFPeer(gguf_path(a.model), a.dtype)
+    model, tok = lj.load(a.model, dtype=a.dtype)  # a preset name or a .gguf path
+    hf_device = None if a.no_hf else resolve_hf_device(a.hf_device)
+    hf = None if a.no_hf else HFPeer(model_gguf(a.model), a.dtype, device=hf_device)
     configs = {f"lookahead[{c}]": parse_config(c) for c in a.configs}
     result = dict(model=a.model, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
-                  prompts_per_dataset=a.n, datasets={})
+                  prompts_per_dataset=a.n, hf_device=hf_device, datasets={})
     for ds in a.datasets:
         prompts, refs = dataset_prompts(ds, a.n)
         ids = encode_prompts(tok, prompts, chat=False)  # chat messages use the template
@@ -130,6 +134,7 @@ def main(argv=None):
                     toks, dt = hf.generate(x, a.max_new_tokens, prompt_lookup=k)
                     acc[name]["tokens"] += len(toks)
                     acc[name]["time"] += dt
+                    acc[name]["identical"] += toks == base.token_ids[0]
                     line += f" {name}={len(toks) / dt:.1f}t/s"
             print(line, flush=True)
         methods = {}
@@ -141,6 +146,8 @@ def main(argv=None):
                 m.update(forward_steps=v["steps"], mean_accepted_tokens=round(v["tokens"] / v["steps"], 3),
                          host_s=round(v["host"], 3), host_fraction=round(v["host"] / v["time"], 4),
                          identical_to_greedy=f"{v['identical']}/{len(ids)}")
+            else:  # HF's tokens vs ours (f32 on the same weights: expected equal, bf16 rounds differently)
+                m.update(identical_to_our_greedy=f"{v['identical']}/{len(ids)}")
             if name in per_prompt:  # per-prompt speedup over the mean of the two greedy runs
                 m.update(prompts_below_0_95=sum(x < 0.95 for x in per_prompt[name]),
                          worst_prompt=min(per_prompt[name]), per_prompt_speedup=per_prompt[name])
