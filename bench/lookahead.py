@@ -159,6 +159,8 @@ def main(argv=None):
         result["datasets"][ds] = dict(methods=methods, best_lookahead=best)
         print(f"== {ds}: " + "; ".join(f"{n}: {m['tokens_per_s']:.1f} tok/s ({m['speedup_vs_our_greedy']:.2f}x)"
                                       for n, m in methods.items()), flush=True)
+        if ds != a.datasets[-1]:
+            save(result, a.out)  # partial results survive a run cut short
     save(result, a.out)
     plot(result, str(Path(a.out).with_suffix(".png")))
 
