@@ -1,16 +1,18 @@
-// Skinny f32 matmuls for XLA:CPU (an XLA FFI custom call), used by the decode and verify
-// steps: y[M,N] = x[M,K] @ w[K,N] ("nn") and y[M,V] = x[M,D] @ e[V,D]^T ("nt", tied
-// embeddings), for few rows M (1 greedy token, 2..16 for a verify block).
+// CPU kernels for the decode and verify steps (XLA FFI custom calls), f32, for few rows M
+// (1 greedy token, 2..16 for a verify block): y[M,N] = x[M,K] @ w[K,N] ("nn"),
+// y[M,V] = x[M,D] @ e[V,D]^T ("nt", tied embeddings), and one layer's attention of the
+// new tokens over the KV cache.
 //
 // Why: XLA:CPU hands a dot with M >= 2 to a general GEMM whose cost jumps by ~30% from
 // M = 1 to M = 2 and ~60% at M = 4 on a 2-core x86, although reading the weights (the real
 // cost at small M) is the same. Here every weight vector loaded from memory is used for all
-// M rows at once, so a step costs about one pass over the weights for M up to ~8.
+// M rows at once, so a step costs about one pass over the weights for M up to ~8. XLA's
+// attention at these sizes is ~12 small ops whose fixed costs dominate; here it is one.
 //
 // Numerics: each output row is accumulated in the same order whatever M is (sequential
-// over k with FMAs; the same horizontal reduction for "nt"), so a row's result does not
-// depend on how many rows share the call: a verify block and a greedy step compute
-// bit-identical logits for the same row.
+// over k with FMAs in "nn"; the same FMAs and reduction tree for every product in "nt"
+// and the attention scores), so a row's result does not depend on how many rows share
+// the call: a verify block and a greedy step compute bit-identical logits for the same row.
 //
 // Threads: column tiles are claimed from an atomic counter by the calling thread and one
 // task per extra worker of XLA's intra-op pool (the FFI ThreadPool); the caller waits for
@@ -41,6 +43,30 @@ static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vset1(float a) { return _mm512_set1_ps(a); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+static inline vec vround(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vscale2(vec p, vec n) { return _mm512_scalef_ps(p, n); }
+static inline vec vzero_below(vec v, vec x, vec lo) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), v); }
+// Horizontal sums of VW vectors at once: lane L of vreduce(acc) is the sum of the vector
+// in slot vslot(L) (a 4x4 transpose of the slot index: the shuffle network below leaves
+// lane 4i + c holding slot 4c + i). Four levels of two shuffles and an add.
+constexpr int vslot(int lane) { return 4 * (lane % 4) + lane / 4; }  // an involution
+static inline vec vreduce(const vec* a) {
+  vec w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: blocks [p0+p2, p1+p3, q0+q2, q1+q3]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit blocks: one slot per block
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // pairs of lanes
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int VW = 8;
 using vec = __m256;
@@ -55,9 +81,46 @@ static inline float vsum(vec v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec vround(vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vec vscale2(vec p, vec n) {  // p * 2^n for integral n in [-126, 127]
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline vec vzero_below(vec v, vec x, vec lo) { return _mm256_and_ps(v, _mm256_cmp_ps(x, lo, _CMP_GE_OQ)); }
+// Horizontal sums of VW vectors at once: lane L of vreduce(acc) is the sum of acc[L].
+constexpr int vslot(int lane) { return lane; }
+static inline vec vreduce(const vec* a) {
+  vec h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
+  vec h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
+  vec g0 = _mm256_hadd_ps(h0, h1), g1 = _mm256_hadd_ps(h2, h3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
 #else
 #error "cpu_kernels.cc needs AVX2+FMA or AVX-512 (the Python side falls back to XLA's dot)"
 #endif
+
+// exp(x) for x <= 0 (softmax after subtracting the row max), Cephes' expf polynomial:
+// x = n ln2 + r, |r| <= ln2/2, e^r = 1 + r + r^2 P(r), times 2^n; x < -87 gives exactly 0,
+// so a masked or negligible slot adds nothing to the sums (a window padded with masked
+// slots gives bitwise the same row as a narrower one).
+static inline vec vexp_neg(vec x) {
+  const vec lo = vset1(-87.0f);
+  vec xc = vmax(x, lo);
+  vec n = vround(vmul(xc, vset1(1.44269504088896341f)));
+  vec r = vfma(n, vset1(-0.693359375f), xc);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vzero_below(vscale2(p, n), x, lo);
+}
 
 constexpr int MR = 8;        // rows of x per register block (8 x 3 accumulators)
 static_assert(MR == 8, "for_row_blocks spells out remainders of 1..7 rows");
@@ -110,26 +173,48 @@ static void nn_tile(const float* x, const float* w, float* y, int64_t M, int64_t
 }
 
 // ---------------------------------------------------------------- nt: x[M,D] @ e[V,D]^T
-template <int RV, int R>
-static void nt_block(const float* x, const float* e, float* y, int64_t D, int64_t V, int64_t v0) {
-  vec acc[R][RV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < RV; ++j) acc[r][j] = vzero();
-  for (int64_t d = 0; d < D; d += VW) {
-    vec ev[RV];
-    for (int j = 0; j < RV; ++j) ev[j] = vload(e + (v0 + j) * D + d);
-    for (int r = 0; r < R; ++r) {
-      vec xv = vload(x + r * D + d);
-      for (int j = 0; j < RV; ++j) acc[r][j] = vfma(xv, ev[j], acc[r][j]);
+// y[r, v] = x[r] . e[v] for rows r < R and v in [v0, v1) (y's rows `ys` apart). A block
+// is VW / KB rows of x by KB rows of e: its VW dot products are VW accumulators (FMAs
+// over D), summed horizontally by one vreduce (lane i * KB + j: row i with e[v + j]).
+// Every product goes through the same FMAs and the same reduction tree whatever its slot,
+// and a block's missing rows (of x or e) repeat its last one, so a product's value
+// depends on neither R nor the block shape: greedy (1 row, KB = VW) and a verify block
+// (many rows, KB = 4) get bitwise the same logits for the same row.
+constexpr int NT_AHEAD = 32;  // rows of e prefetched ahead
+
+template <int KB>
+static void nt_rows_kb(const float* x, const float* e, float* y, int64_t R, int64_t D, int64_t ys,
+                       int64_t v0, int64_t v1) {
+  constexpr int NB = VW / KB;  // rows of x per block
+  for (int64_t v = v0; v < v1; v += KB) {
+    const float* er[KB];
+    for (int j = 0; j < KB; ++j) er[j] = e + std::min(v + j, v1 - 1) * D;
+    const bool prefetch = v + KB + NT_AHEAD <= v1;
+    for (int64_t r0 = 0; r0 < R; r0 += NB) {
+      const float* xr[NB];
+      for (int i = 0; i < NB; ++i) xr[i] = x + std::min<int64_t>(r0 + i, R - 1) * D;
+      vec acc[VW];
+      for (int a = 0; a < VW; ++a) acc[a] = vzero();
+      for (int64_t d = 0; d < D; d += VW) {
+        if (prefetch && r0 == 0)  // rows of e NT_AHEAD ahead
+          for (int j = 0; j < KB; ++j) _mm_prefetch((const char*)(er[j] + NT_AHEAD * D + d), _MM_HINT_T0);
+#pragma GCC unroll 16
+        for (int a = 0; a < VW; ++a)  // slot a holds lane vslot(a)
+          acc[a] = vfma(vload(xr[vslot(a) / KB] + d), vload(er[vslot(a) % KB] + d), acc[a]);
+      }
+      alignas(64) float out[VW];
+      vstore(out, vreduce(acc));
+      for (int i = 0; i < NB && r0 + i < R; ++i)
+        for (int j = 0; j < KB && v + j < v1; ++j) y[(r0 + i) * ys + v + j] = out[i * KB + j];
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < RV; ++j) y[r * V + v0 + j] = vsum(acc[r][j]);
 }
 
-template <int RV>
-static void nt_tile(const float* x, const float* e, float* y, int64_t M, int64_t D, int64_t V, int64_t v0) {
-  for_row_blocks(M, [&](int64_t m, auto R) { nt_block<RV, decltype(R)::value>(x + m * D, e, y + m * V, D, V, v0); });
+static void nt_rows(const float* x, const float* e, float* y, int64_t R, int64_t D, int64_t ys,
+                    int64_t v0, int64_t v1) {
+  if (R == 1) nt_rows_kb<VW>(x, e, y, R, D, ys, v0, v1);
+  else if (R == 2) nt_rows_kb<VW / 2>(x, e, y, R, D, ys, v0, v1);
+  else nt_rows_kb<4>(x, e, y, R, D, ys, v0, v1);
 }
 
 // ---------------------------------------------------------------- work sharing
@@ -193,15 +278,102 @@ static ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const float* xp = x.typed_data();
   const float* ep = e.typed_data();
   float* yp = y->typed_data();
-  constexpr int64_t RV = 3;        // rows of e per block
-  constexpr int64_t TV = 16 * RV;  // rows of e per tile
-  const int64_t full = V / TV, rest = V % TV;
-  parallel_tiles(pool, full + (rest ? 1 : 0), [=](int64_t t) {
-    const int64_t v0 = t * TV, v1 = std::min(V, v0 + TV);
-    int64_t v = v0;
-    for (; v + RV <= v1; v += RV) nt_tile<RV>(xp, ep, yp, M, D, V, v);
-    for (; v < v1; ++v) nt_tile<1>(xp, ep, yp, M, D, V, v);
+  constexpr int64_t TV = 4 * VW;  // rows of e per tile
+  parallel_tiles(pool, (V + TV - 1) / TV, [=](int64_t t) {
+    nt_rows(xp, ep, yp, M, D, V, t * TV, std::min(V, (t + 1) * TV));
   });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------- attention
+// out[b,k,i] = softmax_j(scale * q[b,k,i] . kc[b,k,j] | mask[b,t,j]) @ vc[b,k,j], j < W,
+// t = i % T: the queries of one kv head (its G query heads x T tokens, index g*T + t) over
+// the first W slots of the cache. One call per layer replaces XLA's ~12 small ops (two
+// batched dots, scale, select, max, exp, sum, divide, transposes), whose fixed costs
+// dominate at decode sizes. A row without a visible slot gives zeros.
+//
+// Numerics are per row and do not depend on T or on masked slots: each score is one
+// sequence of FMAs over H and a fixed reduction (slots in full vectors of VW; the window
+// of a decode step is a multiple of VW or the whole cache), the max and the sum over visible slots
+// (masked ones are exactly 0 after vexp_neg; the sum is lane-wise over full vectors of
+// slots, then a fixed reduction), probabilities p / sum, then p @ v by the "nn" block
+// (sequential over slots, so a masked slot's 0 adds nothing).
+constexpr int64_t ATTN_ROWS = MR;  // queries per tile
+
+static void attention_rows(const float* q, const float* kc, const float* vc, const bool* mask,
+                           float* out, float* p, int64_t R, int64_t i0, int64_t T, int64_t W,
+                           int64_t H, float scale) {
+  nt_rows(q, kc, p, R, H, W, 0, W);  // scores p[R,W] = q[R,H] @ kc[W,H]^T
+  const int64_t Wv = W - W % VW;
+  for (int64_t r = 0; r < R; ++r) {
+    float* pr = p + r * W;
+    const bool* mr = mask + ((i0 + r) % T) * W;
+    float mx = -3.0e38f;
+    bool any = false;
+    for (int64_t j = 0; j < W; ++j) {
+      float s = pr[j] * scale;
+      if (mr[j]) {
+        any = true;
+        mx = std::max(mx, s);
+        pr[j] = s;
+      } else {
+        pr[j] = -1.0e30f;
+      }
+    }
+    if (!any) {
+      std::fill(pr, pr + W, 0.0f);
+      continue;
+    }
+    const vec neg_mx = vset1(-mx);
+    vec acc = vzero();
+    for (int64_t j = 0; j < Wv; j += VW) {
+      vec e = vexp_neg(vadd(vload(pr + j), neg_mx));
+      vstore(pr + j, e);
+      acc = vadd(acc, e);
+    }
+    float sum = vsum(acc);
+    for (int64_t j = Wv; j < W; ++j) {
+      float buf[VW] = {0};
+      buf[0] = pr[j] - mx;
+      float e[VW];
+      vstore(e, vexp_neg(vload(buf)));
+      pr[j] = e[0];
+      sum += e[0];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < W; ++j) pr[j] *= inv;
+  }
+  // out[R,H] = p[R,W] @ vc[W,H]
+  for (int64_t n0 = 0; n0 < H; n0 += VW)
+    for_row_blocks(R, [&](int64_t m, auto RB) { nn_block<1, decltype(RB)::value>(p + m * W, vc, out + m * H, W, H, n0); });
+}
+
+static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+                            ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> mask,
+                            ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions(), kd = kc.dimensions(), vd = vc.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
+    return ffi::Error::InvalidArgument("attention: needs q[B,K,Q,H], k/v[B,K,S,H], mask[B,T,W]");
+  const int64_t B = qd[0], K = qd[1], Q = qd[2], H = qd[3], S = kd[2], T = md[1], W = md[2];
+  for (int i = 0; i < 4; ++i)
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("attention: k and v shapes differ");
+  if (kd[0] != B || kd[1] != K || kd[3] != H || md[0] != B || T < 1 || Q % T || W > S || H % VW)
+    return ffi::Error::InvalidArgument("attention: inconsistent shapes (Q % T, W <= S, H % vector width)");
+  const float* qp = q.typed_data();
+  const float* kp = kc.typed_data();
+  const float* vp = vc.typed_data();
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  const int64_t blocks = (Q + ATTN_ROWS - 1) / ATTN_ROWS;
+  auto tile = [=](int64_t t) {
+    const int64_t bk = t / blocks, i0 = (t % blocks) * ATTN_ROWS, b = bk / K;
+    const int64_t R = std::min(ATTN_ROWS, Q - i0);
+    std::unique_ptr<float[]> p(new float[R * W]);
+    attention_rows(qp + (bk * Q + i0) * H, kp + bk * S * H, vp + bk * S * H, mp + b * T * W,
+                   op + (bk * Q + i0) * H, p.get(), R, i0, T, W, H, scale);
+  };
+  if (B * K * blocks == 1) tile(0);
+  else parallel_tiles(pool, B * K * blocks, tile);
   return ffi::Error::Success();
 }
 
@@ -218,5 +390,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_matmul_nt, MatmulNT,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_attention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
 
 extern "C" int lookahead_vector_width() { return VW; }

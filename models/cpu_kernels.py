@@ -1,24 +1,28 @@
-"""Skinny f32 matmuls for XLA:CPU: decode and verify steps read the weights once.
+"""CPU kernels for XLA:CPU decode and verify steps: skinny f32 matmuls and attention.
 
 On CPU a decode step is a pass over the weights, and XLA's dot costs ~30% more at 2 rows
 than at 1 and ~60% more at 4 (bench/ceiling.py): a tree verify step of a few tokens pays
-for rows it barely computes. `cpu_kernels.cc` (an XLA FFI custom call) uses every loaded
+for rows it barely computes. `cpu_kernels.cc` (XLA FFI custom calls) uses every loaded
 weight vector for all rows at once, so up to ~8 rows cost about one pass over the weights.
 
 `matmul(x, w)` and `matmul_nt(x, e)` are drop-in for `x @ w` and `x @ e.T` on 2-D f32
-operands. They take the kernel only where it pays and is possible, decided at trace time:
+operands; `attention(q, k, v, mask, scale, reference)` is one layer's attention of a few
+new tokens over the cache in one call, where XLA runs ~12 small ops whose fixed costs
+dominate at decode sizes (2-4 ms of a SmolLM2 step). They take the kernel only where it
+pays and is possible, decided at trace time:
 
-* lowering for CPU (`lax.platform_dependent`: GPU/TPU lower plain `dot`),
-* f32 operands, 1..MAX_ROWS rows, the other dims multiples of the vector width,
+* lowering for CPU (`lax.platform_dependent`: GPU/TPU lower plain `dot` / the reference),
+* f32 operands, 1..MAX_ROWS rows (MAX_ATTN_TOKENS tokens), the vectorised dims multiples
+  of the vector width,
 * the kernel built: at first use, by the host C++ compiler (`c++ -O3 -march=native`,
   AVX2+FMA or AVX-512; cached per source, CPU and jax version under
   `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/kernels`). No compiler, another
-  architecture, or `LOOKAHEAD_JAX_CPU_KERNELS=0`: plain `dot`, with one log line.
+  architecture, or `LOOKAHEAD_JAX_CPU_KERNELS=0`: plain `dot` everywhere, one log line.
 
-Rows are computed in the same order whatever their number, so the logits of a token do
-not depend on how many tokens share its step (greedy and a verify block agree bitwise in
-these matmuls). Derivatives go through plain dots (custom JVP), so training code can
-differentiate a model that uses them.
+A row's result does not depend on how many rows share the call, nor (attention) on
+masked slots of a wider window, so the logits of a token are bitwise the same in a greedy
+step and in a verify block of up to 16 tokens. Derivatives go through plain dots and the
+jnp reference (custom JVP), so training code can differentiate a model that uses them.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger("lookahead_jax")
 
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (compute, not weight reads, dominates)
-MAX_ROWS_NT = 2  # x @ e.T: from 4 rows on XLA's GEMM is as fast as the kernel's reductions
+MAX_ROWS_NT = 16  # x @ e.T (tied embeddings as the output layer)
+MAX_ATTN_TOKENS = 16  # attention: decode and verify blocks (prefill keeps XLA's batched dots)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _lock = threading.Lock()
 _state: dict = {}  # "width": vector width once built and registered, or "error": why not
@@ -65,21 +71,24 @@ def _cpu_signature() -> str:
     return flags + platform.machine()
 
 
-def _build() -> Path:
+def _build(flags: tuple = ()) -> Path:
+    """Compile cpu_kernels.cc (cached); `flags` are extra compiler flags (tests build the
+    AVX2 variant on an AVX-512 machine with ("-mno-avx512f",))."""
     asked = os.environ.get("CXX")
     cxx = shutil.which(asked) if asked else (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++"))
     if not cxx:
         raise RuntimeError(f"no C++ compiler found ({'CXX=' + asked if asked else 'c++, g++, clang++'}); "
                            "install g++ or set CXX")
     src = SOURCE.read_bytes()
-    key = hashlib.sha1(src + _cpu_signature().encode() + jax.__version__.encode() + cxx.encode()).hexdigest()[:16]
+    key = hashlib.sha1(src + _cpu_signature().encode() + jax.__version__.encode() + cxx.encode()
+                       + " ".join(flags).encode()).hexdigest()[:16]
     out = _cache_root() / key / "libcpu_kernels.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+        cmd = [cxx, "-O3", "-march=native", *flags, "-std=c++17", "-shared", "-fPIC",
                "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp_so)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
@@ -103,7 +112,7 @@ def vector_width() -> Optional[int]:
         else:
             try:
                 lib = ctypes.CDLL(str(_build()))
-                for name in ("lookahead_matmul_nn", "lookahead_matmul_nt"):
+                for name in ("lookahead_matmul_nn", "lookahead_matmul_nt", "lookahead_attention"):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
                 _state["width"] = int(lib.lookahead_vector_width())
                 _state["lib"] = lib  # keep the library loaded
@@ -164,3 +173,41 @@ def matmul_nt(x, e):
     if _usable(x, e, e.shape[1], MAX_ROWS_NT):
         return _nt(x, e)
     return x @ e.T
+
+
+def attention(q, k, v, mask, scale: float, reference):
+    """Attention of one layer's new tokens over the cache, in one kernel call on CPU.
+
+    q [B,K,Q,H] f32: the queries grouped per kv head (Q = G*T, query g*T + t of token t);
+    k, v [B,K,S,H]: the cache (new tokens already written); mask [B,T,W] bool, W <= S:
+    the slots each token sees (attention reads slots < W only). Returns [B,K,Q,H] f32:
+    softmax(scale * q k^T, masked) v, a row with nothing visible giving zeros.
+
+    `reference(q, k, v, mask)` is the same computation in jnp: what GPU/TPU lower, what
+    runs where the kernel does not apply (not f32, T > MAX_ATTN_TOKENS, H not a multiple of
+    the vector width, kernel off), and what derivatives go through.
+    """
+    B, K, Q, H = q.shape
+    T = mask.shape[1]
+    usable = (q.dtype == k.dtype == v.dtype == jnp.float32 and mask.dtype == jnp.bool_
+              and 1 <= T <= MAX_ATTN_TOKENS and Q % T == 0 and mask.shape[2] <= k.shape[2])
+    vw = vector_width() if usable else None
+    if not vw or H % vw:
+        return reference(q, k, v, mask)
+
+    def kernel(q, k, v, mask):
+        return jax.ffi.ffi_call("lookahead_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q, k, v, mask, scale=np.float32(scale))
+
+    @jax.custom_jvp
+    def attn(q, k, v, mask):
+        return jax.lax.platform_dependent(q, k, v, mask, cpu=kernel, default=reference)
+
+    @attn.defjvp
+    def _jvp(primals, tangents):
+        q, k, v, mask = primals
+        dq, dk, dv, _ = tangents
+        out = attn(q, k, v, mask)
+        return out, jax.jvp(lambda q, k, v: reference(q, k, v, mask), (q, k, v), (dq, dk, dv))[1]
+
+    return attn(q, k, v, mask)

@@ -48,6 +48,7 @@ between that "split" layout (q [D,N*H], k/v [D,K*H], q/k/v_bias, gate/up [D,F]) 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -171,18 +172,26 @@ def _attention(p, x, rope, k_cache, v_cache, length, mask, cfg: ModelConfig):
 
     k_cache = _write_rows(k_cache, k.transpose(0, 2, 1, 3), length)  # [B,K,S,H]
     v_cache = _write_rows(v_cache, v.transpose(0, 2, 1, 3), length)
-    W = mask.shape[-1]  # slots attention reads (static window, <= S)
-    k_seen, v_seen = k_cache[:, :, :W], v_cache[:, :, :W]
-
-    # queries grouped per kv head: [B,K,G*T,H], so both einsums are batched matmuls
+    # queries grouped per kv head: [B,K,G*T,H] (query g*T + t), so that attention over a
+    # kv head is one batched matmul; on CPU one kernel call (`cpu_kernels.attention`)
     qg = q.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_seen, preferred_element_type=jnp.float32)
-    scores = scores.reshape(B, K, G, T, -1) * cfg.attn_scale  # [B,K,G,T,S]
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, G * T, -1)
-    out = jnp.einsum("BKQS,BKSH->BKQH", probs, v_seen)  # [B,K,G*T,H]
+    out = cpu_kernels.attention(qg, k_cache, v_cache, mask, cfg.attn_scale,
+                                functools.partial(grouped_attention, scale=cfg.attn_scale))
     out = _dense(out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H), p["o"])
     return out, k_cache, v_cache
+
+
+def grouped_attention(qg, k_cache, v_cache, mask, scale):
+    """qg [B,K,G*T,H] (query g*T + t) over cache slots < W of k/v [B,K,S,H], mask [B,T,W]
+    -> [B,K,G*T,H] in v's dtype (the jnp definition; `cpu_kernels.attention` on CPU)."""
+    B, K, Q, H = qg.shape
+    T, W = mask.shape[1:]
+    k_seen, v_seen = k_cache[:, :, :W], v_cache[:, :, :W]  # static window
+    scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_seen, preferred_element_type=jnp.float32)
+    scores = scores.reshape(B, K, Q // T, T, W) * scale  # [B,K,G,T,W]
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, Q, W)
+    return jnp.einsum("BKQS,BKSH->BKQH", probs, v_seen)  # [B,K,G*T,H]
 
 
 # ----------------------------------------------------------------------------- forward

@@ -39,7 +39,7 @@ def test_matmul_matches_reference(M, K, N):
 
 
 @needs_kernel
-@pytest.mark.parametrize("M", [1, 2])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("V,D", [(49, 64), (1000, 576), (48, 16)])
 def test_matmul_nt_matches_reference(M, V, D):
     k1, k2 = jax.random.split(jax.random.PRNGKey(V + M))
@@ -59,8 +59,9 @@ def test_a_row_does_not_depend_on_the_other_rows():
     full = np.asarray(jax.jit(ck.matmul)(x, w))
     for lo, hi in [(0, 1), (5, 6), (3, 7), (8, 16), (9, 11)]:
         assert np.array_equal(np.asarray(jax.jit(ck.matmul)(x[lo:hi], w)), full[lo:hi])
-    both = np.asarray(jax.jit(ck.matmul_nt)(x[:2], e))
-    assert np.array_equal(np.asarray(jax.jit(ck.matmul_nt)(x[1:2], e)), both[1:2])
+    full = np.asarray(jax.jit(ck.matmul_nt)(x, e))  # blocks of 4 rows of e, V % 4 = 3
+    for lo, hi in [(0, 1), (1, 2), (0, 2), (5, 6), (3, 7), (8, 16), (9, 12)]:
+        assert np.array_equal(np.asarray(jax.jit(ck.matmul_nt)(x[lo:hi], e)), full[lo:hi])
 
 
 def test_products_the_kernel_does_not_take_use_plain_dot():
@@ -69,6 +70,7 @@ def test_products_the_kernel_does_not_take_use_plain_dot():
     assert not _lowered_has_kernel(ck.matmul, jnp.ones((ck.MAX_ROWS + 1, 64)), jnp.ones((64, 32)))
     assert not _lowered_has_kernel(ck.matmul, x, jnp.ones((64, 17)))  # N not a vector multiple
     assert not _lowered_has_kernel(ck.matmul_nt, jnp.ones((ck.MAX_ROWS_NT + 1, 64)), jnp.ones((10, 64)))
+    assert not _lowered_has_kernel(ck.matmul_nt, jnp.ones((2, 24)), jnp.ones((10, 24)))  # D not a vector multiple
     y = jax.jit(ck.matmul)(x, jnp.ones((64, 17)))
     np.testing.assert_allclose(np.asarray(y), np.full((2, 17), 64.0))
 
@@ -120,3 +122,117 @@ def test_kernel_is_cached_per_source_and_cpu(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
     libs = list((tmp_path / "kernels").glob("*/libcpu_kernels.so"))
     assert len(libs) == 1 and runs[0].stdout == runs[1].stdout
+
+
+# ----------------------------------------------------------------------------- attention
+def _attention_case(seed, B=1, K=3, G=3, T=4, S=256, W=128, H=64, p_visible=0.7):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, K, G * T, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, K, S, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, K, S, H)), jnp.float32)
+    mask = jnp.asarray(rng.random((B, T, W)) < p_visible)
+    return q, k, v, mask
+
+
+def _reference(scale):
+    import functools
+
+    from lookahead_jax.models.transformer import grouped_attention
+
+    return functools.partial(grouped_attention, scale=scale)
+
+
+def _attention(q, k, v, mask, scale=0.125):
+    return ck.attention(q, k, v, mask, scale, _reference(scale))
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,K,G,T,S,W,H", [(1, 3, 3, 1, 512, 256, 64), (2, 3, 3, 8, 512, 512, 64),
+                                           (1, 1, 4, 16, 64, 40, 16), (2, 2, 2, 5, 300, 300, 32),
+                                           (1, 2, 1, 3, 128, 128, 256)])
+def test_attention_matches_the_jnp_definition(B, K, G, T, S, W, H):
+    q, k, v, mask = _attention_case(B * 100 + T, B, K, G, T, S, W, H)
+    f = jax.jit(_attention)
+    assert "lookahead_attention" in f.lower(q, k, v, mask).as_text()
+    np.testing.assert_allclose(np.asarray(f(q, k, v, mask)), np.asarray(jax.jit(_reference(0.125))(q, k, v, mask)),
+                               rtol=0, atol=2e-6)
+
+
+@needs_kernel
+def test_attention_rows_do_not_depend_on_the_block_or_the_window():
+    """A token's output is bitwise the same alone (greedy) or among other tokens (a verify
+    block), and in a window padded with masked slots (decode windows grow in steps)."""
+    B, K, G, T, S, H = 2, 3, 3, 8, 512, 64
+    q, k, v, _ = _attention_case(7, B, K, G, T, S, S, H)
+    length = np.array([[100], [180]])
+    mask = np.arange(S)[None, None, :] < length[:, :, None] + 1 + np.arange(T)[None, :, None]  # causal
+    f = jax.jit(_attention)
+    full = np.asarray(f(q, k, v, jnp.asarray(mask[:, :, :256])))  # [B,K,G*T,H]
+    qg = np.asarray(q).reshape(B, K, G, T, H)
+    for t in range(T):
+        one = f(jnp.asarray(qg[:, :, :, t:t + 1].reshape(B, K, G, H)), k, v, jnp.asarray(mask[:, t:t + 1, :256]))
+        assert np.array_equal(np.asarray(one).reshape(B, K, G, H), full.reshape(B, K, G, T, H)[:, :, :, t])
+    wide = np.asarray(f(q, k, v, jnp.asarray(mask)))  # window 512, slots 256.. all masked
+    assert np.array_equal(wide, full)
+
+
+@needs_kernel
+def test_attention_row_with_nothing_visible_is_finite():
+    q, k, v, mask = _attention_case(3, T=3)
+    mask = mask.at[:, 1].set(False)
+    out = np.asarray(jax.jit(_attention)(q, k, v, mask)).reshape(1, 3, 3, 3, 64)
+    assert np.isfinite(out).all() and not out[:, :, :, 1].any()
+
+
+def test_attention_the_kernel_does_not_take_uses_the_definition():
+    q, k, v, mask = _attention_case(4, T=ck.MAX_ATTN_TOKENS + 1)  # prefill-sized
+    f = jax.jit(_attention)
+    assert "lookahead_attention" not in f.lower(q, k, v, mask).as_text()
+    bf = [a.astype(jnp.bfloat16) for a in (q, k, v)]
+    assert "lookahead_attention" not in jax.jit(_attention).lower(*bf, mask).as_text()
+    q24, k24, v24, m24 = _attention_case(5, H=24)  # head dim not a vector multiple
+    assert "lookahead_attention" not in jax.jit(_attention).lower(q24, k24, v24, m24).as_text()
+    np.testing.assert_allclose(np.asarray(f(q, k, v, mask)), np.asarray(jax.jit(_reference(0.125))(q, k, v, mask)),
+                               rtol=0, atol=0)
+
+
+def test_attention_derivatives_are_those_of_the_definition():
+    q, k, v, mask = _attention_case(6, T=2, S=64, W=48, H=32)
+
+    def loss(att):
+        return lambda q, k, v: jnp.sum(jnp.sin(att(q, k, v, mask)))
+
+    got = jax.grad(loss(_attention), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(_reference(0.125)), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(WIDTH != 16, reason="needs an AVX-512 machine to build the AVX2 variant beside it")
+def test_avx2_variant_matches_the_reference(tmp_path, monkeypatch):
+    """The AVX2+FMA code path (machines without AVX-512), built with -mno-avx512f and
+    registered under other names: products and attention against the references."""
+    import ctypes
+
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path))
+    lib = ctypes.CDLL(str(ck._build(("-mno-avx512f",))))
+    assert lib.lookahead_vector_width() == 8
+    for name in ("lookahead_matmul_nn", "lookahead_matmul_nt", "lookahead_attention"):
+        jax.ffi.register_ffi_target(name + "_avx2", jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+
+    def call(name, out_shape, *args, **attrs):
+        return np.asarray(jax.jit(lambda *a: jax.ffi.ffi_call(name + "_avx2", jax.ShapeDtypeStruct(out_shape, jnp.float32))(
+            *a, **attrs))(*args))
+
+    rng = np.random.default_rng(0)
+    for M in (1, 2, 3, 9, 16):
+        x = rng.standard_normal((M, 64), dtype=np.float32)
+        w = rng.standard_normal((64, 40), dtype=np.float32)
+        e = rng.standard_normal((13, 64), dtype=np.float32)
+        np.testing.assert_allclose(call("lookahead_matmul_nn", (M, 40), x, w), _ref(x, w), rtol=0, atol=1e-4)
+        np.testing.assert_allclose(call("lookahead_matmul_nt", (M, 13), x, e), _ref(x, e.T), rtol=0, atol=1e-4)
+        if M > 1:
+            assert np.array_equal(call("lookahead_matmul_nt", (1, 13), x[1:2], e), call("lookahead_matmul_nt", (M, 13), x, e)[1:2])
+    q, k, v, mask = _attention_case(8, B=2, K=2, G=2, T=5, S=200, W=136, H=32)
+    got = call("lookahead_attention", q.shape, q, k, v, mask, scale=np.float32(0.125))
+    np.testing.assert_allclose(got, np.asarray(jax.jit(_reference(0.125))(q, k, v, mask)), rtol=0, atol=2e-6)
