@@ -133,6 +133,22 @@ def _usable(x, w, vec_dim: int, max_rows: int) -> bool:
     return bool(vw) and vec_dim % vw == 0
 
 
+def precision(*xs):
+    """Dot precision for operands `xs`: HIGHEST when all are f32, so an f32 model computes
+    in f32 on every backend (GPUs would otherwise use TF32 and TPUs one bf16 pass, whose
+    rounding differs between a 1-row greedy step and a many-row verify block by ~1e-3,
+    enough to flip near-tied argmaxes); the backend's default for bf16."""
+    return jax.lax.Precision.HIGHEST if all(x.dtype == jnp.float32 for x in xs) else None
+
+
+def _dot(x, w):
+    return jnp.matmul(x, w, precision=precision(x, w))
+
+
+def _dot_nt(x, e):
+    return jnp.matmul(x, e.T, precision=precision(x, e))
+
+
 def _ffi(name, x, w, n):
     return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)
 
@@ -140,39 +156,39 @@ def _ffi(name, x, w, n):
 @jax.custom_jvp
 def _nn(x, w):
     return jax.lax.platform_dependent(
-        x, w, cpu=lambda x, w: _ffi("lookahead_matmul_nn", x, w, w.shape[1]), default=jnp.matmul)
+        x, w, cpu=lambda x, w: _ffi("lookahead_matmul_nn", x, w, w.shape[1]), default=_dot)
 
 
 @_nn.defjvp
 def _nn_jvp(primals, tangents):
     (x, w), (dx, dw) = primals, tangents
-    return _nn(x, w), dx @ w + x @ dw
+    return _nn(x, w), _dot(dx, w) + _dot(x, dw)
 
 
 @jax.custom_jvp
 def _nt(x, e):
     return jax.lax.platform_dependent(
-        x, e, cpu=lambda x, e: _ffi("lookahead_matmul_nt", x, e, e.shape[0]), default=lambda x, e: x @ e.T)
+        x, e, cpu=lambda x, e: _ffi("lookahead_matmul_nt", x, e, e.shape[0]), default=_dot_nt)
 
 
 @_nt.defjvp
 def _nt_jvp(primals, tangents):
     (x, e), (dx, de) = primals, tangents
-    return _nt(x, e), dx @ e.T + x @ de.T
+    return _nt(x, e), _dot_nt(dx, e) + _dot_nt(x, de)
 
 
 def matmul(x, w):
     """x [M,K] @ w [K,N]."""
     if _usable(x, w, w.shape[1], MAX_ROWS):
         return _nn(x, w)
-    return x @ w
+    return _dot(x, w)
 
 
 def matmul_nt(x, e):
     """x [M,D] @ e [V,D].T (tied embeddings as the output layer)."""
     if _usable(x, e, e.shape[1], MAX_ROWS_NT):
         return _nt(x, e)
-    return x @ e.T
+    return _dot_nt(x, e)
 
 
 def attention(q, k, v, mask, scale: float, reference):

@@ -187,11 +187,12 @@ def grouped_attention(qg, k_cache, v_cache, mask, scale):
     B, K, Q, H = qg.shape
     T, W = mask.shape[1:]
     k_seen, v_seen = k_cache[:, :, :W], v_cache[:, :, :W]  # static window
-    scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_seen, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BKQH,BKSH->BKQS", qg, k_seen, preferred_element_type=jnp.float32,
+                        precision=cpu_kernels.precision(qg, k_seen))
     scores = scores.reshape(B, K, Q // T, T, W) * scale  # [B,K,G,T,W]
     scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, Q, W)
-    return jnp.einsum("BKQS,BKSH->BKQH", probs, v_seen)  # [B,K,G*T,H]
+    return jnp.einsum("BKQS,BKSH->BKQH", probs, v_seen, precision=cpu_kernels.precision(probs, v_seen))
 
 
 # ----------------------------------------------------------------------------- forward

@@ -14,6 +14,11 @@ import pytest
 
 from lookahead_jax.models import cpu_kernels as ck
 
+# The kernels are lowered for CPU only (GPU/TPU lower plain dots): on another default
+# backend `jax.jit(...).lower()` never shows them, so these tests are for CPU backends.
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason=f"CPU kernel tests; JAX's default backend is {jax.default_backend()}")
+
 WIDTH = ck.vector_width()
 needs_kernel = pytest.mark.skipif(not WIDTH, reason="CPU kernel not built on this machine (no compiler or not x86)")
 
