@@ -17,6 +17,8 @@ real model, without the machine's run-to-run noise:
 Speedups are over decode steps (prefill excluded, the same for every strategy).
 
     python bench/replay.py --n 20     # prints and saves bench/results/replay.json
+    python bench/replay.py --n 20 --records /tmp/rec.pkl --costs 1 1.01 1.15 1.49 1.88 3.17 5.25
+                                      # record once, replay again without re-running greedy
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def main(argv=None):
     ap.add_argument("--mode", default="hierarchical")
     ap.add_argument("--costs", type=float, nargs="+",
                     help="verify cost of T = 0, 1, 3, 7, 15, 31, 63 (any unit); default: measured")
+    ap.add_argument("--records", help="pickle of the recorded greedy runs: loaded if it exists (same "
+                    "model, datasets, n, tokens and drafter), else written, so policies can be replayed "
+                    "again without re-running greedy")
     ap.add_argument("--out", default=str(ROOT / "bench/results/replay.json"))
     a = ap.parse_args(argv)
 
@@ -124,16 +129,32 @@ def main(argv=None):
     result = dict(model=a.model, prompts_per_dataset=a.n, max_new_tokens=a.max_new_tokens,
                   branch_length=a.branch_length, mode=a.mode,
                   relative_verify_cost={str(T): round(c, 4) for T, c in cost.items()}, datasets={})
+    import pickle
+    from pathlib import Path
+
+    key = (a.model, a.n, a.max_new_tokens, a.branch_length, a.mode)
+    saved = {}
+    if a.records and Path(a.records).exists():
+        saved = pickle.loads(Path(a.records).read_bytes())
+        if saved.get("key") != key:
+            ap.error(f"{a.records} holds records of {saved.get('key')}, not {key}")
     for ds in a.datasets:
-        prompts, refs = dataset_prompts(ds, a.n)
-        ids = encode_prompts(tok, prompts, chat=False)
-        trie = NgramTrie(branch_length=a.branch_length)  # warm across the dataset, as in bench/lookahead.py
-        recs = []
-        for i, x in enumerate(ids):
-            ref_ids = [tok.encode(t, add_special_tokens=False) for t in refs[i]]
-            recs.append(record(model, tok, TrieDrafter, trie, x, ref_ids, a.max_new_tokens,
-                               a.branch_length, a.mode, 64))
-            print(f"[{ds}] recorded {i + 1}/{len(ids)}", flush=True)
+        if ds in saved.get("datasets", {}):
+            recs = saved["datasets"][ds]
+            print(f"[{ds}] {len(recs)} records from {a.records}")
+        else:
+            prompts, refs = dataset_prompts(ds, a.n)
+            ids = encode_prompts(tok, prompts, chat=False)
+            trie = NgramTrie(branch_length=a.branch_length)  # warm across the dataset, as in bench/lookahead.py
+            recs = []
+            for i, x in enumerate(ids):
+                ref_ids = [tok.encode(t, add_special_tokens=False) for t in refs[i]]
+                recs.append(record(model, tok, TrieDrafter, trie, x, ref_ids, a.max_new_tokens,
+                                   a.branch_length, a.mode, 64))
+                print(f"[{ds}] recorded {i + 1}/{len(ids)}", flush=True)
+            if a.records:
+                saved = dict(saved, key=key, datasets={**saved.get("datasets", {}), ds: recs})
+                Path(a.records).write_bytes(pickle.dumps(saved))
 
         def evaluate(per_prompt):
             """(speedup over greedy, tokens per step, per-prompt speedups); per_prompt() gives
