@@ -125,6 +125,7 @@ static inline vec vexp_neg(vec x) {
 constexpr int MR = 8;        // rows of x per register block (8 x 3 accumulators)
 static_assert(MR == 8, "for_row_blocks spells out remainders of 1..7 rows");
 constexpr int PREFETCH = 16;  // rows of w ahead ("nn")
+constexpr int NV1 = 8;  // vectors per tile of a one-row product
 
 // ---------------------------------------------------------------- nn: x[M,K] @ w[K,N]
 // One column tile: NV vectors wide, all M rows (in blocks of MR; later blocks find the
@@ -147,6 +148,20 @@ static void nn_block(const float* x, const float* w, float* y, int64_t K, int64_
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) vstore(y + r * N + n0 + j * VW, acc[r][j]);
+}
+
+// One row, NV vectors of columns, no software prefetch (the hardware streams the rows).
+// The same FMAs in the same order as nn_block<NV, 1>.
+template <int NV>
+static void nn_row(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0) {
+  vec acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = vzero();
+  const float* wk = w + n0;
+  for (int64_t k = 0; k < K; ++k, wk += N) {
+    const vec xb = vset1(x[k]);
+    for (int j = 0; j < NV; ++j) acc[j] = vfma(xb, vload(wk + j * VW), acc[j]);
+  }
+  for (int j = 0; j < NV; ++j) vstore(y + n0 + j * VW, acc[j]);
 }
 
 // Calls f(m, R) for the row blocks of M rows: full blocks of MR, then one of M % MR rows
@@ -260,6 +275,15 @@ static ffi::Error MatmulNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
+  if (M == 1) {  // one row: wider tiles (NV1 vectors) stream more of each row of w at once
+    constexpr int64_t TW1 = NV1 * VW;
+    const int64_t wide = N / TW1, narrow = (N % TW1) / VW;
+    parallel_tiles(pool, wide + narrow, [=](int64_t t) {
+      if (t < wide) nn_row<NV1>(xp, wp, yp, K, N, t * TW1);
+      else nn_block<1, 1>(xp, wp, yp, K, N, wide * TW1 + (t - wide) * VW);
+    });
+    return ffi::Error::Success();
+  }
   constexpr int64_t TW = 3 * VW;  // tile width
   const int64_t wide = N / TW, narrow = (N % TW) / VW;
   parallel_tiles(pool, wide + narrow, [=](int64_t t) {
