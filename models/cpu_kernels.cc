@@ -128,16 +128,17 @@ constexpr int PREFETCH = 16;  // rows of w ahead ("nn")
 constexpr int NV1 = 8;  // vectors per tile of a one-row product
 
 // ---------------------------------------------------------------- nn: x[M,K] @ w[K,N]
-// One column tile: NV vectors wide, all M rows (in blocks of MR; later blocks find the
-// tile's weights in L2).
-template <int NV, int R>
+// One column tile: NV vectors wide, R rows (all M rows in blocks of MR; later blocks find
+// the tile's weights in L2). PF: prefetch rows of w PREFETCH ahead (off for one-row
+// products, whose wider tiles the hardware prefetcher streams better).
+template <int NV, int R, bool PF = true>
 static void nn_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0) {
   vec acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
   const float* wk = w + n0;
   for (int64_t k = 0; k < K; ++k, wk += N) {
-    if (k + PREFETCH < K)
+    if (PF && k + PREFETCH < K)
       for (int j = 0; j < NV * VW; j += 16) _mm_prefetch((const char*)(wk + PREFETCH * N + j), _MM_HINT_T0);
     vec wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = vload(wk + j * VW);
@@ -148,20 +149,6 @@ static void nn_block(const float* x, const float* w, float* y, int64_t K, int64_
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) vstore(y + r * N + n0 + j * VW, acc[r][j]);
-}
-
-// One row, NV vectors of columns, no software prefetch (the hardware streams the rows).
-// The same FMAs in the same order as nn_block<NV, 1>.
-template <int NV>
-static void nn_row(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0) {
-  vec acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = vzero();
-  const float* wk = w + n0;
-  for (int64_t k = 0; k < K; ++k, wk += N) {
-    const vec xb = vset1(x[k]);
-    for (int j = 0; j < NV; ++j) acc[j] = vfma(xb, vload(wk + j * VW), acc[j]);
-  }
-  for (int j = 0; j < NV; ++j) vstore(y + n0 + j * VW, acc[j]);
 }
 
 // Calls f(m, R) for the row blocks of M rows: full blocks of MR, then one of M % MR rows
@@ -279,7 +266,7 @@ static ffi::Error MatmulNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     constexpr int64_t TW1 = NV1 * VW;
     const int64_t wide = N / TW1, narrow = (N % TW1) / VW;
     parallel_tiles(pool, wide + narrow, [=](int64_t t) {
-      if (t < wide) nn_row<NV1>(xp, wp, yp, K, N, t * TW1);
+      if (t < wide) nn_block<NV1, 1, false>(xp, wp, yp, K, N, t * TW1);
       else nn_block<1, 1>(xp, wp, yp, K, N, wide * TW1 + (t - wide) * VW);
     });
     return ffi::Error::Success();

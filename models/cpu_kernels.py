@@ -203,7 +203,7 @@ def attention(q, k, v, mask, scale: float, reference):
     runs where the kernel does not apply (not f32, T > MAX_ATTN_TOKENS, H not a multiple of
     the vector width, kernel off), and what derivatives go through.
     """
-    B, K, Q, H = q.shape
+    Q, H = q.shape[2:]
     T = mask.shape[1]
     usable = (q.dtype == k.dtype == v.dtype == jnp.float32 and mask.dtype == jnp.bool_
               and 1 <= T <= MAX_ATTN_TOKENS and Q % T == 0 and mask.shape[2] <= k.shape[2])
