@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compile import CompiledFunctions
+from .loading import runtime_params
 from .models import KVCache, hidden_states, init_cache, logits_from_hidden
 from .models.config import ModelConfig
 from .sampling import SamplingParams, select_tokens
@@ -344,7 +345,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
 
     # ---- prefill
     cache = init_cache(cfg, B, S, model.dtype)
-    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), seeds, rowids)
+    params = runtime_params(model)
+    args = (params, cache, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), seeds, rowids)
     t_start = time.perf_counter()
     c0 = compiled.compile_s
     first, cache = compiled("prefill", jitted_prefill(cfg, sampling), *args)
@@ -387,7 +389,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
         tree_sizes.append(T)
         c1, t1 = compiled.compile_s, time.perf_counter()
         emitted, n_emit, cache = compiled(
-            "verify", verify, model.params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
+            "verify", verify, params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
             active, seeds, rowids, window=window,
         )
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
@@ -474,7 +476,7 @@ def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optiona
             for key, (T, L, window, args) in todo.items():
                 cache = cache.replace(length=jnp.full((B,), L, jnp.int32))
                 t0 = time.perf_counter()
-                res = compiled("verify", verify, model.params, cache, *args, window=window)
+                res = compiled("verify", verify, runtime_params(model), cache, *args, window=window)
                 jax.block_until_ready(res)
                 if r:
                     times[key].append(time.perf_counter() - t0)

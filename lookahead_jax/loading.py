@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from . import presets
@@ -40,6 +41,44 @@ class Model:
     params: Any
     name: str = ""
     dtype: Any = jnp.float32
+
+    def runtime_params(self):
+        """See `runtime_params(model)`."""
+        return runtime_params(self)
+
+
+def runtime_params(model):
+    """The params the jitted decode functions run on: on one CPU device in f32 with the
+    CPU kernels on, a copy with the layer weights packed for the matmul kernel
+    (`models.transformer.pack_params`: ~2x faster weight reads, the same values), made
+    once per params object and kept on `model` (a second copy of those weights in memory;
+    `LOOKAHEAD_JAX_CPU_KERNELS=0` turns kernels and packing off); otherwise `model.params`
+    itself (GPU/TPU, bf16, params sharded over several devices). `model`: anything with
+    `.params` (a `Model`, or a namespace in tests)."""
+    leaves = jax.tree.leaves(model.params)
+    cached = model.__dict__.get("_runtime")  # valid while every leaf is the same object
+    if cached is not None and len(cached[0]) == len(leaves) and all(a is b for a, b in zip(cached[0], leaves)):
+        return cached[1]
+    out = model.params
+    if _packable(model.params):
+        from .models.transformer import pack_params
+
+        out = pack_params(model.params)  # eager: the leaves it does not pack stay shared
+    model.__dict__["_runtime"] = (leaves, out)
+    return out
+
+
+def _packable(params) -> bool:
+    from .models import cpu_kernels
+
+    leaves = jax.tree.leaves(params)
+    if not leaves or any(getattr(x, "dtype", None) != jnp.float32 for x in leaves):
+        return False
+    for x in leaves:
+        devices = getattr(getattr(x, "sharding", None), "device_set", None)
+        if not devices or len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            return False
+    return bool(cpu_kernels.vector_width())
 
 
 def parse_dtype(dtype) -> Any:

@@ -17,6 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from .models import cpu_kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -81,8 +83,8 @@ def select_tokens(logits, sp: SamplingParams, seed, row, position):
     position [B, T] is the absolute position the chosen token will occupy.
     Greedy ignores seed/row/position.
     """
-    if sp.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if sp.greedy:  # jnp.argmax; on CPU one kernel call (XLA's reduce is slow there)
+        return cpu_kernels.argmax(logits)
     keys = position_keys(seed, row, position)  # [B,T,2]
     filtered = filter_logits(logits, sp)
     flat_k = keys.reshape(-1, keys.shape[-1])

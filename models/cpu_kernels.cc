@@ -1,7 +1,7 @@
 // CPU kernels for the decode and verify steps (XLA FFI custom calls), f32, for few rows M
-// (1 greedy token, 2..16 for a verify block): y[M,N] = x[M,K] @ w[K,N] ("nn"),
-// y[M,V] = x[M,D] @ e[V,D]^T ("nt", tied embeddings), and one layer's attention of the
-// new tokens over the KV cache.
+// (1 greedy token, 2..16 for a verify block): y[M,N] = x[M,K] @ w[K,N] ("nn"; also with w
+// packed in column tiles, for any M), y[M,V] = x[M,D] @ e[V,D]^T ("nt", tied embeddings),
+// one layer's attention of the new tokens over the KV cache, and argmax over logits.
 //
 // Why: XLA:CPU hands a dot with M >= 2 to a general GEMM whose cost jumps by ~30% from
 // M = 1 to M = 2 and ~60% at M = 4 on a 2-core x86, although reading the weights (the real
@@ -128,27 +128,30 @@ constexpr int PREFETCH = 16;  // rows of w ahead ("nn")
 constexpr int NV1 = 8;  // vectors per tile of a one-row product
 
 // ---------------------------------------------------------------- nn: x[M,K] @ w[K,N]
-// One column tile: NV vectors wide, R rows (all M rows in blocks of MR; later blocks find
-// the tile's weights in L2). PF: prefetch rows of w PREFETCH ahead (off for one-row
-// products, whose wider tiles the hardware prefetcher streams better).
+// One column tile: NV vectors wide, R rows of x (ldx apart), the tile's first column of w
+// at `w` (rows ldw apart), of y at `y` (rows ldy apart). Callers run all M rows in blocks
+// of MR; later blocks find the tile's weights in L2. PF: prefetch rows of w PREFETCH
+// ahead (a strided walk over row-major w needs it; packed tiles are one contiguous
+// stream, which the hardware prefetcher follows better alone).
 template <int NV, int R, bool PF = true>
-static void nn_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0) {
+static void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+                     int64_t K) {
   vec acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
-  const float* wk = w + n0;
-  for (int64_t k = 0; k < K; ++k, wk += N) {
+  const float* wk = w;
+  for (int64_t k = 0; k < K; ++k, wk += ldw) {
     if (PF && k + PREFETCH < K)
-      for (int j = 0; j < NV * VW; j += 16) _mm_prefetch((const char*)(wk + PREFETCH * N + j), _MM_HINT_T0);
+      for (int j = 0; j < NV * VW; j += 16) _mm_prefetch((const char*)(wk + PREFETCH * ldw + j), _MM_HINT_T0);
     vec wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = vload(wk + j * VW);
     for (int r = 0; r < R; ++r) {
-      vec xb = vset1(x[r * K + k]);
+      vec xb = vset1(x[r * ldx + k]);
       for (int j = 0; j < NV; ++j) acc[r][j] = vfma(xb, wv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) vstore(y + r * N + n0 + j * VW, acc[r][j]);
+    for (int j = 0; j < NV; ++j) vstore(y + r * ldy + j * VW, acc[r][j]);
 }
 
 // Calls f(m, R) for the row blocks of M rows: full blocks of MR, then one of M % MR rows
@@ -169,9 +172,14 @@ static void for_row_blocks(int64_t M, const F& f) {
   }
 }
 
-template <int NV>
-static void nn_tile(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  for_row_blocks(M, [&](int64_t m, auto R) { nn_block<NV, decltype(R)::value>(x + m * K, w, y + m * N, K, N, n0); });
+// Columns n0 .. n0 + NV * VW of y[M, ldy] = x[M,K] @ w (w: that tile's first column, rows
+// ldw apart), all M rows.
+template <int NV, bool PF = true>
+static void nn_tile(const float* x, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
+                    int64_t K) {
+  for_row_blocks(M, [&](int64_t m, auto R) {
+    nn_block<NV, decltype(R)::value, PF>(x + m * K, K, w, ldw, y + m * ldy, ldy, K);
+  });
 }
 
 // ---------------------------------------------------------------- nt: x[M,D] @ e[V,D]^T
@@ -266,16 +274,47 @@ static ffi::Error MatmulNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     constexpr int64_t TW1 = NV1 * VW;
     const int64_t wide = N / TW1, narrow = (N % TW1) / VW;
     parallel_tiles(pool, wide + narrow, [=](int64_t t) {
-      if (t < wide) nn_block<NV1, 1, false>(xp, wp, yp, K, N, t * TW1);
-      else nn_block<1, 1>(xp, wp, yp, K, N, wide * TW1 + (t - wide) * VW);
+      const int64_t n0 = t < wide ? t * TW1 : wide * TW1 + (t - wide) * VW;
+      if (t < wide) nn_block<NV1, 1, false>(xp, K, wp + n0, N, yp + n0, N, K);
+      else nn_block<1, 1>(xp, K, wp + n0, N, yp + n0, N, K);
     });
     return ffi::Error::Success();
   }
   constexpr int64_t TW = 3 * VW;  // tile width
   const int64_t wide = N / TW, narrow = (N % TW) / VW;
   parallel_tiles(pool, wide + narrow, [=](int64_t t) {
-    if (t < wide) nn_tile<3>(xp, wp, yp, M, K, N, t * TW);
-    else nn_tile<1>(xp, wp, yp, M, K, N, wide * TW + (t - wide) * VW);
+    const int64_t n0 = t < wide ? t * TW : wide * TW + (t - wide) * VW;
+    if (t < wide) nn_tile<3>(xp, wp + n0, N, yp + n0, N, M, K);
+    else nn_tile<1>(xp, wp + n0, N, yp + n0, N, M, K);
+  });
+  return ffi::Error::Success();
+}
+
+// y[M, NT*TW] = x[M,K] @ w with w packed as wp[NT,K,TW]: tile t holds columns
+// t*TW .. t*TW+TW-1, its K rows of TW contiguous (`cpu_kernels.pack`). A tile is then one
+// contiguous stream instead of K short pieces a row of w apart, which reads the weights
+// ~2x faster (each piece of a strided walk costs a TLB lookup and restarts the
+// prefetcher). The FMAs are the row-major kernel's in the same order: bitwise the same y.
+// Any M: the tile stays in L2 for all row blocks, which also beats XLA's GEMM at prefill
+// sizes here. Sub-tiles of SW = 3, 2 or 1 vectors (TW = 48 on AVX2: two of 24).
+static ffi::Error MatmulNNPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                                 ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = wp.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] % VW)
+    return ffi::Error::InvalidArgument("matmul_nn_packed: needs x[M,K], w[NT,K,TW] with TW % vector width == 0");
+  const int64_t M = xd[0], K = xd[1], NT = wd[0], TW = wd[2], N = NT * TW;
+  const int64_t NV = TW % (3 * VW) == 0 ? 3 : TW % (2 * VW) == 0 ? 2 : 1;
+  const int64_t SW = NV * VW, subs = TW / SW;
+  const float* xp = x.typed_data();
+  const float* wpp = wp.typed_data();
+  float* yp = y->typed_data();
+  parallel_tiles(pool, NT * subs, [=](int64_t t) {
+    const int64_t tile = t / subs, col = (t % subs) * SW;
+    const float* w = wpp + tile * K * TW + col;
+    float* yt = yp + tile * TW + col;
+    if (NV == 3) nn_tile<3, false>(xp, w, TW, yt, N, M, K);
+    else if (NV == 2) nn_tile<2, false>(xp, w, TW, yt, N, M, K);
+    else nn_tile<1, false>(xp, w, TW, yt, N, M, K);
   });
   return ffi::Error::Success();
 }
@@ -356,7 +395,9 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
   }
   // out[R,H] = p[R,W] @ vc[W,H]
   for (int64_t n0 = 0; n0 < H; n0 += VW)
-    for_row_blocks(R, [&](int64_t m, auto RB) { nn_block<1, decltype(RB)::value>(p + m * W, vc, out + m * H, W, H, n0); });
+    for_row_blocks(R, [&](int64_t m, auto RB) {
+      nn_block<1, decltype(RB)::value>(p + m * W, W, vc + n0, H, out + m * H + n0, H, W);
+    });
 }
 
 static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
@@ -388,7 +429,66 @@ static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- argmax
+// idx[r] = the first index of the largest x[r, :], jnp.argmax's answer (a NaN counts as
+// the largest). XLA:CPU's argmax reduce costs ~0.1 ms per row of 49k logits, this ~0.01:
+// a verify block takes one per tree node. Rows with a non-finite value (NaN or inf: the
+// lanes of v * 0 are then NaN) take an exact scalar pass.
+static int32_t argmax_row(const float* x, int64_t V) {
+  const int64_t Vv = V - V % VW;
+  vec mx = vset1(-3.4028235e38f), bad = vzero(), zero = vzero();
+  for (int64_t j = 0; j < Vv; j += VW) {
+    vec v = vload(x + j);
+    mx = vmax(mx, v);
+    bad = vadd(bad, vmul(v, zero));
+  }
+  alignas(64) float lanes[VW];
+  vstore(lanes, mx);
+  float m = lanes[0];
+  for (int i = 1; i < VW; ++i) m = std::max(m, lanes[i]);
+  bool finite = vsum(bad) == 0.0f;
+  for (int64_t j = Vv; j < V; ++j) {
+    finite = finite && x[j] * 0.0f == 0.0f;
+    m = std::max(m, x[j]);
+  }
+  if (finite) {
+    for (int64_t j = 0; j < V; ++j)
+      if (x[j] == m) return (int32_t)j;
+  }
+  int64_t best = 0;  // exact: first NaN, else first of the largest (infinities compare)
+  for (int64_t j = 0; j < V; ++j) {
+    if (x[j] != x[j]) return (int32_t)j;
+    if (x[j] > x[best]) best = j;
+  }
+  return (int32_t)best;
+}
+
+static ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> idx) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] < 1) return ffi::Error::InvalidArgument("argmax: needs x[R,V], V >= 1");
+  const int64_t R = xd[0], V = xd[1];
+  const float* xp = x.typed_data();
+  int32_t* out = idx->typed_data();
+  auto row = [=](int64_t r) { out[r] = argmax_row(xp + r * V, V); };
+  if (R <= 2) for (int64_t r = 0; r < R; ++r) row(r);
+  else parallel_tiles(pool, R, row);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_argmax, Argmax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_matmul_nn, MatmulNN,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_matmul_nn_packed, MatmulNNPacked,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

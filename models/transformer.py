@@ -140,9 +140,38 @@ def key_positions(cache_len, positions, n_slots):
 
 def _dense(x, w):
     """x [B,T,D] @ w [D,...] -> [B,T,...] as one 2-D matmul (the fused weights' layout).
-    On CPU, f32 and few rows this is the skinny-matmul kernel (`cpu_kernels`)."""
-    y = cpu_kernels.matmul(x.reshape(-1, x.shape[-1]), w.reshape(w.shape[0], -1))
+    On CPU, f32 and few rows (any rows for a `PackedWeight`, see `pack_params`) this is
+    the matmul kernel (`cpu_kernels`)."""
+    w2 = w if isinstance(w, cpu_kernels.PackedWeight) else w.reshape(w.shape[0], -1)
+    y = cpu_kernels.matmul(x.reshape(-1, x.shape[-1]), w2)
     return y.reshape(*x.shape[:2], *w.shape[1:])
+
+
+PACKED_LEAVES = ("qkv", "o", "gate_up", "down")  # per layer; plus an untied lm_head
+
+
+def pack_params(params):
+    """The params with every layer weight (and an untied lm_head) as a
+    `cpu_kernels.PackedWeight`: the layout the CPU matmul kernel reads fastest. For f32
+    inference on one CPU device (`lookahead_jax.runtime_params` decides and caches it);
+    the forward computes bitwise the same values from either form. Weights whose column
+    count no tile width divides stay plain.
+        packed = pack_params(params); forward(packed, ...) == forward(params, ...)
+    """
+    def one(w):
+        return cpu_kernels.pack(w) if cpu_kernels.pack_width(int(np.prod(w.shape[1:]))) else w
+
+    out = dict(params, layers=[{k: one(v) if k in PACKED_LEAVES else v for k, v in p.items()}
+                               for p in params["layers"]])
+    if "lm_head" in params:
+        out["lm_head"] = one(params["lm_head"])
+    return out
+
+
+def unpack_params(params):
+    """Inverse of `pack_params` (plain arrays everywhere)."""
+    return jax.tree.map(lambda w: w.unpacked() if isinstance(w, cpu_kernels.PackedWeight) else w, params,
+                        is_leaf=lambda w: isinstance(w, cpu_kernels.PackedWeight))
 
 
 def _mlp(p, x, cfg: ModelConfig):
@@ -238,6 +267,8 @@ def hidden_states(params, tokens, positions, cache: KVCache, attn_mask, config: 
 def logits_from_hidden(params, h, config: ModelConfig):
     """h [...,D] -> logits [...,V] in f32."""
     w = params["embed"] if config.tie_embeddings else params["lm_head"]
+    if isinstance(w, cpu_kernels.PackedWeight) and h.dtype != jnp.float32:
+        w = w.unpacked()
     if h.dtype == w.dtype == jnp.float32:  # f32: the CPU kernel where it applies
         flat = h.reshape(-1, h.shape[-1])
         logits = (cpu_kernels.matmul_nt(flat, w) if config.tie_embeddings

@@ -129,6 +129,81 @@ def test_kernel_is_cached_per_source_and_cpu(tmp_path):
     assert len(libs) == 1 and runs[0].stdout == runs[1].stdout
 
 
+# ----------------------------------------------------------------------------- argmax
+def _argmax_cases():
+    rng = np.random.default_rng(7)
+    x = np.zeros((8, 40), np.float32)
+    x[0, 5] = x[0, 9] = 1.0  # a tie: the first
+    x[1, 3], x[1, 7] = np.nan, 5.0  # a NaN counts as the largest
+    x[2, 30] = x[2, 33] = np.inf
+    x[3] = -np.inf
+    x[4, 39], x[4, 2] = np.nan, 3.0  # NaN in the tail after the vector part
+    x[5, 38] = 2.0  # the max in the tail
+    x[6] = rng.standard_normal(40)
+    x[7, 17] = -0.0  # -0.0 == 0.0: the first zero wins
+    return [x, rng.standard_normal((3, 49152)).astype(np.float32), rng.standard_normal((2, 3, 259)).astype(np.float32),
+            np.ones((4, 1), np.float32)]
+
+
+@needs_kernel
+def test_argmax_is_jnp_argmax():
+    for x in _argmax_cases():
+        assert "lookahead_argmax" in jax.jit(ck.argmax).lower(x).as_text()
+        got = np.asarray(jax.jit(ck.argmax)(x))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))
+    assert "lookahead_argmax" not in jax.jit(ck.argmax).lower(jnp.ones((2, 8), jnp.bfloat16)).as_text()
+
+
+# ----------------------------------------------------------------------------- packed weights
+@pytest.mark.parametrize("K,N,tiles", [(576, 960, (20, 576, 48)), (64, 64, (2, 64, 32)), (40, 16 * 5, (5, 40, 16)),
+                                       (8, 4 * 2 * 24, (4, 8, 48))])
+def test_pack_layout_and_roundtrip(K, N, tiles):
+    """Tile t holds columns t*TW .. t*TW+TW-1, its rows contiguous; unpacked() gives w back."""
+    w = jax.random.normal(jax.random.PRNGKey(N), (K, N))
+    p = ck.pack(w)
+    assert p.data.shape == tiles and p.shape == (K, N) and p.dtype == jnp.float32
+    tw = tiles[2]
+    np.testing.assert_array_equal(np.asarray(p.data[1, 3]), np.asarray(w[3, tw:2 * tw]))
+    np.testing.assert_array_equal(np.asarray(p.unpacked()), np.asarray(w))
+    w3 = w.reshape(K, 2, N // 2)  # a fused weight keeps its shape
+    assert ck.pack(w3).shape == (K, 2, N // 2)
+    np.testing.assert_array_equal(np.asarray(ck.pack(w3).unpacked()), np.asarray(w3))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ck.pack(jnp.ones((4, 40)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(576, 960), (64, 64), (100, 16 * 11), (1536, 576)])
+def test_packed_matmul_is_the_row_major_kernel_bitwise(K, N):
+    """Packing changes where weights sit, not the arithmetic: the same bits for M <= 16;
+    above (the row-major kernel stops) the product against the reference."""
+    for M in (1, 2, 3, 8, 9, 16, 17, 64, 130):
+        x = jax.random.normal(jax.random.PRNGKey(M), (M, K))
+        w = jax.random.normal(jax.random.PRNGKey(N), (K, N))
+        p = ck.pack(w)
+        assert "lookahead_matmul_nn_packed" in jax.jit(ck.matmul).lower(x, p).as_text()
+        y = np.asarray(jax.jit(ck.matmul)(x, p))
+        if M <= ck.MAX_ROWS:
+            assert np.array_equal(y, np.asarray(jax.jit(ck.matmul)(x, w)))
+        np.testing.assert_allclose(y, _ref(x, w), rtol=0, atol=2e-5 * np.sqrt(K) * 4)
+
+
+def test_packed_weight_fallbacks_and_derivatives():
+    """bf16 activations, or no kernel: plain dot on the unpacked weight; derivatives are
+    those of x @ w, through jit (PackedWeight is a pytree node)."""
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 64))
+    w = jax.random.normal(jax.random.PRNGKey(4), (64, 32))
+    p = ck.pack(w)
+    yb = jax.jit(ck.matmul)(x.astype(jnp.bfloat16), p)
+    np.testing.assert_allclose(np.asarray(yb, np.float32), _ref(x, w), rtol=0.05, atol=0.3)
+    g = jax.jit(jax.grad(lambda x, p: jnp.sum(jnp.tanh(ck.matmul(x, p))), argnums=(0, 1)))(x, p)
+    gx, gw = jax.grad(lambda x, w: jnp.sum(jnp.tanh(x @ w)), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(g[0]), np.asarray(gx), rtol=1e-4, atol=1e-4)
+    assert isinstance(g[1], ck.PackedWeight)
+    np.testing.assert_allclose(np.asarray(g[1].unpacked()), np.asarray(gw), rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- attention
 def _attention_case(seed, B=1, K=3, G=3, T=4, S=256, W=128, H=64, p_visible=0.7):
     rng = np.random.default_rng(seed)
@@ -222,7 +297,8 @@ def test_avx2_variant_matches_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path))
     lib = ctypes.CDLL(str(ck._build(("-mno-avx512f",))))
     assert lib.lookahead_vector_width() == 8
-    for name in ("lookahead_matmul_nn", "lookahead_matmul_nt", "lookahead_attention"):
+    for name in ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nt", "lookahead_attention",
+                 "lookahead_argmax"):
         jax.ffi.register_ffi_target(name + "_avx2", jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
 
     def call(name, out_shape, *args, **attrs):
@@ -235,9 +311,74 @@ def test_avx2_variant_matches_the_reference(tmp_path, monkeypatch):
         w = rng.standard_normal((64, 40), dtype=np.float32)
         e = rng.standard_normal((13, 64), dtype=np.float32)
         np.testing.assert_allclose(call("lookahead_matmul_nn", (M, 40), x, w), _ref(x, w), rtol=0, atol=1e-4)
+        for n in (48, 32, 16):  # tiles of 2 x 3, 2 x 2 and 2 x 1 AVX2 vectors
+            wn = rng.standard_normal((64, 2 * n), dtype=np.float32)
+            packed = np.asarray(ck.pack(wn).data)
+            assert np.array_equal(call("lookahead_matmul_nn_packed", (M, 2 * n), x, packed),
+                                  call("lookahead_matmul_nn", (M, 2 * n), x, wn))
         np.testing.assert_allclose(call("lookahead_matmul_nt", (M, 13), x, e), _ref(x, e.T), rtol=0, atol=1e-4)
         if M > 1:
             assert np.array_equal(call("lookahead_matmul_nt", (1, 13), x[1:2], e), call("lookahead_matmul_nt", (M, 13), x, e)[1:2])
+    for x in _argmax_cases():
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.asarray(jax.jit(lambda f: jax.ffi.ffi_call("lookahead_argmax_avx2", jax.ShapeDtypeStruct(f.shape[:1], jnp.int32))(f))(flat))
+        np.testing.assert_array_equal(out, np.asarray(jnp.argmax(flat, axis=-1)))
     q, k, v, mask = _attention_case(8, B=2, K=2, G=2, T=5, S=200, W=136, H=32)
     got = call("lookahead_attention", q.shape, q, k, v, mask, scale=np.float32(0.125))
     np.testing.assert_allclose(got, np.asarray(jax.jit(_reference(0.125))(q, k, v, mask)), rtol=0, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- packed params
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_packed_params_give_the_same_forward(family):
+    """pack_params changes the layout only: decode-sized forwards (1 and 6 tokens) give
+    bitwise the same logits and cache, a prefill-sized one (40 tokens, where the plain
+    weights take XLA's dot) the same within f32 rounding."""
+    from lookahead_jax.models import forward, init_cache
+    from lookahead_jax.models.transformer import pack_params, unpack_params
+    from tiny import tiny_model
+
+    m = tiny_model(family, tie_embeddings=family == "gemma3")
+    packed = pack_params(m.params)
+    kinds = {k: type(v).__name__ for k, v in packed["layers"][0].items()}
+    assert all(kinds[k] == "PackedWeight" for k in ("qkv", "o", "gate_up", "down")), kinds
+    assert isinstance(packed.get("lm_head", packed["embed"]), jax.Array)  # 259 columns: stays plain
+    f = jax.jit(forward, static_argnums=5)
+    for T, length in [(1, 7), (6, 20), (40, 0)]:
+        tokens = jax.random.randint(jax.random.PRNGKey(T), (2, T), 3, 259)
+        positions = length + jnp.broadcast_to(jnp.arange(T), (2, T))
+        cache = init_cache(m.config, 2, 64)
+        cache = cache.replace(length=jnp.full((2,), length, jnp.int32))
+        mask = jnp.broadcast_to(jnp.arange(64)[None, None] <= positions[:, :, None], (2, T, 64))
+        a, ca = f(m.params, tokens, positions, cache, mask, m.config)
+        b, cb = f(packed, tokens, positions, cache, mask, m.config)
+        if T <= ck.MAX_ROWS:
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+            assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(ca.k, cb.k))
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    back = unpack_params(packed)
+    assert jax.tree.structure(back) == jax.tree.structure(m.params)
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(m.params)))
+
+
+@needs_kernel
+def test_runtime_params_are_packed_once_and_follow_the_params():
+    """generate runs on packed weights on a CPU device in f32, made once per params; a
+    changed leaf makes a new copy (never stale weights); bf16 params stay as they are."""
+    from lookahead_jax.loading import runtime_params
+    from tiny import tiny_model
+
+    m = tiny_model("llama")
+    r = runtime_params(m)
+    assert isinstance(r["layers"][0]["gate_up"], ck.PackedWeight)
+    assert r["embed"] is m.params["embed"]  # what is not packed is shared, not copied
+    assert runtime_params(m) is r
+    m.params["layers"][1]["down"] = m.params["layers"][1]["down"] * 2.0  # in place, same dict
+    r2 = runtime_params(m)
+    assert r2 is not r
+    np.testing.assert_array_equal(np.asarray(r2["layers"][1]["down"].unpacked()), np.asarray(m.params["layers"][1]["down"]))
+    mb = tiny_model("llama")
+    mb.params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mb.params)
+    assert runtime_params(mb) is mb.params
