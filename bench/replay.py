@@ -12,7 +12,12 @@ real model, without the machine's run-to-run noise:
   the dataset's prompts, scored as soon as the outcome is decided), exactly as `generate`
   drives them;
 * oracle: the best T at every step with hindsight (dynamic programming over positions):
-  the ceiling of *any* budget policy with this drafter on this machine.
+  the ceiling of *any* budget policy with this drafter on this machine;
+* n-gram bound: tokens per step of *any* n-gram drafter over the same sources (the
+  prompt with its references, this output so far, earlier prompts' outputs) with an
+  unbounded tree: at each step the longest continuation of the root token, up to the
+  branch length, that occurs anywhere in them, chosen with hindsight. A ceiling on the
+  trie's tokens per step that no budget, scoring or mode can pass.
 
 Speedups are over decode steps (prefill excluded, the same for every strategy).
 
@@ -76,6 +81,32 @@ def replay(steps, out, choose, cost, observe=None, branch_length=12):
             pending.append((i, draft))
         i += a + 1
     return t, nsteps
+
+
+def ngram_bound(prompts, outs, cap):
+    """Tokens per step of the hindsight n-gram drafter (module docstring): prompts[i] =
+    [prompt ids, reference ids...] and outs[i] in the order they ran; outputs of earlier
+    prompts count."""
+    total_tokens = total_steps = 0
+    for i, (sources, out) in enumerate(zip(prompts, outs)):
+        past = sources[1:] + outs[:i]
+        j = 0  # root out[j] (emitted), truth out[j + 1:]
+        while j < len(out) - 1:
+            here = sources[0] + out[:j + 1]
+            best = 0
+            for seq in [here] + past:
+                for p in range(len(seq) - 1):
+                    if seq[p] != out[j]:
+                        continue
+                    k = 0
+                    while k < cap and p + 1 + k < len(seq) and j + 1 + k < len(out) and seq[p + 1 + k] == out[j + 1 + k]:
+                        k += 1
+                    best = max(best, k)
+            a = min(best, len(out) - 2 - j)  # the last token comes from the final step
+            total_tokens += a + 1
+            total_steps += 1
+            j += a + 1
+    return total_tokens / total_steps
 
 
 def oracle(steps, cost):
@@ -177,6 +208,12 @@ def main(argv=None):
             return (lambda d: b.choose([d.key], rows=1), cost,
                     lambda d, known: b.observe(d.tokens, d.parents, known, d.key))
         policies["auto"] = evaluate(auto)
+        prompts, refs = dataset_prompts(ds, a.n)
+        sources = [[x] + [tok.encode(r, add_special_tokens=False) for r in rs]
+                   for x, rs in zip(encode_prompts(tok, prompts, chat=False), refs)]
+        bound = {str(c): round(ngram_bound(sources, [out for out, _ in recs], c), 3)
+                 for c in (a.branch_length, 10 ** 6)}
+        result.setdefault("ngram_bound_tokens_per_step", {})[ds] = bound
         o = [len(s) * cost[0] / oracle(s, cost) for _, s in recs]
         og = sum(len(s) for _, s in recs) * cost[0] / sum(oracle(s, cost) for _, s in recs)
         policies["oracle"] = (og, None, o)
@@ -188,6 +225,8 @@ def main(argv=None):
             if acc is not None:
                 rows[name]["tokens_per_step"] = round(acc, 3)
         result["datasets"][ds] = rows
+        print(f"== {ds}: n-gram bound {bound[str(a.branch_length)]} tokens/step (branch {a.branch_length}), "
+              f"{bound[str(10 ** 6)]} (unbounded branch)")
         print(f"== {ds}: " + "; ".join(f"{n} {r['speedup']:.2f}x" + (f" ({r['tokens_per_step']:.2f}/step)" if "tokens_per_step" in r else "")
                                       + f" [{r['prompts_below_0_95']} < 0.95x]" for n, r in rows.items()), flush=True)
     save(result, a.out)
