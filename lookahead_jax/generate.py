@@ -470,13 +470,14 @@ def measure_verify_costs(model, verify, B: int, S: int, buckets, length: Optiona
                     jnp.zeros((B,), jnp.uint32), jnp.arange(B, dtype=jnp.int32))
             todo[key] = (T, L, window, args)
     if todo:
+        params = runtime_params(model)
         cache = init_cache(cfg, B, S, model.dtype)
         times = {key: [] for key in todo}
         for r in range(rounds + 1):  # round 0 compiles and warms up
             for key, (T, L, window, args) in todo.items():
                 cache = cache.replace(length=jnp.full((B,), L, jnp.int32))
                 t0 = time.perf_counter()
-                res = compiled("verify", verify, runtime_params(model), cache, *args, window=window)
+                res = compiled("verify", verify, params, cache, *args, window=window)
                 jax.block_until_ready(res)
                 if r:
                     times[key].append(time.perf_counter() - t0)

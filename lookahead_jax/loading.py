@@ -42,10 +42,6 @@ class Model:
     name: str = ""
     dtype: Any = jnp.float32
 
-    def runtime_params(self):
-        """See `runtime_params(model)`."""
-        return runtime_params(self)
-
 
 def runtime_params(model):
     """The params the jitted decode functions run on: on one CPU device in f32 with the

@@ -243,7 +243,6 @@ class PackedWeight:
         return len(self.shape)
 
     def unpacked(self):
-        nt, k, tw = self.data.shape
         return self.data.transpose(1, 0, 2).reshape(self.shape)
 
     def tree_flatten(self):
