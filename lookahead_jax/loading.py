@@ -56,7 +56,7 @@ def runtime_params(model):
     if cached is not None and len(cached[0]) == len(leaves) and all(a is b for a, b in zip(cached[0], leaves)):
         return cached[1]
     out = model.params
-    if _packable(model.params):
+    if _packable(leaves):
         from .models.transformer import pack_params
 
         out = pack_params(model.params)  # eager: the leaves it does not pack stay shared
@@ -64,10 +64,9 @@ def runtime_params(model):
     return out
 
 
-def _packable(params) -> bool:
+def _packable(leaves) -> bool:
     from .models import cpu_kernels
 
-    leaves = jax.tree.leaves(params)
     if not leaves or any(getattr(x, "dtype", None) != jnp.float32 for x in leaves):
         return False
     for x in leaves:

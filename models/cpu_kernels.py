@@ -192,7 +192,7 @@ def matmul(x, w):
     if isinstance(w, PackedWeight):
         if x.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32 and vector_width():
             return _nn_packed(x, w.data)
-        return _dot(x, w.unpacked().reshape(w.shape[0], -1))
+        return _packed_dot(x, w.data)
     if _usable(x, w, w.shape[1], MAX_ROWS):
         return _nn(x, w)
     return _dot(x, w)

@@ -273,11 +273,10 @@ def hidden_states(params, tokens, positions, cache: KVCache, attn_mask, config: 
 def logits_from_hidden(params, h, config: ModelConfig):
     """h [...,D] -> logits [...,V] in f32."""
     w = params["embed"] if config.tie_embeddings else params["lm_head"]
-    if isinstance(w, cpu_kernels.PackedWeight) and h.dtype != jnp.float32:
-        w = w.unpacked()
-    if "packed_head" in params and h.dtype == jnp.float32:  # tied, packed (`pack_params`)
+    w = params.get("packed_head", w)  # a tied head packed as e.T (`pack_params`)
+    if isinstance(w, cpu_kernels.PackedWeight):  # x @ w; `matmul` unpacks it off the kernel
         flat = h.reshape(-1, h.shape[-1])
-        logits = cpu_kernels.matmul(flat, params["packed_head"]).reshape(*h.shape[:-1], -1)
+        logits = cpu_kernels.matmul(flat, w).astype(jnp.float32).reshape(*h.shape[:-1], -1)
     elif h.dtype == w.dtype == jnp.float32:  # f32: the CPU kernel where it applies
         flat = h.reshape(-1, h.shape[-1])
         logits = (cpu_kernels.matmul_nt(flat, w) if config.tie_embeddings
