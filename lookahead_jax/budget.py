@@ -78,19 +78,32 @@ def outcome_known(tokens, parents, actual, max_depth: int) -> bool:
 
 class AcceptanceStats:
     """Accepted drafts per budget bucket (all of `tree.BUCKETS`), kept per draft class over
-    the last `window` scored drafts of that class."""
+    the last `window` scored drafts of that class.
+
+    Per class it keeps the window's samples and their running sums (exact: counts are
+    integers), so `expected` costs O(buckets) whatever the window: the policy asks for it
+    every step, and on a GPU a step is a few milliseconds."""
 
     def __init__(self, window: int = 256):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self.samples: dict = {}  # key -> deque of tuples (a(T) for T in BUCKETS)
+        self._sums: dict = {}  # key -> [sum over the deque of a(T)] per bucket
 
     def observe(self, tokens, parents, actual, key: Hashable = None) -> None:
         q = self.samples.get(key)
         if q is None:
             q = self.samples[key] = collections.deque(maxlen=self.window)
-        q.append(accepted_lengths(tokens, parents, actual, BUCKETS))
+            self._sums[key] = [0] * len(BUCKETS)
+        sums = self._sums[key]
+        if len(q) == self.window:  # the oldest sample leaves the window
+            for i, a in enumerate(q[0]):
+                sums[i] -= a
+        new = accepted_lengths(tokens, parents, actual, BUCKETS)
+        q.append(new)
+        for i, a in enumerate(new):
+            sums[i] += a
 
     def expected(self, key: Hashable = None) -> Optional[dict]:
         """Mean accepted drafts {T: a(T)} over the class's recent drafts; None if unseen."""
@@ -98,7 +111,7 @@ class AcceptanceStats:
         if not q:
             return None
         n = len(q)
-        return {b: sum(s[i] for s in q) / n for i, b in enumerate(BUCKETS)}
+        return {b: s / n for b, s in zip(BUCKETS, self._sums[key])}
 
     def count(self, key: Hashable = None) -> int:
         q = self.samples.get(key)

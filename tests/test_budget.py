@@ -203,6 +203,24 @@ def test_random_classes_are_consistent():
         assert s.expected(k)[7] == pytest.approx(sum(v) / len(v))
 
 
+def test_acceptance_stats_running_sums_follow_the_window():
+    """The O(1) estimate (running sums) equals the plain mean of the class's last `window`
+    samples after any number of evictions, for every bucket."""
+    rng = random.Random(1)
+    s = AcceptanceStats(window=5)
+    seen = {}
+    for _ in range(300):
+        k = rng.choice("xy")
+        n = rng.randint(0, 9)
+        tokens = [rng.randint(0, 1) for _ in range(n)]
+        parents = [rng.randint(-1, i - 1) for i in range(n)]
+        actual = [rng.randint(0, 1) for _ in range(6)]
+        s.observe(tokens, parents, actual, key=k)
+        seen.setdefault(k, []).append([naive_accepted(tokens, parents, actual, b) for b in BUCKETS])
+        last = seen[k][-5:]
+        assert s.expected(k) == {b: sum(r[i] for r in last) / len(last) for i, b in enumerate(BUCKETS)}
+
+
 def test_step_times_are_ratios_to_fresh_plain_steps_at_the_same_window():
     t = StepTimes(window=4, max_age=3, alpha=0.5)
     t.record(1, 128, 0.030)  # no plain step at this window yet: no sample
