@@ -351,6 +351,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     c0 = compiled.compile_s
     first, cache = compiled("prefill", jitted_prefill(cfg, sampling), *args)
     first = np.asarray(first)
+    prefill_s = time.perf_counter() - t_start - (compiled.compile_s - c0)  # time to first token
     host_s = 0.0
     steps = 1
     for r in rows:
@@ -429,7 +430,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     new = sum(o.new_tokens for o in outs)
     stats = dict(
         strategy=strategy, batch=B, prompt_bucket=P, cache_len=S, forward_steps=steps,
-        new_tokens=new, wall_s=wall, tokens_per_s=new / wall if wall > 0 else 0.0,
+        new_tokens=new, wall_s=wall, tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=prefill_s,
         mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
         host_s=host_s, compile_s=compile_s, calibrate_s=calibrate_s,
         compilations=len(compiled.compilations),
@@ -689,7 +690,7 @@ def main(argv=None) -> int:
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
         decoding_length=cfg.decoding_length, branch_length=cfg.branch_length, mode=cfg.mode,
     )
-    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, host_s=0.0)
+    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, host_s=0.0, prefill_s=0.0)
     for start in range(0, len(cfg.prompts), cfg.batch_size):
         batch = list(cfg.prompts[start:start + cfg.batch_size])
         refs = [list(r) for r in cfg.references[start:start + cfg.batch_size]]
@@ -713,6 +714,7 @@ def main(argv=None) -> int:
         model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
         new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
         tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
+        prefill_s=round(totals["prefill_s"], 4),
         compile_s=round(totals["compile_s"], 3), host_s=round(totals["host_s"], 4),
         compilations=len(model._compiled.compilations),
     )

@@ -28,7 +28,7 @@ from tiny import ByteTokenizer, tiny_model
 ROW_FIELDS = {"prompt_index", "text", "token_ids", "new_tokens", "finish_reason", "forward_steps",
               "mean_accepted_tokens", "wall_s", "tokens_per_s"}
 SUMMARY_FIELDS = {"model", "strategy", "dtype", "prompts", "new_tokens", "wall_s", "tokens_per_s",
-                  "compile_s", "host_s", "compilations"}
+                  "prefill_s", "compile_s", "host_s", "compilations"}
 PROMPTS = ["Hello there", "Once upon a time", "2+2="]
 
 

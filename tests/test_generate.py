@@ -414,6 +414,7 @@ def test_greedy_stats_and_compilations(tok):
     assert s["wall_s"] + s["compile_s"] <= elapsed
     assert s["compile_s"] == pytest.approx(m._compiled.compile_s)
     assert s["tokens_per_s"] == pytest.approx(8 / s["wall_s"])
+    assert 0 < s["prefill_s"] < s["wall_s"]  # time to the first token, part of the wall time
 
     # same shapes (other prompts of the same bucket): no compilation at all
     for prompt in ("Hi", "Another prompt."):
