@@ -336,9 +336,9 @@ static ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 }
 
 // ---------------------------------------------------------------- attention
-// out[b,k,i] = softmax_j(scale * q[b,k,i] . kc[b,k,j] | mask[b,t,j]) @ vc[b,k,j], j < W,
-// t = i % T: the queries of one kv head (its G query heads x T tokens, index g*T + t) over
-// the first W slots of the cache. One call per layer replaces XLA's ~12 small ops (two
+// out[b,t,k,g] = softmax_j(scale * q[b,t,k,g] . kc[b,k,j] | mask[b,t,j]) @ vc[b,k,j], j < W:
+// the queries of one kv head (its G query heads x T tokens) over the first W slots of the
+// cache. One call per layer replaces XLA's ~12 small ops (two
 // batched dots, scale, select, max, exp, sum, divide, transposes), whose fixed costs
 // dominate at decode sizes. A row without a visible slot gives zeros.
 //
@@ -351,16 +351,29 @@ static ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 constexpr int64_t ATTN_ROWS = MR;  // queries per tile
 
 static void attention_rows(const float* q, const float* kc, const float* vc, const bool* mask,
-                           float* out, float* p, int64_t R, int64_t i0, int64_t T, int64_t W,
+                           float* out, float* p, int64_t R, int64_t i0, int64_t G, int64_t W,
                            int64_t H, float scale) {
-  nt_rows(q, kc, p, R, H, W, 0, W);  // scores p[R,W] = q[R,H] @ kc[W,H]^T
-  const int64_t Wv = W - W % VW;
+  // Slots past the last one any of these rows sees are masked for all of them: they would
+  // add exact zeros (to the sum and to p @ v), so the tile stops at the vector of slots
+  // holding that last one. A decode window is a power of two, ~1/4 masked on average.
+  int64_t last = -1;
+  for (int64_t r = 0; r < R; ++r) {
+    const bool* mr = mask + ((i0 + r) / G) * W;  // query i = t*G + g
+    for (int64_t j = W - 1; j > last; --j)
+      if (mr[j]) {
+        last = j;
+        break;
+      }
+  }
+  const int64_t Wt = std::min(W, (last + VW) / VW * VW);  // W itself, or a multiple of VW
+  nt_rows(q, kc, p, R, H, W, 0, Wt);  // scores p[R,Wt] = q[R,H] @ kc[Wt,H]^T (rows W apart)
+  const int64_t Wv = Wt - Wt % VW;
   for (int64_t r = 0; r < R; ++r) {
     float* pr = p + r * W;
-    const bool* mr = mask + ((i0 + r) % T) * W;
+    const bool* mr = mask + ((i0 + r) / G) * W;  // query i = t*G + g
     float mx = -3.0e38f;
     bool any = false;
-    for (int64_t j = 0; j < W; ++j) {
+    for (int64_t j = 0; j < Wt; ++j) {
       float s = pr[j] * scale;
       if (mr[j]) {
         any = true;
@@ -371,7 +384,7 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
       }
     }
     if (!any) {
-      std::fill(pr, pr + W, 0.0f);
+      std::fill(pr, pr + Wt, 0.0f);
       continue;
     }
     const vec neg_mx = vset1(-mx);
@@ -382,7 +395,7 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
       acc = vadd(acc, e);
     }
     float sum = vsum(acc);
-    for (int64_t j = Wv; j < W; ++j) {
+    for (int64_t j = Wv; j < Wt; ++j) {
       float buf[VW] = {0};
       buf[0] = pr[j] - mx;
       float e[VW];
@@ -391,38 +404,50 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
       sum += e[0];
     }
     const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < W; ++j) pr[j] *= inv;
+    for (int64_t j = 0; j < Wt; ++j) pr[j] *= inv;
   }
-  // out[R,H] = p[R,W] @ vc[W,H]
+  // out[R,H] = p[R,Wt] @ vc[Wt,H]
   for (int64_t n0 = 0; n0 < H; n0 += VW)
     for_row_blocks(R, [&](int64_t m, auto RB) {
-      nn_block<1, decltype(RB)::value>(p + m * W, W, vc + n0, H, out + m * H + n0, H, W);
+      nn_block<1, decltype(RB)::value>(p + m * W, W, vc + n0, H, out + m * H + n0, H, Wt);
     });
 }
 
+// The queries arrive as the qkv projection leaves them, q[B,T,K,G,H], and out has that
+// layout too (a [B,T,N*H] input of the output projection): no transposes around the call
+// (at 8-16 tokens XLA's transposes of q and out cost more than this kernel's attention).
+// A tile is up to ATTN_ROWS queries of one (row b, kv head k), in the order t*G + g,
+// copied to a contiguous block and back (which changes no value).
 static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
                             ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> mask,
                             ffi::ResultBuffer<ffi::F32> out, float scale) {
   auto qd = q.dimensions(), kd = kc.dimensions(), vd = vc.dimensions(), md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
-    return ffi::Error::InvalidArgument("attention: needs q[B,K,Q,H], k/v[B,K,S,H], mask[B,T,W]");
-  const int64_t B = qd[0], K = qd[1], Q = qd[2], H = qd[3], S = kd[2], T = md[1], W = md[2];
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
+    return ffi::Error::InvalidArgument("attention: needs q[B,T,K,G,H], k/v[B,K,S,H], mask[B,T,W]");
+  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], S = kd[2], W = md[2];
   for (int i = 0; i < 4; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("attention: k and v shapes differ");
-  if (kd[0] != B || kd[1] != K || kd[3] != H || md[0] != B || T < 1 || Q % T || W > S || H % VW)
-    return ffi::Error::InvalidArgument("attention: inconsistent shapes (Q % T, W <= S, H % vector width)");
+  if (kd[0] != B || kd[1] != K || kd[3] != H || md[0] != B || md[1] != T || W > S || H % VW)
+    return ffi::Error::InvalidArgument("attention: inconsistent shapes (W <= S, H % vector width)");
   const float* qp = q.typed_data();
   const float* kp = kc.typed_data();
   const float* vp = vc.typed_data();
   const bool* mp = mask.typed_data();
   float* op = out->typed_data();
-  const int64_t blocks = (Q + ATTN_ROWS - 1) / ATTN_ROWS;
+  const int64_t Q = T * G, blocks = (Q + ATTN_ROWS - 1) / ATTN_ROWS;
   auto tile = [=](int64_t t) {
-    const int64_t bk = t / blocks, i0 = (t % blocks) * ATTN_ROWS, b = bk / K;
+    const int64_t bk = t / blocks, i0 = (t % blocks) * ATTN_ROWS, b = bk / K, k = bk % K;
     const int64_t R = std::min(ATTN_ROWS, Q - i0);
-    std::unique_ptr<float[]> p(new float[R * W]);
-    attention_rows(qp + (bk * Q + i0) * H, kp + bk * S * H, vp + bk * S * H, mp + b * T * W,
-                   op + (bk * Q + i0) * H, p.get(), R, i0, T, W, H, scale);
+    std::unique_ptr<float[]> buf(new float[R * (W + 2 * H)]);
+    float *qb = buf.get(), *ob = qb + R * H, *p = ob + R * H;
+    int64_t rows[ATTN_ROWS];  // offset of each query's H values in q and out
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = i0 + r, tok = i / G, g = i % G;
+      rows[r] = (((b * T + tok) * K + k) * G + g) * H;
+      std::copy(qp + rows[r], qp + rows[r] + H, qb + r * H);
+    }
+    attention_rows(qb, kp + bk * S * H, vp + bk * S * H, mp + b * T * W, ob, p, R, i0, G, W, H, scale);
+    for (int64_t r = 0; r < R; ++r) std::copy(ob + r * H, ob + (r + 1) * H, op + rows[r]);
   };
   if (B * K * blocks == 1) tile(0);
   else parallel_tiles(pool, B * K * blocks, tile);

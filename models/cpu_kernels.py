@@ -298,19 +298,19 @@ def matmul_nt(x, e):
 def attention(q, k, v, mask, scale: float, reference):
     """Attention of one layer's new tokens over the cache, in one kernel call on CPU.
 
-    q [B,K,Q,H] f32: the queries grouped per kv head (Q = G*T, query g*T + t of token t);
-    k, v [B,K,S,H]: the cache (new tokens already written); mask [B,T,W] bool, W <= S:
-    the slots each token sees (attention reads slots < W only). Returns [B,K,Q,H] f32:
+    q [B,T,K,G,H] f32: the queries as the qkv projection lays them out (query head
+    k*G + g of token t); k, v [B,K,S,H]: the cache (new tokens already written); mask
+    [B,T,W] bool, W <= S: the slots each token sees (attention reads slots < W only).
+    Returns [B,T,K,G,H] f32 (a [B,T,N*H] reshape away from the output projection):
     softmax(scale * q k^T, masked) v, a row with nothing visible giving zeros.
 
     `reference(q, k, v, mask)` is the same computation in jnp: what GPU/TPU lower, what
     runs where the kernel does not apply (not f32, T > MAX_ATTN_TOKENS, H not a multiple of
     the vector width, kernel off), and what derivatives go through.
     """
-    Q, H = q.shape[2:]
-    T = mask.shape[1]
+    T, H = q.shape[1], q.shape[4]
     usable = (q.dtype == k.dtype == v.dtype == jnp.float32 and mask.dtype == jnp.bool_
-              and 1 <= T <= MAX_ATTN_TOKENS and Q % T == 0 and mask.shape[2] <= k.shape[2])
+              and 1 <= T <= MAX_ATTN_TOKENS and mask.shape[1] == T and mask.shape[2] <= k.shape[2])
     vw = vector_width() if usable else None
     if not vw or H % vw:
         return reference(q, k, v, mask)
