@@ -500,6 +500,19 @@ static ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Res
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- copy
+// y = x. A custom call is a fusion boundary: XLA computes x once into a buffer instead of
+// fusing its producer into every consumer (`cpu_kernels.materialize`).
+static ffi::Error Copy(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  std::copy(x.typed_data(), x.typed_data() + x.element_count(), y->typed_data());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_copy, Copy,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_argmax, Argmax,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

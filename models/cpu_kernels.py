@@ -122,7 +122,7 @@ def vector_width() -> Optional[int]:
             try:
                 lib = ctypes.CDLL(str(_build()))
                 for name in ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nt",
-                             "lookahead_attention", "lookahead_argmax"):
+                             "lookahead_attention", "lookahead_argmax", "lookahead_copy"):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
                 _state["width"] = int(lib.lookahead_vector_width())
                 _state["lib"] = lib  # keep the library loaded
@@ -211,6 +211,24 @@ def argmax(x):
 
     out = jax.lax.platform_dependent(flat, cpu=kernel, default=lambda f: jnp.argmax(f, axis=-1).astype(jnp.int32))
     return out.reshape(x.shape[:-1])
+
+
+def materialize(x):
+    """x, computed once into a buffer: on CPU (f32) it goes through a copy kernel, which
+    XLA cannot fuse into x's consumers. Without it XLA:CPU fuses a cheap-looking producer
+    into each consumer and recomputes it per element: the RoPE tables' cos and sin
+    [B,T,H/2] were evaluated once per element of every q and k rotation. Identity on
+    other backends and dtypes, and for derivatives."""
+    if x.dtype != jnp.float32 or x.size == 0 or not vector_width():
+        return x
+
+    @jax.custom_jvp
+    def f(x):
+        copy = jax.ffi.ffi_call("lookahead_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))
+        return jax.lax.platform_dependent(x, cpu=copy, default=lambda x: x)
+
+    f.defjvp(lambda primals, tangents: (f(primals[0]), tangents[0]))
+    return f(x)
 
 
 # ----------------------------------------------------------------------------- packed weights

@@ -249,7 +249,10 @@ def hidden_states(params, tokens, positions, cache: KVCache, attn_mask, config: 
     for i, p in enumerate(params["layers"]):
         key = (cfg.layer_rope_theta(i), cfg.layer_rope_scaling(i))
         if key not in tables:
-            tables[key] = rope_tables(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, *key)))
+            # computed once ([B,T,H/2]): fused into every q and k rotation, XLA:CPU would
+            # evaluate cos and sin per element (~9k of each a layer at 16 tokens)
+            cos, sin = rope_tables(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, *key)))
+            tables[key] = (cpu_kernels.materialize(cos), cpu_kernels.materialize(sin))
         mask = attn_mask
         w = cfg.layer_window(i)
         if w is not None:

@@ -155,6 +155,29 @@ def test_argmax_is_jnp_argmax():
     assert "lookahead_argmax" not in jax.jit(ck.argmax).lower(jnp.ones((2, 8), jnp.bfloat16)).as_text()
 
 
+@needs_kernel
+def test_materialize_is_a_copy_that_keeps_its_producer_out_of_consumers():
+    """materialize(x) == x bitwise, through a custom call on CPU (a fusion boundary), the
+    identity for derivatives and for dtypes it does not take."""
+    pos = jnp.arange(16, dtype=jnp.float32)[:, None] * jnp.linspace(0.1, 1.0, 32)[None, :]
+
+    def rot(q, pos):
+        c = ck.materialize(jnp.cos(pos))
+        return q * c[None] + 1.0
+
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((3, 16, 32)), jnp.float32)
+    hlo = jax.jit(rot).lower(q, pos).compile().as_text()
+    assert "lookahead_copy" in hlo
+    x = jax.jit(jnp.cos)(pos)
+    assert np.array_equal(np.asarray(jax.jit(ck.materialize)(x)), np.asarray(x))
+    assert np.array_equal(np.asarray(jax.jit(lambda p: ck.materialize(jnp.cos(p)))(pos)), np.asarray(x))
+    np.testing.assert_allclose(np.asarray(jax.jit(rot)(q, pos)), np.asarray(q * x[None] + 1.0), rtol=1e-6, atol=1e-6)
+    g = jax.grad(lambda p: jnp.sum(jnp.sin(ck.materialize(p * 2.0))))(pos)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(2.0 * jnp.cos(pos * 2.0)), rtol=1e-6)
+    assert ck.materialize(jnp.ones(4, jnp.bfloat16)).dtype == jnp.bfloat16
+    assert "lookahead_copy" not in jax.jit(ck.materialize).lower(jnp.ones(4, jnp.bfloat16)).as_text()
+
+
 # ----------------------------------------------------------------------------- packed weights
 @pytest.mark.parametrize("K,N,tiles", [(576, 960, (20, 576, 48)), (64, 64, (2, 64, 32)), (40, 16 * 5, (5, 40, 16)),
                                        (8, 4 * 2 * 24, (4, 8, 48))])
