@@ -255,6 +255,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy: str
     decoding_length: lookahead draft budget per step (nodes, 0..128), "auto" picks the
         budget that maximises expected tokens/s from measured verify costs among tree sizes
         T = 0, 1, 3, 7, 15, 31, 63 (verify blocks of 1+T = 2^k tokens, the cheap ones).
+        Tuned on CPU; on a GPU a fixed 15 is faster for now (bench/results/README.md).
     branch_length: lookahead maximum draft depth.  mode: "hierarchical"|"parallel"|"single".
     on_text(prompt_index, text_delta): streaming callback, called as tokens are accepted.
     max_cache_len: KV cache slots (default: prompt + max_new_tokens + verify block, rounded).
