@@ -103,11 +103,8 @@ def apply_rope(x, tables):
     cos = cos.reshape(cos.shape[:2] + extra + cos.shape[2:])
     sin = sin.reshape(sin.shape[:2] + extra + sin.shape[2:])
     xf = x.astype(jnp.float32)
-    halves = xf.reshape(*xf.shape[:-1], 2, xf.shape[-1] // 2)  # [..., 2, H/2]: x1, x2
-    x1, x2 = halves[..., 0, :], halves[..., 1, :]
-    # stacked halves rather than a concatenate: XLA:CPU's concatenate fusion of the
-    # [B,T,K,G,H] queries cost ~30 us a layer at 8 tokens
-    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2).reshape(xf.shape)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
 
