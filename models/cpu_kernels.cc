@@ -414,8 +414,7 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
 }
 
 // The queries arrive as the qkv projection leaves them, q[B,T,K,G,H], and out has that
-// layout too (a [B,T,N*H] input of the output projection): no transposes around the call
-// (at 8-16 tokens XLA's transposes of q and out cost more than this kernel's attention).
+// layout too (a [B,T,N*H] input of the output projection): no transposes around the call.
 // A tile is up to ATTN_ROWS queries of one (row b, kv head k), in the order t*G + g,
 // copied to a contiguous block and back (which changes no value).
 static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
