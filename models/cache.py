@@ -1,8 +1,10 @@
 """KV cache: an explicit pytree with per-layer K/V and a per-row length.
 
-    k[i], v[i]: [B,K,S,H]   one array per layer (Python-unrolled layers: fastest on CPU,
-                            PERF-NOTES); heads before slots so attention is a plain
-                            batched matmul over (B,K) (2-9x faster than [B,S,K,H] here)
+    k[i], v[i]: [B,K,S,H]   one array per layer, layers Python-unrolled (on XLA:CPU 25.1 ms
+                            a SmolLM2-shaped greedy step, against 36.5 ms for a lax.scan
+                            over one stacked cache); heads before slots so attention is a
+                            plain batched matmul over (B,K) (2-9x faster than [B,S,K,H]
+                            on CPU)
     length:     [B] int32   number of committed slots of each row
 
 Slots `0 .. length-1` are committed and compact (slot s holds position s). A forward

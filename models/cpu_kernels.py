@@ -62,22 +62,18 @@ _lock = threading.Lock()
 _state: dict = {}  # "width": vector width once built and registered, or "error": why not
 
 
-def _cache_root() -> Path:
-    base = os.environ.get("LOOKAHEAD_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lookahead_jax")
-    return Path(base) / "kernels"
-
-
-def _cpu_signature() -> str:
-    flags = ""
+def cpu_id() -> str:
+    """Short hex hash (10 digits) of the CPU model and features: the model name and
+    feature lines of /proc/cpuinfo (x86 "flags", Arm "Features" and "CPU part"), or
+    `platform.processor()` where it cannot be read. Native code built for this CPU (the
+    kernel here, XLA's persistent compilation cache) is only valid where it is the same."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line
-                    break
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        text = "".join(sorted(set(lines)))
     except OSError:
-        pass
-    return flags + platform.machine()
+        text = platform.processor() or platform.platform()
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 def _build(flags: tuple = ()) -> Path:
@@ -89,9 +85,11 @@ def _build(flags: tuple = ()) -> Path:
         raise RuntimeError(f"no C++ compiler found ({'CXX=' + asked if asked else 'c++, g++, clang++'}); "
                            "install g++ or set CXX")
     src = SOURCE.read_bytes()
-    key = hashlib.sha1(src + _cpu_signature().encode() + jax.__version__.encode() + cxx.encode()
-                       + " ".join(flags).encode()).hexdigest()[:16]
-    out = _cache_root() / key / "libcpu_kernels.so"
+    from ..presets import cache_root  # the package's cache folder (a host-only module)
+
+    key = hashlib.sha1(src + cpu_id().encode() + platform.machine().encode() + jax.__version__.encode()
+                       + cxx.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / key / "libcpu_kernels.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -163,28 +161,24 @@ def _ffi(name, x, w, n):
     return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, w)
 
 
-@jax.custom_jvp
-def _nn(x, w):
-    return jax.lax.platform_dependent(
-        x, w, cpu=lambda x, w: _ffi("lookahead_matmul_nn", x, w, w.shape[1]), default=_dot)
+def _with_plain_jvp(kernel, plain):
+    """f(*args): `kernel(*args)` when lowering for CPU, `plain(*args)` (the jnp version)
+    on other backends; derivatives are plain's (custom JVP), so training code can
+    differentiate through the kernels."""
+
+    @jax.custom_jvp
+    def f(*args):
+        return jax.lax.platform_dependent(*args, cpu=kernel, default=plain)
+
+    @f.defjvp
+    def _jvp(primals, tangents):
+        return f(*primals), jax.jvp(plain, primals, tangents)[1]
+
+    return f
 
 
-@_nn.defjvp
-def _nn_jvp(primals, tangents):
-    (x, w), (dx, dw) = primals, tangents
-    return _nn(x, w), _dot(dx, w) + _dot(x, dw)
-
-
-@jax.custom_jvp
-def _nt(x, e):
-    return jax.lax.platform_dependent(
-        x, e, cpu=lambda x, e: _ffi("lookahead_matmul_nt", x, e, e.shape[0]), default=_dot_nt)
-
-
-@_nt.defjvp
-def _nt_jvp(primals, tangents):
-    (x, e), (dx, de) = primals, tangents
-    return _nt(x, e), _dot_nt(dx, e) + _dot_nt(x, de)
+_nn = _with_plain_jvp(lambda x, w: _ffi("lookahead_matmul_nn", x, w, w.shape[1]), _dot)
+_nt = _with_plain_jvp(lambda x, e: _ffi("lookahead_matmul_nt", x, e, e.shape[0]), _dot_nt)
 
 
 def matmul(x, w):
@@ -221,14 +215,8 @@ def materialize(x):
     other backends and dtypes, and for derivatives."""
     if x.dtype != jnp.float32 or x.size == 0 or not vector_width():
         return x
-
-    @jax.custom_jvp
-    def f(x):
-        copy = jax.ffi.ffi_call("lookahead_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))
-        return jax.lax.platform_dependent(x, cpu=copy, default=lambda x: x)
-
-    f.defjvp(lambda primals, tangents: (f(primals[0]), tangents[0]))
-    return f(x)
+    copy = jax.ffi.ffi_call("lookahead_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return _with_plain_jvp(copy, lambda x: x)(x)
 
 
 # ----------------------------------------------------------------------------- packed weights
@@ -293,17 +281,8 @@ def _packed_dot(x, data):
     return _dot(x, data.transpose(1, 0, 2).reshape(data.shape[1], -1))
 
 
-@jax.custom_jvp
-def _nn_packed(x, data):
-    nt, _, tw = data.shape
-    return jax.lax.platform_dependent(
-        x, data, cpu=lambda x, d: _ffi("lookahead_matmul_nn_packed", x, d, nt * tw), default=_packed_dot)
-
-
-@_nn_packed.defjvp
-def _nn_packed_jvp(primals, tangents):
-    (x, d), (dx, dd) = primals, tangents
-    return _nn_packed(x, d), _packed_dot(dx, d) + _packed_dot(x, dd)
+_nn_packed = _with_plain_jvp(  # data [N/TW, K, TW]: N = N/TW * TW columns
+    lambda x, d: _ffi("lookahead_matmul_nn_packed", x, d, d.shape[0] * d.shape[2]), _packed_dot)
 
 
 def matmul_nt(x, e):
@@ -337,15 +316,4 @@ def attention(q, k, v, mask, scale: float, reference):
         return jax.ffi.ffi_call("lookahead_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
             q, k, v, mask, scale=np.float32(scale))
 
-    @jax.custom_jvp
-    def attn(q, k, v, mask):
-        return jax.lax.platform_dependent(q, k, v, mask, cpu=kernel, default=reference)
-
-    @attn.defjvp
-    def _jvp(primals, tangents):
-        q, k, v, mask = primals
-        dq, dk, dv, _ = tangents
-        out = attn(q, k, v, mask)
-        return out, jax.jvp(lambda q, k, v: reference(q, k, v, mask), (q, k, v), (dq, dk, dv))[1]
-
-    return attn(q, k, v, mask)
+    return _with_plain_jvp(kernel, reference)(q, k, v, mask)

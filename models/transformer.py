@@ -25,8 +25,9 @@ Contract (shared by plain decoding and every speculative verifier):
 Axis legend: B batch, T new tokens, S cache slots, N query heads, K kv heads, G = N/K,
 H head dim, D model dim, F mlp dim, V vocab.
 
-Params layout (all leaves arrays; per-layer dicts in a list, layers Python-unrolled, which
-measured fastest on CPU, see PERF-NOTES):
+Params layout (all leaves arrays; per-layer dicts in a list, layers Python-unrolled: on
+XLA:CPU that beat a lax.scan over stacked layers, 25.1 vs 36.5 ms a SmolLM2-shaped greedy
+step):
 
     embed [V,D]; final_norm [D]; lm_head [D,V] (untied only)
     layers[i]: attn_norm [D], qkv [D,K,G+2,H], o [N*H,D],

@@ -75,7 +75,7 @@ def test_products_the_kernel_does_not_take_use_plain_dot():
     assert not _lowered_has_kernel(ck.matmul, jnp.ones((ck.MAX_ROWS + 1, 64)), jnp.ones((64, 32)))
     assert not _lowered_has_kernel(ck.matmul, x, jnp.ones((64, 17)))  # N not a vector multiple
     assert not _lowered_has_kernel(ck.matmul_nt, jnp.ones((ck.MAX_ROWS_NT + 1, 64)), jnp.ones((10, 64)))
-    assert not _lowered_has_kernel(ck.matmul_nt, jnp.ones((2, 24)), jnp.ones((10, 24)))  # D not a vector multiple
+    assert not _lowered_has_kernel(ck.matmul_nt, jnp.ones((2, 20)), jnp.ones((10, 20)))  # D not a multiple of 8 or 16
     y = jax.jit(ck.matmul)(x, jnp.ones((64, 17)))
     np.testing.assert_allclose(np.asarray(y), np.full((2, 17), 64.0))
 
@@ -292,7 +292,7 @@ def test_attention_the_kernel_does_not_take_uses_the_definition():
     assert "lookahead_attention" not in f.lower(q, k, v, mask).as_text()
     bf = [a.astype(jnp.bfloat16) for a in (q, k, v)]
     assert "lookahead_attention" not in jax.jit(_attention).lower(*bf, mask).as_text()
-    q24, k24, v24, m24 = _attention_case(5, H=24)  # head dim not a vector multiple
+    q24, k24, v24, m24 = _attention_case(5, H=20)  # head dim not a multiple of 8 or 16
     assert "lookahead_attention" not in jax.jit(_attention).lower(q24, k24, v24, m24).as_text()
     np.testing.assert_allclose(np.asarray(f(q, k, v, mask)), np.asarray(jax.jit(_reference(0.125))(q, k, v, mask)),
                                rtol=0, atol=0)
