@@ -10,10 +10,13 @@ callable as the generate function (`lookahead_jax.generate.generate`). It is imp
 lazily so that `python -m` runs it once, without runpy's double-import warning.
 """
 
+from .engine import Engine, engine_for
 from .loading import Model, load, save_pretrained
 from .sampling import SamplingParams
+from .strategies import Greedy, Lookahead
 
-__all__ = ["GenerateOutput", "Model", "RowOutput", "SamplingParams", "generate", "load", "save_pretrained"]
+__all__ = ["Engine", "GenerateOutput", "Greedy", "Lookahead", "Model", "RowOutput", "SamplingParams",
+           "engine_for", "generate", "load", "save_pretrained"]
 __version__ = "0.1.0"
 
 

@@ -34,34 +34,13 @@ from __future__ import annotations
 import collections
 from typing import Hashable, Optional, Sequence
 
-from .tree import BUCKETS
+from .acceptance import TokenMatch
+from .tree import BUCKETS, buckets_up_to
 
 
-def accepted_lengths(tokens: Sequence[int], parents: Sequence[int], actual: Sequence[int],
-                     budgets: Sequence[int]) -> tuple:
-    """Drafts a tree of the first `b` nodes would have accepted, for every b in `budgets`
-    (ascending), given the true continuation `actual` (tokens after the root).
-
-    # tokens [5, 7, 6], parents [-1, 0, -1], actual [5, 7, 9], budgets (0, 1, 3)
-    # -> node0 ok (depth 1), node1 ok (depth 2), node2 wrong -> (0, 1, 2)
-    """
-    n = len(tokens)
-    depth = [0] * n
-    ok = [False] * n
-    out = []
-    best = 0
-    i = 0
-    for b in budgets:
-        while i < min(b, n):
-            p = parents[i]
-            d = 1 if p < 0 else depth[p] + 1
-            depth[i] = d
-            if (p < 0 or ok[p]) and d <= len(actual) and tokens[i] == actual[d - 1]:
-                ok[i] = True
-                best = max(best, d)
-            i += 1
-        out.append(best)
-    return tuple(out)
+# how many drafts a tree's first b nodes accept, given the true continuation: the host
+# replay of the acceptance rule (one definition, next to the rule itself)
+accepted_lengths = TokenMatch.accepted_lengths
 
 
 def accepted_length(tokens, parents, actual, budget: int) -> int:
@@ -74,6 +53,32 @@ def outcome_known(tokens, parents, actual, max_depth: int) -> bool:
     reaches the draft's depth, or the accepted path already stopped short of it (a node
     deeper than the first mismatch needs an accepted parent)."""
     return len(actual) >= max_depth or accepted_length(tokens, parents, actual, len(tokens)) < len(actual)
+
+
+class FixedBudget:
+    """A fixed draft budget: every step drafts up to `limit` nodes, padded to the smallest
+    of `tree.buckets_up_to(limit)` that holds the largest draft (limit 0: plain decoding).
+
+    The budget-policy interface of the decode loop (`AutoBudget` is the other one):
+    `buckets`, `max_nodes`, `plan(drafts, state) -> nodes allowed this step`,
+    `record(T, window, seconds)` (a real step's time), `score(state)` (after each step),
+    `summary() -> dict` (for the call's stats)."""
+
+    def __init__(self, limit: int = 0):
+        self.buckets = buckets_up_to(limit)  # validates the range
+        self.max_nodes = limit
+
+    def plan(self, drafts, state) -> int:
+        return self.max_nodes
+
+    def record(self, T: int, window: int, seconds: float) -> None:
+        pass
+
+    def score(self, state) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {}
 
 
 class AcceptanceStats:
@@ -198,6 +203,7 @@ class AutoBudget:
         if cost_prior < 0:
             raise ValueError(f"cost_prior must be >= 0, got {cost_prior}")
         self.cost_prior = cost_prior
+        self._pending: list = []  # (row state, tokens generated before, draft, its depth)
 
     def record(self, T: int, window: int, seconds: float) -> None:
         """Time of a real verify step of bucket T at attention `window`."""
@@ -232,6 +238,42 @@ class AutoBudget:
             return {b: shared[b] for b in self.buckets}
         w = n / (n + self.prior) if n + self.prior else 1.0
         return {b: w * own[b] + (1 - w) * shared[b] for b in self.buckets}
+
+    @property
+    def max_nodes(self) -> int:
+        return self.buckets[-1]
+
+    def plan(self, drafts, state) -> int:
+        """Nodes allowed this step (`choose` over the classes of the active rows' drafts);
+        remembers the drafts so that `score` can count what every budget would have
+        accepted once the rows' later tokens are known."""
+        live = [b for b, a in enumerate(state.active) if a]
+        full = [(b, drafts[b]) for b in live if len(drafts[b])]
+        self._pending += [(state.rows[b], len(state.rows[b].ids), d, d.max_depth) for b, d in full]
+        return self.choose([d.key for _, d in full], rows=len(live))
+
+    def score(self, state) -> None:
+        """Score the drafts whose outcome is now decided (the row went past their depth,
+        their path broke off, or the row finished)."""
+        keep = []
+        for row, g0, d, depth in self._pending:
+            actual = row.ids[g0:]
+            if row.finish or outcome_known(d.tokens, d.parents, actual, depth):
+                self.observe(d.tokens, d.parents, actual, d.key)
+            else:
+                keep.append((row, g0, d, depth))
+        self._pending = keep
+
+    def summary(self) -> dict:
+        return dict(
+            verify_cost_ms={b: round(c * 1e3, 2) for b, c in self.cost.items()},
+            verify_cost_ratio={b: round(r, 3) for b, r in self.cost_ratios().items()},
+            observed_cost_ratio={  # median t(T)/t(0) of real steps, samples
+                b: [round(r, 3), n] for b in self.buckets for r, n in [self.times.ratio(b)] if n},
+            expected_accepted={  # per draft class (e.g. the trie's match length, dominance)
+                str(k): {b: round(a, 3) for b, a in self.expected_accepted(k).items()}
+                for k in sorted(self.stats.samples, key=repr)},
+        )
 
     def choose(self, keys: Sequence[Hashable] = (None,), rows: Optional[int] = None) -> int:
         """T for a step of `rows` active rows (default len(keys)), of which those with a

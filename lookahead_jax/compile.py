@@ -34,6 +34,10 @@ class CompiledFunctions:
         self.compile_s = 0.0
         self.compilations: list[str] = []
 
+    def executables(self, name: str) -> list:
+        """The compiled executables of step `name` ("prefill", "verify"), oldest first."""
+        return [exe for key, exe in self._table.items() if key[0] == name]
+
     def __call__(self, name: str, jitted: Callable, *args, **static):
         """Run `jitted(*args, **static)`, compiling it first for a new signature; `static`
         are the jitted function's static keyword arguments (part of the signature)."""

@@ -44,36 +44,16 @@ class Model:
 
 
 def runtime_params(model):
-    """The params the jitted decode functions run on: on one CPU device in f32 with the
-    CPU kernels on, a copy with the layer weights packed for the matmul kernel
-    (`models.transformer.pack_params`: ~2x faster weight reads, the same values), made
-    once per params object and kept on `model` (a second copy of those weights in memory;
-    `LOOKAHEAD_JAX_CPU_KERNELS=0` turns kernels and packing off); otherwise `model.params`
-    itself (GPU/TPU, bf16, params sharded over several devices). `model`: anything with
-    `.params` (a `Model`, or a namespace in tests)."""
-    leaves = jax.tree.leaves(model.params)
-    cached = model.__dict__.get("_runtime")  # valid while every leaf is the same object
-    if cached is not None and len(cached[0]) == len(leaves) and all(a is b for a, b in zip(cached[0], leaves)):
-        return cached[1]
-    out = model.params
-    if _packable(leaves):
-        from .models.transformer import pack_params
+    """The params the jitted decode functions run on (`Engine.params` of the model's
+    default engine): on one CPU device in f32 with the CPU kernels on, a copy with the
+    layer weights packed for the matmul kernel (`models.transformer.pack_params`: ~2x
+    faster weight reads, the same values), made once per params object and kept by the
+    engine (a second copy of those weights in memory; `LOOKAHEAD_JAX_CPU_KERNELS=0` turns
+    kernels and packing off); otherwise `model.params` itself (GPU/TPU, bf16, params
+    sharded over several devices). `model`: anything with `.config` and `.params`."""
+    from .engine import engine_for
 
-        out = pack_params(model.params)  # eager: the leaves it does not pack stay shared
-    model.__dict__["_runtime"] = (leaves, out)
-    return out
-
-
-def _packable(leaves) -> bool:
-    from .models import cpu_kernels
-
-    if not leaves or any(getattr(x, "dtype", None) != jnp.float32 for x in leaves):
-        return False
-    for x in leaves:
-        devices = getattr(getattr(x, "sharding", None), "device_set", None)
-        if not devices or len(devices) != 1 or next(iter(devices)).platform != "cpu":
-            return False
-    return bool(cpu_kernels.vector_width())
+    return engine_for(model).params
 
 
 def parse_dtype(dtype) -> Any:
@@ -104,8 +84,19 @@ def _restore(path: Path, dtype, name: str):
     return Model(config, params, name, dtype), Tokenizer.load(path / "tokenizer")
 
 
-def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress: bool = True):
-    """Load (model, tokenizer). See the module docstring for what `name_or_path` may be."""
+def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress: bool = True,
+         mesh=None):
+    """Load (model, tokenizer). See the module docstring for what `name_or_path` may be.
+
+    mesh: a ("data", "model") `jax.sharding.Mesh` (`sharding.make_mesh`): the params are
+    placed on it by the rule table (heads / MLP columns over "model"); pass the same mesh
+    to `generate` to split batch rows and the KV cache over "data"."""
+    if mesh is not None:
+        from .sharding import shard_params
+
+        model, tok = load(name_or_path, dtype, progress=progress)
+        model.params = shard_params(model.params, model.config, mesh)
+        return model, tok
     dtype = parse_dtype(dtype)
     dname = jnp.dtype(dtype).name
     if not name_or_path or not str(name_or_path).strip():

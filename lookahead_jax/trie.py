@@ -105,33 +105,24 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
+from .drafts import Draft
+
 INPUT_WEIGHT = 1 << 32  # score = INPUT_WEIGHT * input count + output count
 MODES = ("hierarchical", "parallel", "single")
 
 
 @dataclasses.dataclass(frozen=True)
-class Draft:
-    """A token tree proposed after the last accepted token (the root).
+class TrieDraft(Draft):
+    """A trie draft (`drafts.Draft`) with how it was found: match_len, how many context
+    tokens were matched (0 for the empty draft); dominance, 2 if the matched context has a
+    single continuation, 1 if the top one holds at least half of the counts (input +
+    output), else 0. Its `key` (the class for the acceptance statistics) is the pair."""
 
-    tokens[i]: token of node i.  parents[i]: index of its parent in this draft, or -1 if
-    node i is a child of the root. Topological: parents[i] < i.  match_len: how many
-    context tokens were matched to find it (0 for the empty draft).  dominance: 2 if the
-    matched context has a single continuation, 1 if the top one holds at least half of
-    the counts (input + output), else 0.
-    """
-
-    tokens: list[int]
-    parents: list[int]
     match_len: int = 0
-    dominance: int = 0  # how dominant the top continuation is (see the docstring)
+    dominance: int = 0
 
-    @property
-    def key(self) -> tuple:
-        """Class of the draft for the acceptance statistics of `budget.py`."""
-        return (self.match_len, self.dominance)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
+    def __post_init__(self):
+        object.__setattr__(self, "key", (self.match_len, self.dominance))
 
 
 class _Node:
@@ -253,6 +244,11 @@ class NgramTrie:
                 self._put_output_window(buf, p - 1, p + 1)
         self._tails[req] = buf[max(0, len(buf) - w + 1):]
 
+    def restart_output(self, req: Hashable = 0) -> None:
+        """Forget ``req``'s output tail: the next output tokens start new windows (after a
+        rollback, the tail no longer precedes them). Counted n-grams stay."""
+        self._tails.pop(req, None)
+
     def end_request(self, req: Hashable = 0) -> None:
         """Finish ``req``: drop its output tail, then remove its input counts (dropping
         nodes left with no count)."""
@@ -301,7 +297,7 @@ class NgramTrie:
         depth_cap = self.branch_length if branch_length is None else branch_length
         kmax = min(max_match, len(context), self.window - 1)
         if decoding_length <= 0 or depth_cap <= 0 or kmax <= 0:
-            return Draft([], [], 0)
+            return TrieDraft([], [])
         suffix = _as_ints(context[len(context) - kmax:])
         w, root = self.input_weight, self._root
         for k in range(kmax, 0, -1):
@@ -317,7 +313,7 @@ class NgramTrie:
             ):
                 break
         else:
-            return Draft([], [], 0)
+            return TrieDraft([], [])
         counts = [c.out + (c.inp.get(req, 0) if c.inp else 0) for c in children.values()]
         counts = [c for c in counts if c]
         dominance = 2 if len(counts) == 1 else int(2 * max(counts) >= sum(counts))
@@ -328,7 +324,7 @@ class NgramTrie:
             tokens, parents = self._hierarchical(node, decoding_length, max_depth, req, w)
             if mode == "parallel":
                 tokens, parents = _parallel(tokens, parents, decoding_length)
-        return Draft(tokens, parents, k, dominance)
+        return TrieDraft(tokens, parents, match_len=k, dominance=dominance)
 
     # -------------------------------------------------------------- internals
 
@@ -372,16 +368,11 @@ class NgramTrie:
     def _single(self, node: _Node, budget: int, max_depth: int, req: Hashable, w: int):
         tokens: list[int] = []
         for _ in range(min(budget, max_depth)):
-            best = None
-            for t, c in node.children.items():
-                inp = c.inp
-                s = c.out if inp is None else w * inp.get(req, 0) + c.out
-                if s and (best is None or (-s, t) < best[:2]):
-                    best = (-s, t, c)
-            if best is None:
+            best = self._kids(node, req, w, 1)  # [(-score, token, child)] of the best child
+            if not best:
                 break
-            tokens.append(best[1])
-            node = best[2]
+            _, t, node = best[0]
+            tokens.append(t)
         return tokens, list(range(-1, len(tokens) - 1))
 
     def _reserve(self, n_new: int) -> None:
@@ -432,10 +423,7 @@ class NgramTrie:
                 self._n_out += 1
             node.out += 1
             children = node.children
-        if self._n_out > self.max_output_nodes:
-            target = self.max_output_nodes - self.max_output_nodes // 8
-            while self._n_out > target:
-                self.squeeze()
+        self._trim_output()
 
     def _grow_output_window(self, seq: list[int], i: int, p: int) -> None:
         """Add 1 to the node of seq[p] below the path seq[i:p] (counted earlier)."""
@@ -455,6 +443,10 @@ class NgramTrie:
         if child.out == 0:
             self._n_out += 1
         child.out = min(child.out + 1, node.out)
+        self._trim_output()
+
+    def _trim_output(self) -> None:
+        """Past ``max_output_nodes`` output nodes, squeeze until at most 7/8 of it remain."""
         if self._n_out > self.max_output_nodes:
             target = self.max_output_nodes - self.max_output_nodes // 8
             while self._n_out > target:

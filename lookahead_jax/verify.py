@@ -12,15 +12,16 @@ nodes, packed by `tree.py` into a block of 1+T:
 Algorithm (one forward, no shape depends on the outcome):
 1. Forward the block at positions `length + depth`, slots `length .. length+T`; each query
    sees the committed prefix and its own ancestors.
-2. At every node i choose the model's token `c[i]` for position `length + depth[i] + 1`
-   (argmax, or a sample keyed by (seed, row, position): see sampling.py). Because the
-   choice at a node depends only on its own logits and position, this is exactly what
-   plain decoding would choose after the root-to-i path.
-3. Node i is correct if tokens[i] == c[parent[i]]; it is accepted if it and all its
-   ancestors are correct. The deepest accepted node `best` (lowest index on ties) gives
-   the accepted path root -> best, of n = depth[best] drafts.
-4. Emit the n drafted tokens on the path plus the bonus `c[best]`: n + 1 tokens, which
-   are exactly the tokens plain decoding would emit over the same n + 1 steps.
+2. The acceptance rule (a static component, `acceptance.py`) picks the deepest accepted
+   node `best` and the bonus token after it. `TokenMatch`: at every node i choose the
+   model's token `c[i]` for position `length + depth[i] + 1` (argmax, or a sample keyed
+   by (seed, row, position): see sampling.py); node i is correct if tokens[i] ==
+   c[parent[i]], accepted if it and all its ancestors are correct; bonus = c[best].
+   Because the choice at a node depends only on its own logits and position, this is
+   exactly what plain decoding would choose after the root-to-i path.
+3. The accepted path root -> best has n = depth[best] drafts.
+4. Emit the n drafted tokens on the path plus the bonus: n + 1 tokens (for TokenMatch
+   exactly the tokens plain decoding would emit over the same n + 1 steps).
 5. Compact the path's K/V into slots length .. length+n and advance length by n + 1
    (inactive rows: by 0). Rejected nodes are simply not committed.
 
@@ -38,7 +39,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .models import KVCache, advance, commit, forward
+from .acceptance import TokenMatch
+from .models import KVCache, advance, commit, forward, hidden_states, logits_from_hidden
 from .models.config import ModelConfig
 from .sampling import SamplingParams, select_tokens
 
@@ -57,29 +59,25 @@ def tree_mask(length, anc, n_slots):
 
 
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
-                *, config: ModelConfig, sampling: SamplingParams, window: int = 0):
-    """Returns (emitted [B,1+T] int32 (-1 past n+1), n_emitted [B] int32, cache).
+                draft_probs=None, *, config: ModelConfig, rule, window: int = 0):
+    """Returns (emitted [B,1+T] int32 (-1 past n), n_emitted [B] int32, path [B,1+T] int32
+    (block indices of the accepted nodes root..best, then 0), cache).
 
+    rule: the acceptance rule (`acceptance.TokenMatch`, ...), static. draft_probs: the
+    drafts' distributions for rules that need them (None: deterministic drafts).
     window: static number of cache slots attention reads (0: all). Every active row needs
-    length + 1 + T <= window; `generate` picks it from `window_for`."""
+    length + 1 + T <= window; the decode loop picks it with `window_for`."""
     B, T1 = tokens.shape
     length = cache.length
     positions = length[:, None] + depth  # [B,1+T]
     mask = tree_mask(length, anc, window or cache.max_len)
     logits, cache = forward(params, tokens, positions, cache, mask, config)
-    choice = select_tokens(logits, sampling, seed, row, positions + 1)  # [B,1+T]
+    best, bonus = rule(logits, tokens, parent, depth, anc, positions, seed, row, draft_probs)
     active = active.astype(bool)
-
+    n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
+    n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
     if T1 == 1:  # plain decoding
-        n_emit = active.astype(jnp.int32)
-        return choice, n_emit, advance(cache, n_emit)
-
-    parent_choice = jnp.take_along_axis(choice, jnp.clip(parent, 0, T1 - 1), axis=1)
-    correct = (tokens == parent_choice) & (parent >= 0)  # [B,1+T]
-    correct = correct.at[:, 0].set(True)
-    ok = jnp.all(jnp.where(anc, correct[:, None, :], True), axis=-1)  # [B,1+T]
-    best = jnp.argmax(jnp.where(ok, depth, -1), axis=-1)  # [B], first max
-    n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B]
+        return bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32), advance(cache, n_emit)
 
     # path[d] = index of the accepted node at depth d (d = 0..n_acc); rest 0
     on_path = jnp.take_along_axis(anc, best[:, None, None], axis=1)[:, 0, :]  # [B,1+T]
@@ -87,20 +85,55 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     idx = jnp.broadcast_to(jnp.arange(T1, dtype=jnp.int32), (B, T1))
     path = jax.vmap(lambda s, i: jnp.zeros((T1,), jnp.int32).at[s].set(i, mode="drop"))(slot, idx)
 
-    emitted = jnp.take_along_axis(choice, path, axis=1)  # choice at path[d] = token d+1
+    # emitted[d] = token of the path's node at depth d+1 (d < n_acc), then the bonus
+    nxt = jnp.take_along_axis(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], axis=1), axis=1)
     d = jnp.arange(T1)[None, :]
-    emitted = jnp.where(d <= n_acc[:, None], emitted, -1)
-    n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
+    emitted = jnp.where(d < n_acc[:, None], nxt, jnp.where(d == n_acc[:, None], bonus[:, None], -1))
     cache = commit(cache, path, n_emit)
-    return emitted, n_emit, cache
+    return emitted, n_emit, path, cache
+
+
+def extend_step(params, cache: KVCache, tokens, n_new, seed, row, *, config: ModelConfig,
+                sampling: SamplingParams, window: int, emit: bool = True):
+    """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
+    length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
+    them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
+    such as retrieval-augmented decoding needs after a rollback).
+
+    Returns (next token [B], cache). With emit=True all n tokens are committed (length +=
+    n) and the next token is the model's pick at position length + n (the row's next
+    root). With emit=False the last token stays uncommitted (length += n - 1): it is the
+    root the next step forwards, as after any decode step. Rows with n_new = 0 are left
+    as they are. window: static slots attention reads (>= max(length) + P; a fresh
+    prefill reads only its own P slots)."""
+    B, P = tokens.shape
+    length = cache.length
+    positions = length[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]  # [B,P]
+    s = jnp.arange(window)[None, None, :]
+    mask = s <= positions[:, :, None]  # [B,P,W]: the committed prefix and the block, causal
+    h, cache = hidden_states(params, tokens, positions, cache, mask, config)
+    last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)  # [B,1,D]
+    logits = logits_from_hidden(params, last, config)  # [B,1,V]
+    nxt = select_tokens(logits, sampling, seed, row, (length + n_new)[:, None])[:, 0]
+    keep = n_new if emit else jnp.maximum(n_new - 1, 0)
+    return nxt, advance(cache, keep)
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_verify_step(config: ModelConfig, sampling: SamplingParams):
-    """jit(verify_step) for one (config, sampling); the cache (argument 1) is donated and
-    `window` (keyword) is static: one compilation per (tree bucket, window)."""
+def jitted_extend(config: ModelConfig, sampling: SamplingParams):
+    """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
+    return jax.jit(functools.partial(extend_step, config=config, sampling=sampling),
+                   donate_argnums=(1,), static_argnames=("window", "emit"))
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_verify_step(config: ModelConfig, rule):
+    """jit(verify_step) for one (config, acceptance rule); the cache (argument 1) is donated
+    and `window` (keyword) is static: one compilation per (tree bucket, window)."""
+    if isinstance(rule, SamplingParams):  # the rule every strategy used before rules existed
+        rule = TokenMatch(rule)
     return jax.jit(
-        functools.partial(verify_step, config=config, sampling=sampling), donate_argnums=(1,),
+        functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
         static_argnames=("window",),
     )
 
@@ -117,3 +150,16 @@ def window_for(needed: int, max_len: int) -> int:
         raise ValueError(f"a step needs {needed} cache slots but the cache holds {max_len}")
     w = max(WINDOW_MIN, 1 << max(needed - 1, 0).bit_length())
     return max_len if w >= max_len else w
+
+
+def prefill_step(params, cache: KVCache, tokens, lengths, seed, row, *, config: ModelConfig,
+                 sampling: SamplingParams):
+    """`extend_step` from an empty cache: the prompt forward (right-padded [B,P], reading
+    only its own P slots); returns (first generated token [B], cache)."""
+    return extend_step(params, cache, tokens, lengths, seed, row, config=config, sampling=sampling,
+                       window=tokens.shape[1])
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_prefill(config: ModelConfig, sampling: SamplingParams):
+    return jax.jit(functools.partial(prefill_step, config=config, sampling=sampling), donate_argnums=(1,))

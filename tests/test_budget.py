@@ -173,17 +173,18 @@ def test_autobudget_argument_errors():
 
 
 def test_shared_drafters_share_acceptance_per_geometry():
-    """TrieDrafter.shared keeps one AcceptanceStats per model and drafter geometry, so a new
-    request starts from what earlier requests measured (like the global trie)."""
-    class M:
-        pass
+    """TrieDrafter.shared keeps one AcceptanceStats per engine and drafter geometry, so a
+    new request starts from what earlier requests measured (like the global trie)."""
+    from lookahead_jax.engine import Engine
+    from tiny import tiny_model
 
-    m = M()
+    m = Engine(tiny_model("llama"))
     a, b = TrieDrafter.shared(m), TrieDrafter.shared(m)
     assert a.acceptance is b.acceptance and a.trie is b.trie
     c = TrieDrafter.shared(m, mode="parallel")
     assert c.acceptance is not a.acceptance and c.trie is a.trie
     assert TrieDrafter().acceptance is not TrieDrafter().acceptance
+    assert TrieDrafter.shared(Engine(m.model)).trie is not a.trie  # per engine
 
 
 def test_random_classes_are_consistent():

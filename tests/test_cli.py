@@ -396,7 +396,7 @@ def test_real_model_cli_reuses_compiled_steps(real_env, real_greedy):
 
     xla = Path(real_env["LOOKAHEAD_JAX_CACHE"]) / "xla"
     assert any(f.is_file() for f in xla.rglob("*"))
-    steps = ("jit_prefill_step", "jit_verify_step")
+    steps = ("jit_extend_step", "jit_verify_step")
     logged = dict(real_env, JAX_LOG_COMPILES="1")
     p = run_cli(logged, "--prompt", REAL_PROMPT, "--max-new-tokens", "8", "--json")
     again = parse_json_lines(p.stdout)

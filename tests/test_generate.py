@@ -29,7 +29,9 @@ import pytest
 
 # `lookahead_jax.generate` (the attribute) may be the function re-exported by the package,
 # so the module is taken from sys.modules once `from ... import` has loaded it.
-from lookahead_jax.generate import generate, jitted_prefill, verify_block
+from lookahead_jax.engine import engine_for
+from lookahead_jax.generate import generate, verify_block
+from lookahead_jax.verify import jitted_prefill
 from lookahead_jax import presets
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.loading import load, parse_dtype
@@ -131,7 +133,7 @@ def test_generation_across_attention_windows(models, tok, family):
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 250, n)] * 3 for n in (40, 27)]  # 120, 81 tokens
     want = [naive_greedy_long(model, x, 24) for x in prompts]
-    compiled = G._compiled_for(model)
+    compiled = engine_for(model).compiled
     before = len(compiled.compilations)
     for batch in ([prompts[0]], prompts):
         out = generate(model, tok, batch, max_new_tokens=24)
@@ -240,7 +242,7 @@ def test_cached_incremental_decoding_equals_full_forward(models, tok, family):
     assert all(int(np.argmax(full[p])) == seq[p + 1] for p in range(n - 1, len(seq) - 1))
 
     S, P = 256, 64  # what generate picks for this prompt: its compiled steps are reused
-    compiled = G._compiled_for(model)
+    compiled = engine_for(model).compiled
     sp = SamplingParams()
     verify = jitted_verify_step(cfg, sp)
     blk_logits = block_logits_fn(cfg)
@@ -262,7 +264,7 @@ def test_cached_incremental_decoding_equals_full_forward(models, tok, family):
             assert blk.depth[0, j] == d and blk.tokens[0, j] == seq[pos + d]
             np.testing.assert_allclose(logits[j], full[pos + d], atol=1e-4, rtol=1e-4)
             assert int(np.argmax(logits[j])) == seq[pos + d + 1]
-        emitted, n_emit, new_cache = compiled(
+        emitted, n_emit, _, new_cache = compiled(
             "verify", verify, params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
             np.ones(1, bool), seeds, rows)
         k = int(n_emit[0])
@@ -408,11 +410,11 @@ def test_greedy_stats_and_compilations(tok):
     assert out.rows[0].forward_steps == 8 and out.rows[0].new_tokens == 8
     assert s["mean_accepted_tokens"] == 1.0 and out.rows[0].mean_accepted_tokens == 1.0
     # one prefill + one decode step, compile time reported apart from decode time
-    assert s["compilations"] == 2 and len(m._compiled.compilations) == 2
-    assert [c.split("(")[0] for c in m._compiled.compilations] == ["prefill", "verify"]
+    assert s["compilations"] == 2 and len(engine_for(m).compiled.compilations) == 2
+    assert [c.split("(")[0] for c in engine_for(m).compiled.compilations] == ["prefill", "verify"]
     assert s["compile_s"] > 0 and s["wall_s"] > 0
     assert s["wall_s"] + s["compile_s"] <= elapsed
-    assert s["compile_s"] == pytest.approx(m._compiled.compile_s)
+    assert s["compile_s"] == pytest.approx(engine_for(m).compiled.compile_s)
     assert s["tokens_per_s"] == pytest.approx(8 / s["wall_s"])
     assert 0 < s["prefill_s"] < s["wall_s"]  # time to the first token, part of the wall time
 
@@ -423,7 +425,7 @@ def test_greedy_stats_and_compilations(tok):
         assert again.stats["compilations"] == 2
     # a longer prompt bucket needs one more prefill, the decode step is reused
     longer = generate(m, tok, LONG, max_new_tokens=8)
-    assert longer.stats["compilations"] == 3 and m._compiled.compilations[-1].startswith("prefill")
+    assert longer.stats["compilations"] == 3 and engine_for(m).compiled.compilations[-1].startswith("prefill")
 
     # a batch of 3 different lengths: every row decodes 8 tokens in 8 forward steps
     b = generate(m, tok, PROMPTS, max_new_tokens=8)
@@ -432,7 +434,7 @@ def test_greedy_stats_and_compilations(tok):
     assert b.stats["mean_accepted_tokens"] == 1.0
     n = b.stats["compilations"]
     generate(m, tok, PROMPTS[::-1], max_new_tokens=8)
-    assert m._compiled.compilations.__len__() == n
+    assert engine_for(m).compiled.compilations.__len__() == n
 
 
 def test_lookahead_stats(models, tok):
@@ -441,7 +443,7 @@ def test_lookahead_stats(models, tok):
     m = tiny_model("llama", seed=3)
     want = generate(models["llama"], tok, PROMPTS[1], max_new_tokens=24).token_ids[0]
     passage = PROMPTS[1] + tok.decode(want)
-    before = len(m._compiled.compilations) if hasattr(m, "_compiled") else 0
+    before = len(engine_for(m).compiled.compilations)
     out = generate(m, tok, PROMPTS[1], max_new_tokens=24, strategy="lookahead",
                    decoding_length=8, references=[passage])
     assert out.token_ids == [want]
@@ -460,7 +462,7 @@ def test_auto_budget_compile_time_is_reported(tok):
     out = generate(m, tok, "Hello there", max_new_tokens=4, strategy="lookahead",
                    decoding_length="auto", drafter=TrieDrafter(max_nodes=4))
     assert out.stats["compilations"] == 4  # prefill + verify for T in 0, 1, 3 (<= max_nodes)
-    assert out.stats["compile_s"] == pytest.approx(m._compiled.compile_s)
+    assert out.stats["compile_s"] == pytest.approx(engine_for(m).compiled.compile_s)
 
 
 # ----------------------------------------------------------------------------- 5. streaming

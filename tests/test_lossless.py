@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lookahead_jax import generate as G
+from lookahead_jax.drafters.base import PerRowDrafter
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.trie import Draft, NgramTrie
 from tiny import ByteTokenizer, load_prompts, tiny_model
@@ -86,23 +87,19 @@ def test_warm_global_trie(model, tok, greedy):
     assert steps2 < steps1
 
 
-class OracleDrafter:
+class OracleDrafter(PerRowDrafter):
     """Proposes the true continuation (from a reference run) corrupted at depth `cut`, plus
     a random branch: exactly `cut` drafts must be accepted per step (partial acceptance);
     cut = 0 gives zero acceptance."""
-
-    branch_length = 8
 
     def __init__(self, truth, cut, seed=0):
         self.truth, self.cut, self.rng = truth, cut, random.Random(seed)
         self.max_nodes = 16
 
-    def begin(self, prompts, references=None):
-        self.n_prompt = [len(p) for p in prompts]
-        self.pos = [0] * len(prompts)
-        self.last = [None] * len(prompts)
+    def begin(self, state, references=None):
+        self.n_prompt = [len(r.prompt_ids) for r in state.rows]
 
-    def propose(self, row, context, budget):
+    def propose_row(self, row, context, budget):
         g = len(context) - self.n_prompt[row]
         true = self.truth[row][g:g + 8]
         toks, parents = [], []
@@ -114,14 +111,7 @@ class OracleDrafter:
             toks.append((true[i] + 1 + self.rng.randrange(257)) % 259)
             parents.append(prev)
             prev = len(toks) - 1
-        self.last[row] = (g, len(true))
         return Draft(toks[:budget], parents[:budget])
-
-    def accept(self, row, tokens):
-        pass
-
-    def end(self):
-        pass
 
 
 @pytest.mark.parametrize("cut", [0, 1, 3, 8])
@@ -138,7 +128,7 @@ def test_forced_partial_and_zero_acceptance(model, tok, greedy, cut):
 
 
 class GarbageDrafter(OracleDrafter):
-    def propose(self, row, context, budget):
+    def propose_row(self, row, context, budget):
         toks = [self.rng.randrange(259) for _ in range(budget)]
         parents = [self.rng.randrange(-1, i) for i in range(budget)]  # random tree
         return Draft(toks, parents)

@@ -286,6 +286,8 @@ def _child_generate(model, mesh) -> dict:
     import types
 
     from lookahead_jax import generate as G
+    from lookahead_jax.engine import engine_for
+    from lookahead_jax.verify import jitted_prefill
     from lookahead_jax.models import init_cache
     from lookahead_jax.sampling import SamplingParams
     from lookahead_jax.drafters.trie import TrieDrafter
@@ -311,7 +313,7 @@ def _child_generate(model, mesh) -> dict:
     for name, m in (("single", model), ("sharded", sharded)):
         out[name, "lookahead"] = G.generate(m, tok, prompts, **kw, **look, drafter=warm_drafter())
     # what the compiled verify step was given: params as sharded, and the cache?
-    exe = [e for k, e in sharded._compiled._table.items() if k[0] == "verify"][0]
+    exe = engine_for(sharded).compiled.executables("verify")[0]
     in_params, in_cache = exe.input_shardings[0][:2]
 
     # the decode steps with B split over "data" too: prefill, then a tree whose chain holds
@@ -329,10 +331,10 @@ def _child_generate(model, mesh) -> dict:
     drafts = [Draft([g[1], g[2], wrong(g[2]), g[3]], [-1, 0, 0, 1]) for g in greedy]
 
     def steps(params, cache, put):
-        first, cache = G.jitted_prefill(cfg, sp)(params, cache, put(tokens), put(lens),
+        first, cache = jitted_prefill(cfg, sp)(params, cache, put(tokens), put(lens),
                                                  put(seeds), put(rows))
         blk = G.verify_block(np.asarray(first), drafts, 4)
-        emitted, n, cache = jitted_verify_step(cfg, sp)(
+        emitted, n, _, cache = jitted_verify_step(cfg, sp)(
             params, cache, put(blk.tokens), put(blk.parents), put(blk.depth), put(blk.mask),
             put(np.ones(B, bool)), put(seeds), put(rows))
         return first, emitted, n, cache
@@ -357,7 +359,50 @@ def _child_generate(model, mesh) -> dict:
         step_cache_spec=_spec(s[3].k[0]),
         step_emitted_devices=len(s[1].sharding.device_set),
         greedy=greedy,
+        mesh_generate=_child_mesh_generate(model, tok),
     )
+
+
+def _strip(spec: tuple) -> tuple:
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return spec
+
+
+def _child_mesh_generate(model, tok) -> dict:
+    """generate(..., mesh=...): params by the rules, batch rows and the cache over "data",
+    inside generate; batch 8 with prompts of different lengths, greedy and lookahead, on
+    (data=2, model=4) and (data=8), against one device."""
+    from lookahead_jax import generate as G
+    from lookahead_jax.drafters.trie import TrieDrafter
+    from lookahead_jax.engine import engine_for
+
+    base = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n\ndef fib abc abc abc abc"
+    prompts = [base[: 12 + 7 * i] for i in range(8)]
+    kw = dict(max_new_tokens=12, ignore_eos=True)
+    greedy = G.generate(model, tok, prompts, **kw)
+    # each row's own greedy text as its reference: the drafts are right, so lookahead must
+    # take fewer steps than tokens on every mesh (a check that drafts reach the mesh path)
+    look = dict(strategy="lookahead", decoding_length=8,
+                references=[[p + t] for p, t in zip(prompts, greedy.texts)])
+    out = {"single/greedy": greedy.token_ids,
+           "single/lookahead": G.generate(model, tok, prompts, **kw, **look,
+                                          drafter=TrieDrafter(branch_length=12)).token_ids}
+    facts = {}
+    for shape in ((2, 4), (8, 1)):
+        mesh = sh.make_mesh(data=shape[0], model=shape[1])
+        name = f"data={shape[0]},model={shape[1]}"
+        out[name + "/greedy"] = G.generate(model, tok, prompts, **kw, mesh=mesh).token_ids
+        la = G.generate(model, tok, prompts, **kw, **look, mesh=mesh, drafter=TrieDrafter(branch_length=12))
+        out[name + "/lookahead"] = la.token_ids
+        exe = engine_for(model, mesh).compiled.executables("verify")[-1]
+        # axes of size 1 split nothing: written as None, so specs compare by what they split
+        spec = lambda x: str(P(*_strip(tuple(None if a is not None and mesh.shape[a] == 1 else a  # noqa: E731
+                                             for a in x.spec))))
+        facts[name] = dict(cache_in=spec(exe.input_shardings[0][1].k[0]),
+                           cache_out=spec(exe.output_shardings[-1].k[0]),
+                           lookahead_steps=la.stats["forward_steps"])
+    return dict(tokens=out, facts=facts)
 
 
 def _child_checkpoint(model, mesh, tmpdir) -> dict:
@@ -442,6 +487,24 @@ def test_sharded_generate_matches_one_device(mesh_runs, family):
     assert r["step_emitted_devices"] == N_DEVICES
     kv_split = "model" if family == "llama" else None
     assert r["step_cache_spec"] == str(P("data", kv_split, None, None))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_generate_with_a_mesh_matches_one_device(mesh_runs, family):
+    """generate(mesh=...) on (data=2, model=4) and (data=8): batch 8, prompts of 8
+    lengths, greedy and lookahead give the one-device tokens; the cache is split over
+    "data" (and kv heads over "model" where they divide) going into and out of the step."""
+    r = mesh_runs(family)["generate"]["mesh_generate"]
+    t = r["tokens"]
+    want = t["single/greedy"]
+    assert len(want) == 8 and all(len(x) == 12 for x in want)
+    for name, ids in t.items():
+        assert ids == want, name
+    kv_split = "model" if family == "llama" else None
+    f = r["facts"]
+    assert f["data=2,model=4"]["cache_in"] == f["data=2,model=4"]["cache_out"] == str(P(*_strip(("data", kv_split))))
+    assert f["data=8,model=1"]["cache_in"] == f["data=8,model=1"]["cache_out"] == str(P("data"))
+    assert all(x["lookahead_steps"] < 12 for x in f.values())  # the references' drafts accepted
 
 
 def test_restore_checkpoint_into_shards(mesh_runs):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_jax.trie import INPUT_WEIGHT, Draft, NgramTrie
+from lookahead_jax.trie import INPUT_WEIGHT, Draft, NgramTrie, TrieDraft
 
 
 # ----------------------------------------------------------------- helpers
@@ -166,12 +166,12 @@ def test_longer_suffix_without_continuation_falls_back():
 
 def test_no_match_gives_empty_draft():
     trie = NgramTrie(branch_length=3)
-    assert trie.retrieve([1, 2], 8) == Draft([], [], 0)
+    assert trie.retrieve([1, 2], 8) == TrieDraft([], [])
     trie.insert_input([1, 2, 3])
-    assert trie.retrieve([3], 8) == Draft([], [], 0)  # 3 has no continuation
-    assert trie.retrieve([], 8) == Draft([], [], 0)
-    assert trie.retrieve([1], 0) == Draft([], [], 0)
-    assert trie.retrieve([1], 8, branch_length=0) == Draft([], [], 0)
+    assert trie.retrieve([3], 8) == TrieDraft([], [])  # 3 has no continuation
+    assert trie.retrieve([], 8) == TrieDraft([], [])
+    assert trie.retrieve([1], 0) == TrieDraft([], [])
+    assert trie.retrieve([1], 8, branch_length=0) == TrieDraft([], [])
 
 
 def test_matched_tokens_are_not_returned():

@@ -1,19 +1,10 @@
 """Lookahead's drafter: an n-gram trie over the prompt, its references and past outputs.
 
-The drafter protocol used by `generate` (every drafter implements it):
-
-    max_nodes: int              largest draft it will propose (sizes the cache)
-    branch_length: int          deepest draft (how long until a draft can be scored)
-    begin(prompts, references)  token ids per row; references: per row, list of id lists
-    propose(row, context, budget) -> Draft   best-first, topological, <= budget nodes
-                                (Draft.key classes it for the acceptance statistics)
-    accept(row, tokens)         tokens just emitted for the row (streamed)
-    end()                       the request is over
-    acceptance                  optional `budget.AcceptanceStats` that outlives requests,
-                                used by decoding_length="auto" (one per request if absent)
-
+It implements the drafter protocol of `drafters/base.py` (one call per step for the batch).
 Input n-grams (prompt + references) belong to the request; output n-grams go into a
-trie that is shared across requests (`TrieDrafter.shared`), so it warms up.
+trie that is shared across requests (`TrieDrafter.shared`: one per engine), so it warms
+up. `acceptance` (a `budget.AcceptanceStats`, per draft class `Draft.key` = (match
+length, dominance)) also outlives the request: `decoding_length="auto"` reads it.
 """
 
 from __future__ import annotations
@@ -21,7 +12,8 @@ from __future__ import annotations
 import itertools
 
 from ..budget import AcceptanceStats
-from ..trie import MODES, Draft, NgramTrie
+from ..drafts import EMPTY, DraftBatch
+from ..trie import MODES, NgramTrie
 
 _request_ids = itertools.count()
 
@@ -45,36 +37,47 @@ class TrieDrafter:
         self._req: dict[int, int] = {}
 
     @classmethod
-    def shared(cls, model, branch_length: int = 12, mode: str = "hierarchical", **kw) -> "TrieDrafter":
-        """A drafter over the model's global output trie and acceptance statistics
+    def shared(cls, engine, branch_length: int = 12, mode: str = "hierarchical", **kw) -> "TrieDrafter":
+        """A drafter over the engine's global output trie and acceptance statistics
         (created on first use; the statistics are kept per drafter geometry)."""
-        tries = model.__dict__.setdefault("_tries", {})
+        tries = engine.shared.setdefault("tries", {})
         if branch_length not in tries:
             tries[branch_length] = NgramTrie(branch_length=branch_length)
-        stats = model.__dict__.setdefault("_acceptance", {})
+        stats = engine.shared.setdefault("acceptance", {})
         geometry = (branch_length, mode, kw.get("max_nodes", 64), kw.get("max_match", 2))
         if geometry not in stats:
             stats[geometry] = AcceptanceStats()
         return cls(branch_length, mode, trie=tries[branch_length], acceptance=stats[geometry], **kw)
 
-    def begin(self, prompts, references=None) -> None:
+    def begin(self, state, references=None) -> None:
         self.end()
-        for row, ids in enumerate(prompts):
+        for row in range(state.batch):
             req = next(_request_ids)
             self._req[row] = req
-            self.trie.insert_input(ids, req)
+            self.trie.insert_input(state.rows[row].prompt_ids, req)
             for ref in (references[row] if references else ()):
                 if ref:
                     self.trie.insert_input(ref, req)
+            if state.rows[row].ids:
+                self.trie.insert_output(state.rows[row].ids, req)
 
-    def propose(self, row: int, context, budget: int) -> Draft:
-        return self.trie.retrieve(
-            context, budget, self.branch_length, self.mode, self._req[row], max_match=self.max_match
-        )
+    def propose(self, state, budget: int) -> DraftBatch:
+        return DraftBatch(tuple(
+            self.trie.retrieve(state.context(b), budget, self.branch_length, self.mode, self._req[b],
+                               max_match=self.max_match) if live else EMPTY
+            for b, live in enumerate(state.active)
+        ))
 
-    def accept(self, row: int, tokens) -> None:
-        if tokens:
-            self.trie.insert_output(tokens, self._req[row])
+    def update(self, state, step) -> None:
+        for b, tokens in enumerate(step.kept):
+            if tokens:
+                self.trie.insert_output(tokens, self._req[b])
+
+    def rollback(self, rows, length) -> None:
+        """Output windows restart after a rollback (n-grams already counted stay: they only
+        steer drafts, never the output)."""
+        for b in rows:
+            self.trie.restart_output(self._req[b])
 
     def end(self) -> None:
         for req in self._req.values():

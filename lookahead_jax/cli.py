@@ -1,0 +1,299 @@
+"""The command line: `python -m lookahead_jax.generate` (also the `lookahead-generate` script).
+
+Strategy flags come from the strategies' own dataclass fields (`strategies.py`): a field
+`decoding_length` is `--decoding-length`, unless the strategy renames it (`mode` ->
+`--lookahead-mode`); "auto"-or-integer fields parse both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from typing import Optional
+
+import jax
+
+from .engine import engine_for
+from .generate import generate
+from .strategies import REGISTRY
+
+log = logging.getLogger("lookahead_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class CliConfig:
+    model: str
+    prompts: tuple  # str or chat-message lists
+    references: tuple  # per prompt: tuple of texts
+    chat: bool
+    strategy: str
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    dtype: str
+    json: bool
+    stop: tuple
+    batch_size: int
+    options: tuple = ()  # (field, value) of the strategy's own options given on the command line
+    verbose: bool = False
+    mesh: Optional[tuple] = None  # (("data", n), ("model", m)) given with --mesh
+
+    def strategy_object(self):
+        """The strategy with the options given on the command line."""
+        return REGISTRY[self.strategy](**dict(self.options))
+
+
+def _fail(msg: str):
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _read_prompts_file(path: str, references_field: Optional[str]):
+    prompts, refs = [], []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        _fail(f"cannot read --prompts-file {path}: {e.strerror}")
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                _fail(f"{path}:{n}: not valid JSON ({e.msg})")
+            if not isinstance(obj, dict):
+                _fail(f"{path}:{n}: each line must be a JSON object with 'prompt' or 'messages'")
+            if "messages" in obj:
+                prompts.append(obj["messages"])
+            elif "prompt" in obj:
+                prompts.append(obj["prompt"])
+            else:
+                _fail(f"{path}:{n}: each line needs a 'prompt' or 'messages' field")
+            if references_field:
+                if references_field not in obj:
+                    _fail(f"{path}:{n}: no field {references_field!r} (--references-field)")
+                r = obj[references_field]
+                refs.append(tuple([r] if isinstance(r, str) else r))
+            else:
+                refs.append(())
+    if not prompts:
+        _fail(f"--prompts-file {path} holds no prompts")
+    return prompts, refs
+
+
+def _strategy_flags(ap) -> dict:
+    """One flag per strategy field: {flag: (strategy class, field, parse)}."""
+    flags = {}
+    for cls in REGISTRY.values():
+        for field in dataclasses.fields(cls):
+            flag = cls.cli_names.get(field.name, field.name.replace("_", "-"))
+            doc = f"{cls.name}: {field.name} (default {field.default!r})"
+            if isinstance(field.default, str) and field.default == "auto":
+                parse = _auto_or_int
+            elif isinstance(field.default, bool):
+                parse = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731
+            else:
+                parse = type(field.default)
+            choices = getattr(cls, "choices", {}).get(field.name)
+            ap.add_argument(f"--{flag}", default=None, help=doc, choices=choices)
+            flags[flag] = (cls, field, parse)
+    return flags
+
+
+def _auto_or_int(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"must be an integer or 'auto', got {v!r}") from None
+
+
+def parse_args(argv=None) -> CliConfig:
+    from .presets import DEFAULT_MODEL
+
+    ap = argparse.ArgumentParser(
+        prog=("lookahead-generate" if sys.argv and sys.argv[0].endswith("lookahead-generate")
+              else "python -m lookahead_jax.generate"),
+        description="Generate text with a JAX decoder; --strategy lookahead gives the same "
+        "tokens as greedy, faster.",
+    )
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="preset name, local path (.gguf, HF dir, saved checkpoint) or HF hub id")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a single prompt")
+    src.add_argument("--prompts-file", help="JSONL file: objects with 'prompt' (text) or 'messages' (chat)")
+    ap.add_argument("--chat", action="store_true", help="apply the model's chat template to plain prompts")
+    ap.add_argument("--strategy", default="greedy", choices=tuple(REGISTRY),
+                    help="; ".join(f"{n}: {c.help}" for n, c in REGISTRY.items()))
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per prompt, then a summary line")
+    ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    ap.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: params split over 'model' by the "
+                    "rule table, batch rows and the KV cache over 'data' (default: one device)")
+    flags = _strategy_flags(ap)
+    ap.add_argument("--references-field", help="lookahead: JSONL field whose text(s) seed the trie")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log compilations and loading")
+    a = ap.parse_args(argv)
+
+    if a.dtype not in ("float32", "bfloat16"):
+        ap.error(f"--dtype must be float32 or bfloat16, got {a.dtype!r}")
+    if a.max_new_tokens < 1:
+        ap.error("--max-new-tokens must be >= 1")
+    if a.batch_size < 1:
+        ap.error("--batch-size must be >= 1")
+    mesh = None
+    if a.mesh:
+        try:
+            mesh = tuple(sorted((k.strip(), int(v)) for k, v in (x.split("=") for x in a.mesh.split(","))))
+        except ValueError:
+            ap.error(f"--mesh must look like data=2,model=4, got {a.mesh!r}")
+        if not {k for k, _ in mesh} <= {"data", "model"}:
+            ap.error(f"--mesh axes are 'data' and 'model', got {a.mesh!r}")
+    options = []
+    for flag, (cls, field, parse) in flags.items():
+        value = getattr(a, flag.replace("-", "_"))
+        if value is None:
+            continue
+        try:
+            value = parse(value)
+        except ValueError as e:
+            ap.error(f"--{flag} {e}")
+        if a.strategy == cls.name:
+            options.append((field.name, value))
+        else:
+            print(f"warning: --{flag} is an option of --strategy {cls.name}: ignored", file=sys.stderr)
+    if a.prompt is not None:
+        if not a.prompt.strip():
+            ap.error("--prompt is empty")
+        prompts, refs = [a.prompt], [()]
+        if a.references_field:
+            ap.error("--references-field needs --prompts-file")
+    else:
+        prompts, refs = _read_prompts_file(a.prompts_file, a.references_field)
+    return CliConfig(
+        model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=a.chat,
+        strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+        top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, json=a.json,
+        stop=tuple(a.stop), batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
+        mesh=mesh,
+    )
+
+
+def enable_compilation_cache() -> Optional[str]:
+    """Persist compiled steps across CLI runs (decode steps compile per tree bucket and
+    attention window, and `auto` calibrates every bucket: ~20-30 s on a 2-core CPU).
+
+    The CLI owns its process, so it turns on JAX's persistent compilation cache under
+    `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/xla/<host>-<arch>-<cpu hash>`, one
+    folder per machine and CPU (entries are native code for this CPU), unless the user configured a cache already
+    (JAX_COMPILATION_CACHE_DIR) or set LOOKAHEAD_JAX_XLA_CACHE=0. The library itself never
+    changes JAX's global configuration. Returns the directory used, or None."""
+    import os
+    import platform
+
+    from .models.cpu_kernels import cpu_id
+    from .presets import cache_root
+
+    if os.environ.get("LOOKAHEAD_JAX_XLA_CACHE", "1") == "0":
+        return None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir or os.environ["JAX_COMPILATION_CACHE_DIR"]
+    path = cache_root() / "xla" / f"{platform.node() or 'host'}-{platform.machine()}-{cpu_id()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("no compilation cache (%s): compiling from scratch", e)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    return str(path)
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING, format="%(message)s")
+    from .loading import load
+
+    mesh = None
+    try:
+        if cfg.mesh:
+            from .sharding import make_mesh
+
+            mesh = make_mesh(**dict(cfg.mesh))
+        model, tok = load(cfg.model, dtype=cfg.dtype, **({"mesh": mesh} if mesh else {}))
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    def stream(i, text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        strategy = cfg.strategy_object()
+    except (TypeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    kw = dict(
+        max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
+        top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
+        mesh=mesh,
+    )
+    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, host_s=0.0, prefill_s=0.0)
+    for start in range(0, len(cfg.prompts), cfg.batch_size):
+        batch = list(cfg.prompts[start:start + cfg.batch_size])
+        refs = [list(r) for r in cfg.references[start:start + cfg.batch_size]]
+        streaming = not cfg.json and cfg.batch_size == 1
+        try:
+            out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None,
+                           first_index=start, **kw)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for r in out.rows:
+            if cfg.json:
+                print(json.dumps(r.to_json(), ensure_ascii=False), flush=True)
+            elif streaming:
+                print(flush=True)
+            else:
+                print(f"--- prompt {r.prompt_index}\n{r.text}", flush=True)
+        for k in totals:
+            totals[k] += out.stats[k]
+    summary = dict(
+        model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
+        new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
+        tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
+        prefill_s=round(totals["prefill_s"], 4),
+        compile_s=round(totals["compile_s"], 3), host_s=round(totals["host_s"], 4),
+        compilations=len(engine_for(model, mesh).compiled.compilations),
+    )
+    if cfg.json:
+        print(json.dumps({"summary": summary}), flush=True)
+    else:
+        print(
+            f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
+            f"{summary['tokens_per_s']:.1f} tok/s; compile {summary['compile_s']:.1f} s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+
+
+def console_main() -> int:
+    """The `lookahead-generate` console script: like `python -m lookahead_jax.generate`,
+    with the persistent compilation cache on."""
+    enable_compilation_cache()
+    return main()

@@ -1,0 +1,381 @@
+"""Decode state and the one decode loop every strategy runs.
+
+    state = prefill(engine, prompt_ids, ...)        # prompt forward, first token per row
+    decode(engine, state, drafter, rule, budget)    # draft -> verify -> commit, until done
+
+`DecodeState` is everything about one batch in flight: per row the prompt, the verified
+generated ids, the finish reason and its text (`RowState`); the KV cache; the root of
+every row (its last emitted token, not yet in the cache); the committed cache length
+(host mirror of `cache.length`). Invariant per row: cache slots 0..length-1 hold
+`context[:length]` and `root = context[length]`, where context = prompt + generated.
+
+Two state edits serve outer loops (retrieval-augmented decoding, chunked prefill):
+
+* `rollback(state, rows, to_length)`: set the rows back to `to_length` committed slots;
+  the cache just sets `length` back (slots past it are overwritten later), the generated
+  ids are cut to match, the drafter is told.
+* `extend(engine, state, rows, tokens)`: forward new tokens at each row's current
+  position into the existing cache (a prefill that does not start at 0) and pick the
+  next token, as prefill does.
+
+One step of `decode`: the drafter proposes a `DraftBatch` for the active rows; the
+budget policy caps it (`budget.FixedBudget`, `budget.AutoBudget`); the drafts are packed
+with the roots into a static block (`tree.py`) and verified in one jitted forward with the
+acceptance rule (`verify.py`, `acceptance.py`); each row keeps its emitted tokens up to
+EOS / stop string / max length (`RowState.accept`, which also streams text); the drafter
+and the budget see the outcome. Greedy is the same loop with no drafter (T = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from . import tree as tree_lib
+from .acceptance import TokenMatch
+from .budget import FixedBudget
+from .drafts import DraftBatch
+from .sampling import SamplingParams
+from .verify import window_for
+
+# prompt lengths are padded to these (one prefill compilation each); steps of 1.5x above
+# 128 tokens, where prefill is compute-bound and padding 278 tokens to 512 cost ~40%
+PROMPT_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+                  6144, 8192, 12288, 16384, 24576, 32768)
+CACHE_ROUND = 256  # smallest cache; caches are powers of two so few shapes compile
+
+
+def prompt_bucket(n: int, S: int) -> int:
+    """Padded length of a block of n tokens (at most the cache size S)."""
+    P = next((b for b in PROMPT_BUCKETS if b >= n), -(-n // CACHE_ROUND) * CACHE_ROUND)
+    return min(P, S)
+
+
+# ----------------------------------------------------------------------------- rows
+class _FullDecode:
+    """Streaming fallback for tokenizers without an incremental detokenizer: decodes the
+    whole output each step (O(length) per step)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.sent = tokenizer, ""
+
+    def step(self, ids) -> str:
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        end = len(text)
+        while end > len(self.sent) and text[end - 1] == "\ufffd":  # half a UTF-8 character
+            end -= 1
+        if not text.startswith(self.sent) or end <= len(self.sent):
+            return ""
+        out, self.sent = text[len(self.sent):end], text[:end]
+        return out
+
+    def flush(self) -> str:
+        return ""
+
+
+class RowState:
+    """Host state of one batch row: generated ids, finish detection, streamed text.
+
+    Text arrives through the tokenizer's incremental detokenizer (`Tokenizer.stream`:
+    O(new tokens) per step); a tail that could still become a stop string is held back,
+    and only verified tokens are ever turned into text. `text` is final once the row
+    finishes (the decoded output, cut before the first stop string)."""
+
+    def __init__(self, index, prompt_ids, tokenizer, eos_ids, stop, max_new, on_text):
+        self.index, self.prompt_ids, self.tok = index, list(prompt_ids), tokenizer
+        self.eos_ids, self.stop, self.max_new, self.on_text = eos_ids, stop, max_new, on_text
+        self.ids: list = []
+        self.finish: Optional[str] = None
+        self.steps = 0
+        self.text = ""
+        self._buf = ""  # text of the ids so far (from the detokenizer)
+        self._sent = 0  # characters of _buf handed to on_text
+        stream = getattr(tokenizer, "stream", None)
+        self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(tokenizer)
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def accept(self, new: Sequence[int]) -> list:
+        """Append emitted tokens up to EOS / stop / max length; returns those kept."""
+        kept = []
+        for t in new:
+            if self.finish:
+                break
+            t = int(t)
+            kept.append(t)
+            self.ids.append(t)
+            if t in self.eos_ids:
+                self.finish = "eos"
+            elif len(self.ids) >= self.max_new:
+                self.finish = "length"
+        if not kept:
+            return kept
+        seen = len(self._buf)
+        self._buf += self._det.step(self.ids)
+        if self.stop and any(s in self._buf[max(0, seen - len(s) + 1):] for s in self.stop):
+            # the shortest token prefix whose text holds a stop string (the detokenizer may
+            # have held back a few tokens: look from a little before this step's tokens)
+            first = len(self.ids) - len(kept)
+            for n in range(max(1, first - 8), len(self.ids) + 1):
+                if any(s in self._decode(self.ids[:n]) for s in self.stop):
+                    break
+            del kept[max(0, n - first):]
+            del self.ids[n:]
+            self.finish = "stop"
+        if self.finish:
+            text = self._decode(self.ids)
+            if self.finish == "stop":
+                text = text[: min(text.find(s) for s in self.stop if s in text)]
+            self.text = text
+            self._buf = text if text.startswith(self._buf[:self._sent]) else self._buf
+        else:
+            self.text = self._buf
+        self._stream()
+        return kept
+
+    def _stream(self):
+        if self.on_text is None:
+            return
+        text = self.text if self.finish else self._buf
+        end = len(text)
+        if not self.finish:  # hold back a tail that could still become a stop string
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end - self._sent), 0, -1):
+                    if text[end - k:end] == s[:k]:
+                        end -= k
+                        break
+        if end > self._sent:
+            self.on_text(self.index, text[self._sent:end])
+            self._sent = end
+
+    def truncate(self, n_ids: int) -> None:
+        """Keep the first n_ids generated tokens (rollback); the row is live again."""
+        del self.ids[n_ids:]
+        self.finish = None
+        self._buf = self.text = self._decode(self.ids)
+        stream = getattr(self.tok, "stream", None)
+        self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(self.tok)
+        self._det.step(self.ids)
+        self._sent = min(self._sent, len(self._buf))
+
+
+# ----------------------------------------------------------------------------- state
+@dataclasses.dataclass
+class StepResult:
+    """What one verify step did, per row (host arrays): `emitted[b, :n_emit[b]]` the
+    tokens it produced, `kept[b]` those the row kept (cut at EOS / stop / length; [] for
+    inactive rows), `path[b]` the block indices of the accepted path (root first)."""
+
+    emitted: np.ndarray  # [B,1+T]
+    n_emit: np.ndarray  # [B]
+    path: np.ndarray  # [B,1+T]
+    kept: list
+    T: int
+    window: int
+
+
+@dataclasses.dataclass
+class DecodeState:
+    rows: list  # RowState per batch row
+    cache: object  # KVCache
+    lengths: np.ndarray  # [B] committed cache slots (host mirror of cache.length)
+    root: np.ndarray  # [B] int32 last emitted token of each row (not yet in the cache)
+    seeds: object  # [B] uint32 (device)
+    rowids: object  # [B] int32 sampling row of each row (device)
+    sampling: SamplingParams
+    max_len: int  # cache slots S
+    # bookkeeping of the call (wall times exclude compilation)
+    steps: int = 0
+    tree_sizes: list = dataclasses.field(default_factory=list)
+    host_s: float = 0.0
+    prefill_s: float = 0.0
+    t_start: float = 0.0
+    compile_s: float = 0.0  # compilation seen since t_start
+    finish_s: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    @property
+    def active(self) -> np.ndarray:
+        return np.array([r.finish is None for r in self.rows])
+
+    def context(self, b: int) -> list:
+        """Prompt + generated ids of row b (its last token is the root)."""
+        return self.rows[b].prompt_ids + self.rows[b].ids
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start - self.compile_s
+
+    def _mark_finished(self):
+        for r in self.rows:
+            if r.finish and r.index not in self.finish_s:
+                self.finish_s[r.index] = self.elapsed()
+
+
+def _timed(engine, state, fn):
+    """Run fn(); time it apart from any compilation it triggers. Returns (result,
+    seconds, compiled?)."""
+    c0, t0 = engine.compiled.compile_s, time.perf_counter()
+    out = fn()
+    out = jax.tree.map(np.asarray, out[:-1]) + (out[-1],)  # host values, the cache stays
+    dc = engine.compiled.compile_s - c0
+    state.compile_s += dc
+    return out, time.perf_counter() - t0 - dc, dc > 0
+
+
+def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: int,
+            max_new_tokens: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
+            first_index: int = 0, eos_ids=(), stop=(), on_text=None) -> DecodeState:
+    """A new batch: the prompt forward, each row's first token chosen (as `extend` from an
+    empty cache). Rows are right-padded to a bucketed length."""
+    B = len(prompt_ids)
+    rows = [RowState(i, x, tokenizer, set(eos_ids), tuple(stop), max_new_tokens, on_text)
+            for i, x in enumerate(prompt_ids)]
+    state = DecodeState(
+        rows=rows, cache=engine.init_cache(B, max_len), lengths=np.zeros(B, np.int64),
+        root=np.zeros(B, np.int32), seeds=engine.put(np.full(B, seed, np.uint32)),
+        rowids=engine.put(np.arange(first_index, first_index + B, dtype=np.int32)),
+        sampling=sampling, max_len=max_len,
+    )
+    state.t_start = time.perf_counter()
+    _forward_rows(engine, state, list(range(B)))
+    state.prefill_s = state.elapsed()  # time to the first token
+    return state
+
+
+def extend(engine, state: DecodeState, rows: Sequence[int], tokens: Sequence[Sequence[int]],
+           *, as_output: bool = False) -> np.ndarray:
+    """Forward `tokens[i]` after row `rows[i]`'s context (its uncommitted root first, then
+    the new tokens) into the existing cache, and append the model's next token to the
+    row's output, as prefill does after a prompt: a prefill that does not start at 0.
+
+    as_output=False: the tokens are context (e.g. a retrieved passage, the next chunk of a
+    long prompt): they join `prompt_ids`, so the row must have no generated tokens yet
+    (`rollback` to the prompt first). as_output=True: they are forced output tokens,
+    appended to the row's generated ids. Returns the next token of each extended row."""
+    rows = list(rows)
+    if len(tokens) != len(rows):
+        raise ValueError(f"extend: {len(tokens)} token lists for {len(rows)} rows")
+    for b, new in zip(rows, tokens):
+        new = [int(t) for t in new]
+        r = state.rows[b]
+        if not new:
+            raise ValueError(f"extend: no tokens for row {b}")
+        if as_output:
+            r.ids += new
+        elif r.ids:
+            raise ValueError(f"extend: row {b} has generated tokens; pass as_output=True, "
+                             "or rollback the row to its prompt first")
+        else:
+            r.prompt_ids += new
+        r.finish = None
+    return _forward_rows(engine, state, rows)
+
+
+def _forward_rows(engine, state: DecodeState, rows: list) -> np.ndarray:
+    """Forward every row's uncommitted context (context[length:]) in one right-padded
+    block, commit it, and append each row's next token."""
+    B, S = state.batch, state.max_len
+    n_new = np.zeros(B, np.int32)
+    blocks = {b: state.context(b)[int(state.lengths[b]):] for b in rows}
+    for b, blk in blocks.items():
+        n_new[b] = len(blk)
+    start = state.lengths
+    need = int(max(start[b] + n_new[b] for b in rows))
+    if need + 1 > S:
+        raise ValueError(f"extend needs {need + 1} cache slots but the cache holds {S}")
+    P = prompt_bucket(int(n_new.max()), S)
+    block = np.zeros((B, P), np.int32)
+    for b, blk in blocks.items():
+        block[b, :len(blk)] = blk
+    # a fresh prefill reads only its own P slots; later blocks read the prefix too
+    window = P if not start.any() else window_for(need, S)
+    (nxt, state.cache), _, _ = _timed(engine, state, lambda: engine.extend(
+        state.cache, block, n_new, state.seeds, state.rowids, sampling=state.sampling, window=window))
+    state.lengths = state.lengths + n_new
+    state.steps += 1
+    for b in rows:
+        r = state.rows[b]
+        r.steps += 1
+        r.accept([nxt[b]])
+        state.root[b] = nxt[b]
+    state._mark_finished()
+    return nxt[rows]
+
+
+def rollback(state: DecodeState, rows: Sequence[int], to_length: int, drafter=None) -> None:
+    """Set `rows` back to `to_length` committed cache slots: the cache's length is set
+    back (no copy: slots past it are overwritten by later steps), the generated ids are
+    cut so that the row's root is context[to_length] again, and the drafter is told.
+    `to_length` must leave the prompt's last token as the earliest root
+    (len(prompt) - 1 <= to_length <= current length)."""
+    rows = list(rows)
+    for b in rows:
+        r = state.rows[b]
+        if not len(r.prompt_ids) - 1 <= to_length <= state.lengths[b]:
+            raise ValueError(f"rollback of row {b} to {to_length}: must be in "
+                             f"[{len(r.prompt_ids) - 1}, {int(state.lengths[b])}] (prompt .. committed)")
+        r.truncate(to_length + 1 - len(r.prompt_ids))
+        state.root[b] = state.context(b)[to_length]
+        state.finish_s.pop(b, None)
+    lengths = state.lengths.copy()
+    lengths[rows] = to_length
+    state.lengths = lengths
+    state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].set(to_length))
+    if drafter is not None:
+        drafter.rollback(rows, to_length)
+
+
+# ----------------------------------------------------------------------------- the loop
+def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
+           until: Optional[Callable[[DecodeState], bool]] = None) -> DecodeState:
+    """Decode until every row has finished (or `until(state)` is true before a step).
+
+    drafter: a `drafters.base.Drafter` (None: plain decoding). rule: the acceptance rule
+    (default `TokenMatch(state.sampling)`). budget: the budget policy (default a fixed
+    budget of the drafter's `max_nodes`, or 0 without a drafter)."""
+    rule = rule if rule is not None else TokenMatch(state.sampling)
+    if budget is None:
+        budget = FixedBudget(drafter.max_nodes if drafter is not None else 0)
+    B, S = state.batch, state.max_len
+    while True:
+        state._mark_finished()
+        active = state.active
+        if not active.any() or (until is not None and until(state)):
+            break
+        h0 = time.perf_counter()
+        drafts = drafter.propose(state, budget.max_nodes) if drafter is not None else DraftBatch.empty(B)
+        drafts = drafts.truncated(budget.plan(drafts, state))
+        T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
+        blk = tree_lib.with_root(tree_lib.pack(drafts.drafts, T), state.root)
+        window = window_for(int(state.lengths[active].max()) + 1 + T, S)
+        state.host_s += time.perf_counter() - h0
+        state.tree_sizes.append(T)
+        (emitted, n_emit, path, state.cache), seconds, compiled = _timed(engine, state, lambda: engine.verify(
+            state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
+            draft_probs=drafts.probs))
+        h0 = time.perf_counter()
+        if not compiled:  # real step times correct the calibration
+            budget.record(T, window, seconds)
+        state.lengths = state.lengths + n_emit
+        state.steps += 1
+        kept = [[] for _ in range(B)]
+        for b in np.flatnonzero(active):
+            r = state.rows[b]
+            n = int(n_emit[b])
+            r.steps += 1
+            kept[b] = r.accept(emitted[b, :n])
+            state.root[b] = emitted[b, n - 1]
+        step = StepResult(emitted, n_emit, path, kept, T, window)
+        if drafter is not None:
+            drafter.update(state, step)
+        budget.score(state)
+        state.host_s += time.perf_counter() - h0
+    return state

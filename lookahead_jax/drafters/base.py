@@ -1,0 +1,73 @@
+"""The drafter protocol: how a way of proposing drafts plugs into the decode loop.
+
+The loop (`decode.decode`) calls a drafter once per step for the whole batch:
+
+    begin(state, references)   a request starts; `state` already holds the prompts and the
+                               first generated token of every row; references: per row a
+                               list of token-id lists (e.g. retrieved passages), or None
+    propose(state, budget)     -> DraftBatch: one Draft per row (empty for finished rows),
+                               best-first and topological, at most `budget` nodes each;
+                               host lists now, device arrays for a draft model later
+    update(state, step)        after the verify step: `step.kept[b]` the tokens row b
+                               emitted (cut at EOS / stop / length), `step.path[b]` the
+                               block indices of its accepted path (root first), so a draft
+                               model can commit its own K/V along that path
+    rollback(rows, length)     rows were set back to `length` committed cache slots
+                               (`decode.rollback`): forget anything drafted past it
+    end()                      the request is over
+    max_nodes: int             the largest draft it proposes (sizes the cache)
+
+What a drafter keeps for the budget policy (e.g. the trie's acceptance statistics per
+match class, on `Draft.key`) stays with the drafter; the loop reads no drafter fields
+beyond this protocol. `PerRowDrafter` adapts a drafter written per row.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+from ..drafts import EMPTY, Draft, DraftBatch
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    max_nodes: int
+
+    def begin(self, state, references: Optional[Sequence[Sequence[Sequence[int]]]] = None) -> None: ...
+
+    def propose(self, state, budget: int) -> DraftBatch: ...
+
+    def update(self, state, step) -> None: ...
+
+    def rollback(self, rows: Sequence[int], length: int) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class PerRowDrafter:
+    """Base for host drafters that think one row at a time: implement
+    `propose_row(row, context, budget) -> Draft` (context = prompt + generated ids, its
+    last token the root); `begin`/`update`/`rollback`/`end` default to doing nothing."""
+
+    max_nodes: int = 64
+
+    def begin(self, state, references=None) -> None:
+        pass
+
+    def propose_row(self, row: int, context: list, budget: int) -> Draft:
+        raise NotImplementedError
+
+    def propose(self, state, budget: int) -> DraftBatch:
+        return DraftBatch(tuple(
+            self.propose_row(b, state.context(b), budget) if live else EMPTY
+            for b, live in enumerate(state.active)
+        ))
+
+    def update(self, state, step) -> None:
+        pass
+
+    def rollback(self, rows, length) -> None:
+        pass
+
+    def end(self) -> None:
+        pass

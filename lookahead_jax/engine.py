@@ -1,0 +1,242 @@
+"""The target model as the decode loop sees it: params, compiled steps, measured costs.
+
+An `Engine` holds everything about one model that outlives a `generate` call: the params
+(and their CPU-packed or mesh-sharded copy), the compiled executables (`compile.py`), the
+verify costs measured per shape, the step timer, and the state drafters share across
+requests (the n-gram tries and acceptance statistics). Nothing is stored on the model
+object: `engine_for(model)` keeps one engine per model (and mesh) in a registry, and
+every function that needs one takes it explicitly.
+
+    engine = lj.Engine(model, mesh=make_mesh(data=2, model=4))
+    out = lj.generate(engine, tok, prompts)          # or generate(model, ..., mesh=mesh)
+
+Sharding: with a mesh, params are placed by the rule table of `sharding.py` (heads / MLP
+columns over "model"), batch rows and the KV cache over "data" (kv heads over "model"
+where they divide), tree arrays over "data" by row; the jitted steps get these as
+explicit in/out shardings, so the cache stays where it is step after step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .compile import CompiledFunctions
+from .models import KVCache, init_cache
+from .models.config import ModelConfig
+
+log = logging.getLogger("lookahead_jax")
+
+
+def _same_leaves(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+class Engine:
+    """One model ready to decode (module docstring). `model`: anything with `.config`,
+    `.params` and `.dtype` (a `loading.Model`)."""
+
+    def __init__(self, model, mesh=None):
+        self._model = model  # engine_for's engines hold a weakref instead (see there)
+        self.config: ModelConfig = model.config
+        self.dtype = getattr(model, "dtype", jnp.float32)
+        self.name = getattr(model, "name", "")
+        self.mesh = mesh
+        self.compiled = CompiledFunctions()
+        self.verify_costs: dict = {}  # (rule, B, S, T, window) -> seconds
+        self.step_times: dict = {}  # (rule, B, S) -> budget.StepTimes
+        self.shared: dict = {}  # drafter state that outlives requests (tries, statistics)
+        self._placed: Optional[tuple] = None  # (source leaves, params as the steps take them)
+        self._mesh_steps: dict = {}  # jitted steps with explicit shardings (mesh only)
+
+    @property
+    def model(self):
+        m = self._model() if isinstance(self._model, weakref.ref) else self._model
+        if m is None:
+            raise RuntimeError("this engine's model was garbage-collected; keep a reference to the model "
+                               "or build Engine(model) yourself")
+        return m
+
+    def __repr__(self) -> str:
+        mesh = dict(self.mesh.shape) if self.mesh is not None else None
+        return f"Engine({self.name or type(self.model).__name__}, mesh={mesh})"
+
+    # ------------------------------------------------------------------ params
+    @property
+    def params(self):
+        """The params the jitted steps run on, remade whenever a leaf of `model.params`
+        changes (never stale): on a mesh, sharded by the rule table; on one CPU device in
+        f32 with the CPU kernels on, a copy with the layer weights packed for the matmul
+        kernel (`models.transformer.pack_params`: ~2x faster weight reads, the same
+        values; a second copy of those weights in memory; `LOOKAHEAD_JAX_CPU_KERNELS=0`
+        turns kernels and packing off); otherwise `model.params` itself."""
+        leaves = jax.tree.leaves(self.model.params)
+        if self._placed is not None and _same_leaves(self._placed[0], leaves):
+            return self._placed[1]
+        out = self.model.params
+        if self.mesh is not None:
+            from .sharding import shard_params
+
+            out = shard_params(out, self.config, self.mesh)
+        elif _packable(leaves):
+            from .models.transformer import pack_params
+
+            out = pack_params(out)  # eager: the leaves it does not pack stay shared
+        self._placed = (leaves, out)
+        return out
+
+    # ------------------------------------------------------------------ arrays
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        if self.mesh is None:
+            return init_cache(self.config, batch, max_len, self.dtype)
+        from .sharding import init_sharded_cache
+
+        return init_sharded_cache(self.config, batch, max_len, self.dtype, self.mesh)
+
+    def put(self, x):
+        """A host array [B, ...] as a step input: split over "data" on a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        from .sharding import shard_batch
+
+        return shard_batch(x, self.mesh)
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, kind: str, key, make, args: tuple, n_rows_out: int, static: dict):
+        """(jitted step `kind` for `key`, its static keyword arguments). Without a mesh,
+        the shared `jax.jit` from `verify.py`. On a mesh, a jit with explicit shardings:
+        params by the rule table, the cache by `sharding.cache_shardings` (in and out, so
+        it stays where it is step after step), every [B, ...] argument and output with B
+        over "data" (replicated when B does not divide the axis); the static arguments are
+        bound into it (jit takes no keyword arguments beside explicit in_shardings)."""
+        if self.mesh is None:
+            return make(), static
+        from .sharding import batch_spec, cache_shardings, param_shardings
+
+        B = int(args[1].length.shape[0])
+        jkey = (kind, key, B, len(args), tuple(sorted(static.items())))
+        fn = self._mesh_steps.get(jkey)
+        if fn is None:
+            from jax.sharding import NamedSharding
+
+            rows = NamedSharding(self.mesh, batch_spec(1, B, self.mesh))
+            cache = cache_shardings(self.config, self.mesh, B)
+            fn = jax.jit(functools.partial(make().__wrapped__, **static), donate_argnums=(1,),
+                         in_shardings=(param_shardings(self.config, self.mesh), cache)
+                         + (rows,) * (len(args) - 2),
+                         out_shardings=(rows,) * n_rows_out + (cache,))
+            self._mesh_steps[jkey] = fn
+        return fn, {}
+
+    def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True):
+        """`verify.extend_step` through the compiled-function table (name "prefill")."""
+        from .verify import jitted_extend
+
+        args = (self.params, cache, self.put(tokens), self.put(n_new), seeds, rows)
+        fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling),
+                                args, 1, dict(window=window, emit=emit))
+        return self.compiled("prefill", fn, *args, **static)
+
+    def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None):
+        """`verify.verify_step` on a packed `tree.VerifyBlock`."""
+        from .verify import jitted_verify_step
+
+        args = (self.params, cache, self.put(block.tokens), self.put(block.parents),
+                self.put(block.depth), self.put(block.mask), self.put(active), seeds, rows)
+        if draft_probs is not None:
+            args += (self.put(draft_probs),)
+        fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule),
+                                args, 3, dict(window=window))
+        return self.compiled("verify", fn, *args, **static)
+
+    def measure_verify_costs(self, rule, B: int, S: int, buckets, length: Optional[int] = None,
+                             rounds: int = 7) -> dict:
+        """Seconds per verify step for each tree bucket T (cached per shape).
+
+        Measured at cache length `length` (default S // 2) with the attention window a
+        step at that length uses, on one scratch cache of the real shape. Each bucket is
+        compiled and run once, then timed in `rounds` round-robin passes over the buckets
+        (median per bucket), so a slow spell of the machine hits every bucket alike rather
+        than one. A bigger tree never costs less than a smaller one (running max over T):
+        a noisy low reading for T = 1 would otherwise make trees look cheaper than plain
+        decoding."""
+        from .drafts import Draft
+        from .tree import pack, with_root
+        from .verify import window_for
+
+        todo, keys = {}, {}
+        for T in buckets:
+            L = min(S // 2 if length is None else length, S - 1 - T)
+            window = window_for(L + 1 + T, S)
+            key = keys[T] = (rule, B, S, T, window)
+            if key not in self.verify_costs:
+                chain = Draft([0] * T, list(range(-1, T - 1)))
+                todo[key] = (T, L, window, with_root(pack([chain] * B, T), np.zeros(B, np.int32)))
+        if todo:
+            cache = self.init_cache(B, S)
+            seeds, rows = self.put(np.zeros(B, np.uint32)), self.put(np.arange(B, dtype=np.int32))
+            active = np.ones(B, bool)
+            times = {key: [] for key in todo}
+            for r in range(rounds + 1):  # round 0 compiles and warms up
+                for key, (T, L, window, blk) in todo.items():
+                    cache = cache.replace(length=self.put(np.full(B, L, np.int32)))
+                    t0 = time.perf_counter()
+                    res = self.verify(cache, blk, active, seeds, rows, rule=rule, window=window)
+                    jax.block_until_ready(res)
+                    if r:
+                        times[key].append(time.perf_counter() - t0)
+                    cache = res[-1]
+            for key, (T, L, window, _) in todo.items():
+                self.verify_costs[key] = float(np.median(times[key]))
+                log.info("verify cost T=%d (window %d): %.2f ms", T, window, self.verify_costs[key] * 1e3)
+        out, floor = {}, 0.0
+        for T in sorted(buckets):
+            floor = max(floor, self.verify_costs[keys[T]])
+            out[T] = floor
+        return out
+
+
+def _packable(leaves) -> bool:
+    from .models import cpu_kernels
+
+    if not leaves or any(getattr(x, "dtype", None) != jnp.float32 for x in leaves):
+        return False
+    for x in leaves:
+        devices = getattr(getattr(x, "sharding", None), "device_set", None)
+        if not devices or len(devices) != 1 or next(iter(devices)).platform != "cpu":
+            return False
+    return bool(cpu_kernels.vector_width())
+
+
+# one engine per (model object, mesh); the model is held weakly where it allows it
+_ENGINES: dict = {}
+
+
+def engine_for(model, mesh=None) -> Engine:
+    """The engine of `model` on `mesh` (made on first use, kept while the model lives).
+    An `Engine` passed in is returned as it is (its mesh must match, if one is given)."""
+    if isinstance(model, Engine):
+        if mesh is not None and mesh is not model.mesh:
+            raise ValueError("this Engine was built for another mesh; build Engine(model, mesh) instead")
+        return model
+    key = (id(model), id(mesh) if mesh is not None else None)
+    hit = _ENGINES.get(key)
+    if hit is not None:
+        ref, engine = hit
+        if (ref() if isinstance(ref, weakref.ref) else ref) is model:
+            return engine
+    engine = Engine(model, mesh)
+    try:  # the registry must not keep the model alive: its engine holds it weakly too
+        ref: Any = weakref.ref(model, lambda _, k=key, reg=_ENGINES: reg.pop(k, None))
+        engine._model = ref
+    except TypeError:  # not weak-referenceable: kept for the life of the process
+        ref = model
+    _ENGINES[key] = (ref, engine)
+    return engine

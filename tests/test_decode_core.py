@@ -1,0 +1,270 @@
+"""The decode core: drafter protocol, strategies, decode state (rollback / extend), streaming.
+
+* Every drafter (the trie and a test-only prompt-lookup drafter written against the
+  protocol alone) passes the same protocol-conformance checks, and the test-only drafter
+  is lossless through the unchanged loop: adding a drafter needs no change to the loop.
+* rollback + extend gives the K/V and the tokens of a fresh prefill of the same tokens.
+* Strategy objects and the flat keyword forms are the same call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lookahead_jax import decode as D
+from lookahead_jax import generate as G
+from lookahead_jax.drafters.base import Drafter, PerRowDrafter
+from lookahead_jax.drafters.trie import TrieDrafter
+from lookahead_jax.drafts import Draft, DraftBatch
+from lookahead_jax.engine import Engine, engine_for
+from lookahead_jax.sampling import SamplingParams
+from lookahead_jax.strategies import Greedy, Lookahead
+from tiny import ByteTokenizer, load_prompts, tiny_model
+
+MAX_NEW = 32
+CACHE = 1280
+PROMPTS = load_prompts(4)  # 12 prompts from RAG / code / math
+TEXTS = [p["prompt"] for p in PROMPTS]
+
+
+class PromptLookupDrafter(PerRowDrafter):
+    """Test-only: find the latest earlier occurrence of the context's last `n` tokens and
+    propose the tokens that followed it (a chain), like HF's prompt-lookup decoding."""
+
+    def __init__(self, n=2, max_nodes=16):
+        self.n, self.max_nodes = n, max_nodes
+
+    def propose_row(self, row, context, budget):
+        key = context[-self.n:]
+        for s in range(len(context) - self.n - 1, -1, -1):
+            if context[s:s + self.n] == key:
+                follow = context[s + self.n: s + self.n + budget]
+                return Draft(follow, list(range(-1, len(follow) - 1)))
+        return Draft([], [])
+
+
+class Recording:
+    """Wraps a drafter and checks the protocol on every call."""
+
+    def __init__(self, inner):
+        self.inner, self.max_nodes = inner, inner.max_nodes
+        self.calls = {"begin": 0, "propose": 0, "update": 0, "end": 0}
+
+    def begin(self, state, references=None):
+        self.calls["begin"] += 1
+        assert all(len(r.ids) == 1 for r in state.rows)  # prefill's first token is there
+        self.inner.begin(state, references)
+
+    def propose(self, state, budget):
+        self.calls["propose"] += 1
+        out = self.inner.propose(state, budget)
+        assert isinstance(out, DraftBatch) and len(out) == state.batch
+        for b, d in enumerate(out.drafts):
+            assert len(d.tokens) == len(d.parents) <= budget
+            assert all(-1 <= p < i for i, p in enumerate(d.parents))
+            if not state.active[b]:
+                assert len(d) == 0  # finished rows get no draft
+        self.last = out
+        return out
+
+    def update(self, state, step):
+        self.calls["update"] += 1
+        for b, kept in enumerate(step.kept):
+            n = int(step.n_emit[b])
+            assert kept == [int(t) for t in step.emitted[b, :len(kept)]] and len(kept) <= n
+            if n:  # the path: root first, then nodes of increasing depth whose tokens were emitted
+                path = step.path[b, :n]
+                assert path[0] == 0
+                drafted = self.last.drafts[b]
+                for d, j in enumerate(path[1:]):
+                    assert drafted.tokens[j - 1] == int(step.emitted[b, d])
+        self.inner.update(state, step)
+
+    def rollback(self, rows, length):
+        self.inner.rollback(rows, length)
+
+    def end(self):
+        self.calls["end"] += 1
+        self.inner.end()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def greedy(model, tok):
+    return {b: sum((G.generate(model, tok, TEXTS[s:s + b], max_new_tokens=MAX_NEW, max_cache_len=CACHE).token_ids
+                    for s in range(0, len(TEXTS), b)), []) for b in (1, 4)}
+
+
+@pytest.mark.parametrize("make", [lambda: TrieDrafter(max_nodes=16), lambda: PromptLookupDrafter()],
+                         ids=["trie", "prompt-lookup"])
+def test_protocol_conformance(model, tok, greedy, make):
+    drafter = make()
+    assert isinstance(drafter, Drafter)
+    rec = Recording(drafter)
+    out = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, strategy="lookahead", drafter=rec,
+                     decoding_length=16, max_cache_len=CACHE, references=[[t] for t in TEXTS[:4]])
+    assert out.token_ids == greedy[4][:4]
+    assert rec.calls["begin"] == rec.calls["end"] == 1
+    assert rec.calls["propose"] == rec.calls["update"] == out.stats["forward_steps"] - 1
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("budget", [1, 3, 16])
+def test_a_new_drafter_is_lossless_without_touching_the_loop(model, tok, greedy, batch, budget):
+    ids, steps = [], 0
+    for s in range(0, len(TEXTS), batch):
+        out = G.generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, strategy="lookahead",
+                         drafter=PromptLookupDrafter(max_nodes=budget), decoding_length=budget,
+                         max_cache_len=CACHE)
+        ids += out.token_ids
+        steps += out.stats["forward_steps"]
+    assert ids == greedy[batch]
+    assert steps < sum(len(x) for x in ids)  # some drafts were accepted
+
+
+def test_strategy_objects_equal_the_flat_forms(model, tok, greedy):
+    a = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
+                   strategy=Lookahead(decoding_length=7, branch_length=4), drafter=TrieDrafter(branch_length=4))
+    b = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
+                   strategy="lookahead", decoding_length=7, branch_length=4, drafter=TrieDrafter(branch_length=4))
+    assert a.token_ids == b.token_ids == greedy[4][:4]
+    assert a.stats["forward_steps"] == b.stats["forward_steps"]
+    c = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy=Greedy())
+    assert c.token_ids == greedy[4][:4] and c.stats["strategy"] == "greedy"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'decoding_lenght'"):
+        G.generate(model, tok, "x", strategy="lookahead", decoding_lenght=7)
+    with pytest.raises(ValueError, match="decoding_length must be"):
+        G.generate(model, tok, "x", strategy=Lookahead(decoding_length=-1))
+    with pytest.raises(ValueError, match="strategy must be"):
+        G.generate(model, tok, "x", strategy=object())
+
+
+def test_engine_is_explicit_and_per_model(model, tok):
+    e = engine_for(model)
+    assert engine_for(model) is e and isinstance(e, Engine)
+    assert "_compiled" not in vars(model) and "_runtime" not in vars(model)
+    out = G.generate(e, tok, TEXTS[0], max_new_tokens=4, max_cache_len=CACHE)  # an Engine works too
+    assert out.stats["compilations"] == len(e.compiled.compilations)
+    other = tiny_model("llama", seed=1)
+    assert engine_for(other) is not e
+
+
+def test_the_engine_registry_does_not_keep_models_alive(tok):
+    """engine_for's engine goes with its model (the registry holds both weakly)."""
+    import gc
+    import weakref
+
+    from lookahead_jax import engine as E
+
+    from lookahead_jax.loading import Model
+
+    t = tiny_model("llama", seed=2)  # a SimpleNamespace (not weak-referenceable): stays registered
+    m = Model(t.config, t.params, t.name, t.dtype)
+    e = engine_for(m)
+    G.generate(m, tok, TEXTS[0], max_new_tokens=2, max_cache_len=CACHE)
+    n, alive = len(E._ENGINES), weakref.ref(m)
+    del m
+    gc.collect()
+    assert alive() is None and len(E._ENGINES) == n - 1
+    with pytest.raises(RuntimeError, match="garbage-collected"):
+        e.params
+
+
+def _state(model, tok, prompts, S=256):
+    ids = [tok.encode(p) for p in prompts]
+    return D.prefill(engine_for(model), ids, tok, max_len=S, max_new_tokens=64)
+
+
+def test_rollback_then_extend_equals_a_fresh_prefill(model, tok):
+    """Decode a few tokens, roll row 0 back to its prompt and extend it with new text: its
+    committed K/V equal a fresh prefill of prompt + text (row 1, left alone, keeps
+    decoding as before), and decoding on gives the fresh run's tokens."""
+    engine = engine_for(model)
+    a, b, more = TEXTS[0][:40], TEXTS[1][:30], " and then the next part"
+    state = _state(model, tok, [a, b])
+    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 6)
+    row1_before = list(state.rows[1].ids)
+    n_a = len(state.rows[0].prompt_ids)
+    D.rollback(state, [0], n_a - 1)
+    assert state.rows[0].ids == [] and int(np.asarray(state.cache.length)[0]) == n_a - 1
+    new = tok.encode(more, add_special_tokens=False)
+    D.extend(engine, state, [0], [new])
+    fresh = _state(model, tok, [a + more, b])
+    assert state.rows[0].prompt_ids == fresh.rows[0].prompt_ids
+    assert state.rows[0].ids == fresh.rows[0].ids  # the same next token
+    n = int(state.lengths[0])
+    assert n == int(fresh.lengths[0]) == int(np.asarray(state.cache.length)[0])
+    for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
+        np.testing.assert_allclose(np.asarray(x)[0, :, :n], np.asarray(y)[0, :, :n], atol=1e-5, rtol=1e-5)
+    assert state.rows[1].ids[:len(row1_before)] == row1_before
+    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 12)
+    D.decode(engine, fresh, until=lambda s: len(s.rows[0].ids) >= 12)
+    assert state.rows[0].ids[:12] == fresh.rows[0].ids[:12]
+
+
+def test_extend_and_rollback_errors(model, tok):
+    engine = engine_for(model)
+    state = _state(model, tok, ["Hello there"])
+    with pytest.raises(ValueError, match="has generated tokens"):
+        D.extend(engine, state, [0], [[5, 6]])
+    with pytest.raises(ValueError, match="no tokens"):
+        D.extend(engine, state, [0], [[]], as_output=True)
+    with pytest.raises(ValueError, match="rollback of row 0"):
+        D.rollback(state, [0], 0)
+    state = _state(model, tok, ["Hello there"], S=256)
+    D.rollback(state, [0], len(state.rows[0].prompt_ids) - 1)
+    with pytest.raises(ValueError, match="cache slots"):
+        D.extend(engine, state, [0], [[7] * 300])
+
+
+def test_forced_output_tokens(model, tok):
+    """extend(as_output=True) appends forced tokens to the output; decoding continues as
+    plain decoding of that sequence would."""
+    engine = engine_for(model)
+    state = _state(model, tok, [TEXTS[2][:50]])
+    forced = tok.encode(" forced", add_special_tokens=False)
+    D.extend(engine, state, [0], [forced], as_output=True)
+    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 1 + len(forced) + 5)
+    ref = _state(model, tok, [TEXTS[2][:50]])
+    seq = ref.rows[0].prompt_ids + ref.rows[0].ids + forced
+    want = G.generate(model, tok, [seq], max_new_tokens=5, max_cache_len=256).token_ids[0]
+    assert state.rows[0].ids[1 + len(forced):][:5] == want
+
+
+class CountingTokenizer(ByteTokenizer):
+    eos_token_ids = frozenset()
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        ids = list(ids)
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+    def stream(self, prompt_len=0, skip_special_tokens=False):
+        from lookahead_jax.convert.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self, prompt_len, skip_special_tokens)
+
+
+def test_streaming_decodes_only_new_tokens(model):
+    """Text streams through the incremental detokenizer: over N tokens, O(N) token
+    decodes (a full re-decode every step would be ~N^2 / 2)."""
+    tok = CountingTokenizer()
+    deltas = []
+    N = 96
+    out = G.generate(model, tok, TEXTS[3], max_new_tokens=N, on_text=lambda i, d: deltas.append(d),
+                     max_cache_len=CACHE)
+    assert "".join(deltas) == out.texts[0] and len(deltas) > 1
+    assert tok.decoded < 20 * N < N * N / 2
