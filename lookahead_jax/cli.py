@@ -17,7 +17,7 @@ from typing import Optional
 import jax
 
 from .engine import engine_for
-from .generate import generate
+from .generate import check_messages, generate
 from .strategies import REGISTRY
 
 log = logging.getLogger("lookahead_jax")
@@ -70,6 +70,10 @@ def _read_prompts_file(path: str, references_field: Optional[str]):
             if not isinstance(obj, dict):
                 _fail(f"{path}:{n}: each line must be a JSON object with 'prompt' or 'messages'")
             if "messages" in obj:
+                try:
+                    check_messages(obj["messages"], f"{path}:{n}")
+                except ValueError as e:
+                    _fail(str(e))
                 prompts.append(obj["messages"])
             elif "prompt" in obj:
                 prompts.append(obj["prompt"])
@@ -139,7 +143,8 @@ def parse_args(argv=None) -> CliConfig:
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt, then a summary line")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together")
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; at 1 (the default) text streams as it is "
+                    "generated, larger batches print each answer when its batch is done")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: params split over 'model' by the "
                     "rule table, batch rows and the KV cache over 'data' (default: one device)")
     flags = _strategy_flags(ap)
@@ -251,11 +256,14 @@ def main(argv=None) -> int:
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
         mesh=mesh,
     )
-    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, host_s=0.0, prefill_s=0.0)
+    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
+                  prefill_s=0.0)
+    streaming = not cfg.json and cfg.batch_size == 1
     for start in range(0, len(cfg.prompts), cfg.batch_size):
         batch = list(cfg.prompts[start:start + cfg.batch_size])
         refs = [list(r) for r in cfg.references[start:start + cfg.batch_size]]
-        streaming = not cfg.json and cfg.batch_size == 1
+        if streaming and len(cfg.prompts) > 1:  # several streamed answers: one header each
+            print(f"--- prompt {start}", flush=True)
         try:
             out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None,
                            first_index=start, **kw)
@@ -275,16 +283,22 @@ def main(argv=None) -> int:
         model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
         new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
         tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
-        prefill_s=round(totals["prefill_s"], 4),
-        compile_s=round(totals["compile_s"], 3), host_s=round(totals["host_s"], 4),
+        prefill_s=round(totals["prefill_s"], 4), forward_steps=totals["forward_steps"],
+        tokens_per_step=round(totals["new_tokens"] / totals["forward_steps"], 3) if totals["forward_steps"] else 0.0,
+        compile_s=round(totals["compile_s"], 3), calibrate_s=round(totals["calibrate_s"], 3),
+        host_s=round(totals["host_s"], 4),
         compilations=len(engine_for(model, mesh).compiled.compilations),
     )
     if cfg.json:
         print(json.dumps({"summary": summary}), flush=True)
     else:
+        # decode time apart from the one-off costs a new process pays (compilation, and
+        # auto's calibration of verify costs), which a user waits for all the same
         print(
             f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
-            f"{summary['tokens_per_s']:.1f} tok/s; compile {summary['compile_s']:.1f} s]",
+            f"{summary['tokens_per_s']:.1f} tok/s; {summary['forward_steps']} forward steps, "
+            f"{summary['tokens_per_step']:.2f} tokens/step; compile {summary['compile_s']:.1f} s"
+            + (f", calibration {summary['calibrate_s']:.1f} s" if summary["calibrate_s"] else "") + "]",
             file=sys.stderr,
         )
     return 0

@@ -82,6 +82,30 @@ def verify_block(root, drafts, T: int) -> tree_lib.VerifyBlock:
     return tree_lib.with_root(tree_lib.pack(drafts, T), root)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages, where: str = "messages") -> None:
+    """Chat messages must be a non-empty list of {"role": one of CHAT_ROLES, "content":
+    str}; anything else is a ValueError naming the message and the expected form (rather
+    than a template engine's error, or a plain string taken as a prompt)."""
+    form = 'a list of {"role": "user", "content": "..."} objects'
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: chat messages must be {form}, got {type(messages).__name__}"
+                         + (" (for plain text use 'prompt')" if isinstance(messages, str) else ""))
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}, message {j}: must be an object like {{\"role\": \"user\", "
+                             f"\"content\": \"...\"}}, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where}, message {j}: 'role' must be one of {', '.join(CHAT_ROLES)}, "
+                             f"got {role!r}" if "role" in m else f"{where}, message {j}: no 'role' field")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}, message {j} ({role}): 'content' must be a string, got "
+                             + (type(content).__name__ if "content" in m else "nothing (no 'content' field)"))
+
+
 def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0) -> list:
     """Prompts as token-id lists. A prompt is a str, a list of chat messages, or token ids.
 
@@ -103,6 +127,7 @@ def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0) -> list
             else:
                 ids = tokenizer.encode(p)
         elif isinstance(p, list) and p and isinstance(p[0], dict):
+            check_messages(p, f"prompt {i}")
             text = tokenizer.apply_chat_template(p, add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(p, (list, tuple, np.ndarray)) and len(p) and all(

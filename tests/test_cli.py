@@ -28,7 +28,8 @@ from tiny import ByteTokenizer, tiny_model
 ROW_FIELDS = {"prompt_index", "text", "token_ids", "new_tokens", "finish_reason", "forward_steps",
               "mean_accepted_tokens", "wall_s", "tokens_per_s"}
 SUMMARY_FIELDS = {"model", "strategy", "dtype", "prompts", "new_tokens", "wall_s", "tokens_per_s",
-                  "prefill_s", "compile_s", "host_s", "compilations"}
+                  "prefill_s", "forward_steps", "tokens_per_step", "compile_s", "calibrate_s", "host_s",
+                  "compilations"}
 PROMPTS = ["Hello there", "Once upon a time", "2+2="]
 
 
@@ -117,6 +118,9 @@ def test_streaming_prints_the_text(fake_load, tiny, capsys):
     want = generate(tiny, ByteTokenizer(), PROMPTS[0], max_new_tokens=8)
     assert out == want.texts[0] + "\n"
     assert "tokens in" in err and "tok/s" in err and "compile" in err
+    steps = want.stats["forward_steps"]
+    assert f"{steps} forward steps, {want.stats['new_tokens'] / steps:.2f} tokens/step" in err, err
+
 
 
 def test_prompts_file_batches(fake_load, tiny, capsys, tmp_path):
@@ -129,14 +133,15 @@ def test_prompts_file_batches(fake_load, tiny, capsys, tmp_path):
     assert [r["prompt_index"] for r in rows] == [0, 1, 2]
     assert [r["token_ids"] for r in rows] == want.token_ids
     assert summary["prompts"] == 3 and summary["new_tokens"] == sum(r["new_tokens"] for r in rows)
-    # without --json: a header before every prompt when batched (the last batch holds only
-    # prompt 2, it still gets its header), the streamed texts with --batch-size 1
+    # without --json: a header before every prompt, batched (the last batch holds only
+    # prompt 2, it still gets its header) or streamed (--batch-size 1: several streamed
+    # answers are not run together)
     rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8", "--batch-size", "2")
     assert rc == 0, err
     assert out == "".join(f"--- prompt {i}\n{t}\n" for i, t in enumerate(want.texts))
     rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8")
     assert rc == 0, err
-    assert out == "".join(t + "\n" for t in want.texts)
+    assert out == "".join(f"--- prompt {i}\n{t}\n" for i, t in enumerate(want.texts))
 
 
 def test_chat_messages_stop_and_sampling(fake_load, tiny, capsys, tmp_path):
@@ -271,6 +276,9 @@ def test_empty_prompt_in_file_names_its_line(fake_load, capsys, tmp_path):
     ([{"prompt": "a", "passage": "p"}, {"prompt": "b"}], ["--references-field", "passage"],
      ":2: no field 'passage' (--references-field)"),
     ([], [], "holds no prompts"),
+    ([{"messages": [{"role": "user"}]}], [], ":1, message 0 (user): 'content' must be a string"),
+    ([{"prompt": "a"}, {"messages": "hi"}], [], ":2: chat messages must be a list"),
+    ([{"messages": [{"role": "robot", "content": "x"}]}], [], ":1, message 0: 'role' must be one of"),
 ])
 def test_prompts_file_errors(fake_load, capsys, tmp_path, lines, extra, msg):
     f = write_jsonl(tmp_path / "bad.jsonl", lines)

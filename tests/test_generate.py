@@ -299,6 +299,14 @@ def test_prompt_errors(models, tok):
         generate(m, tok, [], max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt 0 is empty or not a str"):
         generate(m, tok, [None], max_new_tokens=4)
+    # chat messages are checked before the template sees them
+    with pytest.raises(ValueError, match=r"prompt 0, message 0 \(user\): 'content' must be a string"):
+        generate(m, tok, [{"role": "user"}], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 1, message 1: 'role' must be one of system, user"):
+        generate(m, tok, [[{"role": "user", "content": "a"}],
+                          [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0, message 0: no 'role' field"):
+        generate(m, tok, [[{"content": "a"}]], max_new_tokens=4)
 
 
 def test_prompt_longer_than_cache(models, tok):
