@@ -54,14 +54,15 @@ def model_step(model, T: int, S: int = 256, length: int = 100):
     import jax
     import jax.numpy as jnp
 
+    from lookahead_jax.acceptance import TokenMatch
+    from lookahead_jax.drafts import Draft
     from lookahead_jax.generate import verify_block
+    from lookahead_jax.loading import runtime_params
     from lookahead_jax.models import init_cache
     from lookahead_jax.sampling import SamplingParams
-    from lookahead_jax.trie import Draft
-    from lookahead_jax.loading import runtime_params
     from lookahead_jax.verify import jitted_verify_step, window_for
 
-    verify = jitted_verify_step(model.config, SamplingParams(0.0, 0, 1.0))
+    verify = jitted_verify_step(model.config, TokenMatch(SamplingParams(0.0, 0, 1.0)))
     blk = verify_block(np.zeros(1, np.int32), [Draft([0] * T, list(range(-1, T - 1)))], T)
     args = (blk.tokens, blk.parents, blk.depth, blk.mask, np.ones(1, bool),
             jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.int32))
@@ -72,7 +73,7 @@ def model_step(model, T: int, S: int = 256, length: int = 100):
         cache = state["cache"].replace(length=jnp.full((1,), length, jnp.int32))
         res = verify(runtime_params(model), cache, *args, window=window)
         jax.block_until_ready(res)
-        state["cache"] = res[2]
+        state["cache"] = res[-1]  # (emitted, n_emit, path, cache)
 
     return run
 

@@ -1,7 +1,11 @@
 """Shared pieces of the benchmarks: prompts from ../shared/data, the HF peer, JSON output.
 
-Every benchmark prints and saves JSON (with the command that produced it). Speed is only
-ever measured here, never asserted in tests.
+Every benchmark prints and saves JSON with the command that produced it and the host it
+ran on (`host_info()`: CPU model, cores, platform, jax backend and devices, torch if
+used): speed ratios move between hosts. Generation stops at EOS by default, for our
+methods and the HF peer alike (what users get); `--ignore-eos` runs a fixed length, a
+separate, labelled result (`stop_at_eos: false`). Speed is only ever measured here, never
+asserted in tests.
 """
 
 from __future__ import annotations
@@ -96,14 +100,20 @@ class HFPeer:
                                                           quantization_config=qc)
         self.model.to(device)
         self.model.eval()
-        # ignore EOS like our ignore_eos=True: EOS stays an ordinary token (min_new_tokens
-        # would instead forbid it and change the tokens)
+        # no EOS of its own: generate() is told which ids stop (ours, `eos_ids`), or none
+        # for a fixed length (like our ignore_eos=True: EOS stays an ordinary token;
+        # min_new_tokens would instead forbid it and change the tokens)
         self.model.generation_config.eos_token_id = None
 
-    def generate(self, ids, max_new_tokens: int, prompt_lookup: int = 0):
+    def generate(self, ids, max_new_tokens: int, prompt_lookup: int = 0, eos_ids=None):
+        """(new token ids, seconds). `eos_ids`: the ids that stop generation (pass our
+        tokenizer's `eos_token_ids`, so HF stops where we do; the EOS token is kept, as
+        ours keeps it); None or empty = a fixed length of `max_new_tokens`."""
         torch = self.torch
         x = torch.tensor([ids], device=self.device)
         kw = dict(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+        if eos_ids:
+            kw["eos_token_id"] = sorted(int(i) for i in eos_ids)
         if prompt_lookup:
             kw["prompt_lookup_num_tokens"] = prompt_lookup
         sync = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
@@ -116,24 +126,64 @@ class HFPeer:
         return out[0, len(ids):].tolist(), dt
 
 
-def environment() -> dict:
-    import jax
-
-    env = dict(python=platform.python_version(), jax=jax.__version__, device=str(jax.devices()[0]),
-               cpu_count=os.cpu_count(), machine=platform.machine())
+def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo's 'model name' (x86), else platform.processor()."""
     try:
-        import torch
-        import transformers
-
-        env.update(torch=torch.__version__, transformers=transformers.__version__)
-    except ImportError:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
         pass
-    return env
+    return platform.processor() or platform.machine()
+
+
+def host_info() -> dict:
+    """Where a result was measured (ratios between methods move between hosts): CPU model,
+    core count, platform, Python, jax version, backend and devices, and torch /
+    transformers where this process imported them."""
+    info = dict(cpu_model=cpu_model(), cpu_count=os.cpu_count(), platform=platform.platform(),
+                machine=platform.machine(), python=platform.python_version())
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    try:
+        import jax
+
+        devs = jax.devices()
+        info.update(jax=jax.__version__, jax_backend=jax.default_backend(),
+                    jax_devices=[f"{d} ({getattr(d, 'device_kind', '?')})" for d in devs])
+    except Exception as e:  # noqa: BLE001 - record why rather than lose the result
+        info["jax"] = f"unavailable: {e}"
+    if "torch" in sys.modules:  # only when a benchmark used it (the HF peer)
+        torch = sys.modules["torch"]
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+        if torch.cuda.is_available():
+            info["torch_cuda_device"] = torch.cuda.get_device_name(0)
+    if "transformers" in sys.modules:
+        info["transformers"] = getattr(sys.modules["transformers"], "__version__", "?")
+    return info
+
+
+def host_line() -> str:
+    h = host_info()
+    return (f"host: {h['cpu_model']}, {h['cpu_count']} cores, {h['platform']}, "
+            f"jax {h.get('jax')} on {h.get('jax_backend', '?')}")
+
+
+def default_out(name: str, ignore_eos: bool, ext: str = "json") -> str:
+    """bench/results/<name>.json, or <name>-fixedlen.json for an `--ignore-eos` run, so a
+    fixed-length run never overwrites the headline (stops-at-EOS) result."""
+    return str(ROOT / "bench" / "results" / f"{name}{'-fixedlen' if ignore_eos else ''}.{ext}")
+
+
+def eos_mode(ignore_eos: bool) -> str:
+    return "fixed length (EOS ignored)" if ignore_eos else "stops at EOS"
 
 
 def save(result: dict, out: str) -> None:
+    """Write `result` as JSON with the command line and the host (`host_info()`)."""
     result["command"] = " ".join([Path(sys.executable).name] + sys.argv)
-    result["environment"] = environment()
+    result["host"] = host_info()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2))
     print(f"saved {out}")

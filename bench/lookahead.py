@@ -3,17 +3,29 @@
     python bench/lookahead.py                                  # 20 prompts x 3 datasets
     python bench/lookahead.py --datasets nq --n 8 --no-hf      # quick look
     python bench/lookahead.py --model path/to/model.gguf --hf-device cuda   # a GGUF file, HF on GPU
+    python bench/lookahead.py --ignore-eos                     # fixed length: a separate result
 
-Same model (SmolLM2-135M by default, f32), same token ids, `--max-new-tokens` tokens per
-prompt (EOS ignored so every method does the same work). Per prompt the methods run one
-after another: greedy, the lookahead configs, greedy again (the machine's speed drifts by
-tens of percent within a minute, so greedy's time is the mean of the two runs around the
-configs), HF. Per-prompt speedups and the prompts below 0.95x go to the JSON. Lookahead's output is checked token for token against
-our greedy. Reports per dataset and method: tokens/s, forward steps, mean accepted tokens
-per step (tokens emitted per forward, so greedy = 1), host trie time, speedups, and the
-prompt forward apart: `prefill_s` (time to the first token, summed) and the tokens/s and
-speedup after the first token (`decode_*`), the part a decoding strategy changes. Saves
-JSON and a bar plot (PNG).
+Same model (SmolLM2-135M by default, f32), same token ids. Every method stops at EOS (the
+tokenizer's `eos_token_ids`; the HF peer is given the same ids), up to `--max-new-tokens`
+tokens per prompt: what users get, the headline. `--ignore-eos` runs the old fixed-length
+benchmark instead (`--max-new-tokens` tokens every prompt; past EOS this model repeats
+itself and the trie drafts the repetition well, so it overstates lookahead), labelled
+`stop_at_eos: false` in the JSON and "fixed length (EOS ignored)" in the plot, saved by
+default to `lookahead-fixedlen.json` so it never replaces the headline.
+
+Per prompt the methods run one after another: greedy, the lookahead configs, greedy again
+(the machine's speed drifts by tens of percent within a minute, so greedy's time is the
+mean of the two runs around the configs), HF greedy and prompt lookup, timed the same way
+(the whole generate call, prefill included). Tokens/s of each method count the tokens that
+method emitted (with EOS stopping, prompts emit different numbers of tokens). Lookahead's
+output is checked token for token against our greedy (it must be identical) and so is HF's
+(counted, not enforced: near-ties can differ across libraries). Per-prompt speedups and
+the prompts below 0.95x go to the JSON. Reports per dataset and method: tokens/s, forward
+steps, mean accepted tokens per step (tokens emitted per forward, so greedy = 1), host
+trie time, speedups, and the prompt forward apart: `prefill_s` (time to the first token,
+summed) and the tokens/s and speedup after the first token (`decode_*`), the part a
+decoding strategy changes. Saves JSON (with the command and the host's CPU, cores and
+jax/torch versions) and a bar plot (PNG).
 """
 
 from __future__ import annotations
@@ -23,7 +35,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import HFPeer, dataset_prompts, model_gguf, resolve_hf_device, save  # noqa: E402
+from common import (HFPeer, dataset_prompts, default_out, eos_mode, host_line, model_gguf,  # noqa: E402
+                    resolve_hf_device, save)
 
 
 def parse_config(s: str) -> dict:
@@ -49,8 +62,13 @@ def plot(result: dict, path: str) -> None:
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_xticks([i + w * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"{Path(result['model']).name} ({result['dtype']}), {result['max_new_tokens']} new tokens, "
-                 f"{result['prompts_per_dataset']} prompts/dataset")
+    fixed = not result.get("stop_at_eos", True)
+    length = (f"fixed length (EOS ignored), {result['max_new_tokens']} new tokens" if fixed
+              else f"stops at EOS, <= {result['max_new_tokens']} new tokens")
+    cpu = result.get("host", {}).get("cpu_model", "")
+    ax.set_title(f"{Path(result['model']).name} ({result['dtype']}), "
+                 f"{result['prompts_per_dataset']} prompts/dataset\n{length}" + (f"\n{cpu}" if cpu else ""),
+                 fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -63,15 +81,21 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--datasets", nargs="+", default=["nq", "humaneval", "gsm8k"])
     ap.add_argument("--n", type=int, default=20, help="prompts per dataset")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="at most (stops at EOS unless --ignore-eos)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="fixed length: every method generates --max-new-tokens tokens past EOS (a separate, "
+                         "labelled result, default output lookahead-fixedlen.json; not the headline)")
     ap.add_argument("--configs", nargs="+", default=["auto:12:hierarchical", "8:8:hierarchical", "16:12:parallel"],
                     help="lookahead configs decoding_length:branch_length:mode ('auto' = the default)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-device", default="auto",
                     help="torch device of the HF peer: cpu, cuda, or auto (cuda when JAX runs on a GPU, else cpu)")
-    ap.add_argument("--out", default="bench/results/lookahead.json")
+    ap.add_argument("--out", help="JSON path (PNG beside it); default bench/results/lookahead.json, "
+                    "or lookahead-fixedlen.json with --ignore-eos")
     a = ap.parse_args(argv)
+    a.out = a.out or default_out("lookahead", a.ignore_eos)
+    ie = a.ignore_eos
 
     import lookahead_jax as lj
     from lookahead_jax.generate import encode_prompts
@@ -79,12 +103,14 @@ def main(argv=None):
     from lookahead_jax.trie import NgramTrie
     from lookahead_jax.budget import AcceptanceStats
 
+    print(host_line(), f"| {eos_mode(ie)}", flush=True)
     model, tok = lj.load(a.model, dtype=a.dtype)  # a preset name or a .gguf path
+    eos_ids = None if ie else sorted(getattr(tok, "eos_token_ids", ()) or ())  # what generate stops at
     hf_device = None if a.no_hf else resolve_hf_device(a.hf_device)
     hf = None if a.no_hf else HFPeer(model_gguf(a.model), a.dtype, device=hf_device)
     configs = {f"lookahead[{c}]": parse_config(c) for c in a.configs}
-    result = dict(model=a.model, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
-                  prompts_per_dataset=a.n, hf_device=hf_device, datasets={})
+    result = dict(model=a.model, dtype=a.dtype, max_new_tokens=a.max_new_tokens, stop_at_eos=not ie,
+                  eos_token_ids=eos_ids, prompts_per_dataset=a.n, hf_device=hf_device, datasets={})
     for ds in a.datasets:
         prompts, refs = dataset_prompts(ds, a.n)
         ids = encode_prompts(tok, prompts, chat=False)  # chat messages use the template
@@ -107,46 +133,52 @@ def main(argv=None):
         if hf:
             hf.generate(ids[0], 4)
         per_prompt = {n: [] for n in configs}
+        lengths, eos_stops = [], 0  # greedy's new tokens per prompt; prompts that ended at EOS
         for i, x in enumerate(ids):
-            base = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=True)
+            base = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=ie)
             rows = {"greedy": base}
             for name, cfg in configs.items():
-                rows[name] = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=True,
+                rows[name] = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=ie,
                                          strategy="lookahead", references=[refs[i]], **cfg,
                                          drafter=drafter(name))
             # greedy again after the configs: the machine's speed drifts by tens of percent
             # within a minute, so the prompt's greedy time is the mean of the two around them
-            again = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=True)
-            assert again.token_ids == base.token_ids
+            again = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=ie)
+            ref_ids = base.rows[0].token_ids
+            assert again.rows[0].token_ids == ref_ids
+            lengths.append(len(ref_ids))
+            eos_stops += bool(eos_ids) and bool(ref_ids) and ref_ids[-1] in eos_ids
             g_wall = (base.stats["wall_s"] + again.stats["wall_s"]) / 2
             for name, out in rows.items():
                 s = out.stats
                 acc[name]["tokens"] += s["new_tokens"]
                 acc[name]["time"] += g_wall if name == "greedy" else s["wall_s"]
                 acc[name]["steps"] += s["forward_steps"] if name != "greedy" else (s["forward_steps"] + again.stats["forward_steps"]) / 2
-                acc[name]["host"] += s["host_s"]
+                acc[name]["host"] += s.get("host_s", 0.0)
                 acc[name]["prefill"] += (base.stats["prefill_s"] + again.stats["prefill_s"]) / 2 if name == "greedy" else s["prefill_s"]
-                acc[name]["identical"] += out.token_ids == base.token_ids
+                acc[name]["identical"] += out.rows[0].token_ids == ref_ids
                 if name != "greedy":
                     per_prompt[name].append(round(g_wall / s["wall_s"] * s["new_tokens"] / base.stats["new_tokens"], 3))
             line = f"[{ds} {i}] " + " ".join(
-                f"{n}={o.stats['tokens_per_s']:.1f}t/s,{o.stats['mean_accepted_tokens']:.2f}acc" for n, o in rows.items()) + (
+                f"{n}={o.stats['tokens_per_s']:.1f}t/s,{o.stats['new_tokens'] / max(o.stats['forward_steps'], 1):.2f}acc"
+                for n, o in rows.items()) + f" ({len(ref_ids)} tok)" + (
                 f" greedy(again)={again.stats['tokens_per_s']:.1f}t/s " + " ".join(f"{n}:{v[-1]:.2f}x" for n, v in per_prompt.items()))
             if hf:
                 for name, k in (("hf_greedy", 0), ("hf_prompt_lookup", a.prompt_lookup)):
-                    toks, dt = hf.generate(x, a.max_new_tokens, prompt_lookup=k)
+                    toks, dt = hf.generate(x, a.max_new_tokens, prompt_lookup=k, eos_ids=eos_ids)
                     acc[name]["tokens"] += len(toks)
                     acc[name]["time"] += dt
-                    acc[name]["identical"] += toks == base.token_ids[0]
-                    line += f" {name}={len(toks) / dt:.1f}t/s"
+                    acc[name]["identical"] += toks == ref_ids
+                    line += f" {name}={len(toks) / dt:.1f}t/s" + ("" if toks == ref_ids else f"(differs, {len(toks)} tok)")
             print(line, flush=True)
         methods = {}
         g = acc["greedy"]["tokens"] / acc["greedy"]["time"]
         # after the first token: the prompt forward (time to first token) is the same work
         # for every strategy, so this is what the strategies themselves change
-        def decode_rate(v):
-            return (v["tokens"] - len(ids)) / (v["time"] - v["prefill"])  # one first token per prompt
-        gd = decode_rate(acc["greedy"])
+        def decode_rate(v):  # one first token per prompt
+            t = v["time"] - v["prefill"]
+            return (v["tokens"] - len(ids)) / t if t > 0 else 0.0
+        gd = decode_rate(acc["greedy"]) or float("nan")  # nan: every prompt ended at its first token
         for name, v in acc.items():
             tps = v["tokens"] / v["time"]
             m = dict(tokens_per_s=round(tps, 3), speedup_vs_our_greedy=round(tps / g, 3))
@@ -157,7 +189,7 @@ def main(argv=None):
                          host_s=round(v["host"], 3), host_fraction=round(v["host"] / v["time"], 4),
                          identical_to_greedy=f"{v['identical']}/{len(ids)}")
             else:  # HF's tokens vs ours (f32 on the same weights: expected equal, bf16 rounds differently)
-                m.update(identical_to_our_greedy=f"{v['identical']}/{len(ids)}")
+                m.update(identical_to_our_greedy=f"{v['identical']}/{len(ids)}", new_tokens=v["tokens"])
             if name in per_prompt:  # per-prompt speedup over the mean of the two greedy runs
                 m.update(prompts_below_0_95=sum(x < 0.95 for x in per_prompt[name]),
                          worst_prompt=min(per_prompt[name]), per_prompt_speedup=per_prompt[name])
@@ -166,8 +198,12 @@ def main(argv=None):
                     m[f"speedup_vs_{h}"] = round(tps / (acc[h]["tokens"] / acc[h]["time"]), 3)
             methods[name] = m
         best = max(configs, key=lambda n: methods[n]["tokens_per_s"])
-        result["datasets"][ds] = dict(methods=methods, best_lookahead=best)
-        print(f"== {ds}: " + "; ".join(f"{n}: {m['tokens_per_s']:.1f} tok/s ({m['speedup_vs_our_greedy']:.2f}x"
+        result["datasets"][ds] = dict(methods=methods, best_lookahead=best, new_tokens=sum(lengths),
+                                      new_tokens_per_prompt=lengths,
+                                      prompts_ended_at_eos=None if ie else eos_stops)
+        print(f"== {ds} ({eos_mode(ie)}: {sum(lengths)} tokens"
+              + ("" if ie else f", {eos_stops}/{len(ids)} prompts ended at EOS") + "): "
+              + "; ".join(f"{n}: {m['tokens_per_s']:.1f} tok/s ({m['speedup_vs_our_greedy']:.2f}x"
                                       + (f", after the first token {m['decode_speedup_vs_our_greedy']:.2f}x)"
                                          if "decode_speedup_vs_our_greedy" in m else ")")
                                       for n, m in methods.items()), flush=True)

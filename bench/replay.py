@@ -1,8 +1,11 @@
 """Replay lookahead's budget choice on recorded acceptances: policies and their ceiling.
 
 Lossless decoding makes the draft budget a pure scheduling question: the tokens are
-greedy's whatever T is. So this records, once per prompt, greedy's 128 tokens and, at
-every position, the trie's full draft (as lookahead would propose it: same global trie,
+greedy's whatever T is. So this records, once per prompt, greedy's tokens (up to
+`--max-new-tokens`, stopping at EOS as generation does by default; `--ignore-eos` records a
+fixed length past EOS instead, a separate result in `replay-fixedlen.json` that overstates
+real use: past EOS the model repeats itself and the trie drafts it well) and, at every
+position, the trie's full draft (as lookahead would propose it: same global trie,
 references and streaming) and how many drafts every tree bucket T would accept there.
 Then it replays budget policies on those records with verify costs t(T) measured on the
 real model, without the machine's run-to-run noise:
@@ -23,7 +26,8 @@ real model, without the machine's run-to-run noise:
   branch length, that occurs anywhere in them, chosen with hindsight. A ceiling on the
   trie's tokens per step that no budget, scoring or mode can pass.
 
-Speedups are over decode steps (prefill excluded, the same for every strategy).
+Speedups are over decode steps (prefill excluded, the same for every strategy). The JSON
+records `stop_at_eos`, the command and the host (CPU model, cores, jax version).
 
     python bench/replay.py --n 20     # prints and saves bench/results/replay.json
     python bench/replay.py --n 20 --records /tmp/rec.pkl --costs 1 1.01 1.15 1.49 1.88 3.17 5.25
@@ -33,27 +37,39 @@ Speedups are over decode steps (prefill excluded, the same for every strategy).
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import numpy as np
 
-from common import ROOT, dataset_prompts, save
+from common import dataset_prompts, default_out, eos_mode, host_line, save
 
 
-def record(model, tok, drafter_cls, trie, prompt_ids, refs, max_new, branch_length, mode, max_nodes):
-    """Greedy tokens and, per decode position, (draft, accepted drafts per bucket)."""
+def record(model, tok, drafter_cls, trie, prompt_ids, refs, max_new, branch_length, mode, max_nodes,
+           ignore_eos=False):
+    """Greedy tokens (up to EOS unless `ignore_eos`) and, per decode position, (draft,
+    accepted drafts per bucket)."""
     import lookahead_jax as lj
     from lookahead_jax.budget import accepted_lengths
     from lookahead_jax.tree import BUCKETS
 
-    out = lj.generate(model, tok, [prompt_ids], max_new_tokens=max_new, ignore_eos=True).token_ids[0]
+    out = lj.generate(model, tok, [prompt_ids], max_new_tokens=max_new, ignore_eos=ignore_eos).rows[0].token_ids
+    # the drafter through its protocol (drafters/base.py), on a one-row stand-in for the
+    # decode state that holds greedy's tokens as they are emitted
+    row = SimpleNamespace(prompt_ids=list(prompt_ids), ids=[])
+    state = SimpleNamespace(batch=1, rows=[row], active=[True], context=lambda b: row.prompt_ids + row.ids)
     d = drafter_cls(branch_length, mode, max_nodes=max_nodes, trie=trie)
-    d.begin([prompt_ids], [refs])
-    d.accept(0, [out[0]])
+    d.begin(state, [refs])
+
+    def emit(tok_id):
+        row.ids.append(tok_id)
+        d.update(state, SimpleNamespace(kept=[[tok_id]]))
+
+    emit(out[0])
     steps = []
     for i in range(1, len(out)):  # the root is out[i - 1]; out[i:] is the truth
-        draft = d.propose(0, prompt_ids + out[:i], max_nodes)
+        draft = d.propose(state, max_nodes).drafts[0]
         steps.append((draft, accepted_lengths(draft.tokens, draft.parents, out[i:], BUCKETS)))
-        d.accept(0, [out[i]])
+        emit(out[i])
     d.end()
     return out, steps
 
@@ -161,7 +177,9 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--datasets", nargs="+", default=["nq", "humaneval", "gsm8k"])
     ap.add_argument("--n", type=int, default=20, help="prompts per dataset")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="at most (stops at EOS unless --ignore-eos)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="record a fixed length past EOS (a separate result, default output replay-fixedlen.json)")
     ap.add_argument("--branch-length", type=int, default=12)
     ap.add_argument("--mode", default="hierarchical")
     ap.add_argument("--costs", type=float, nargs="+",
@@ -169,17 +187,20 @@ def main(argv=None):
     ap.add_argument("--records", help="pickle of the recorded greedy runs: loaded if it exists (same "
                     "model, datasets, n, tokens and drafter), else written, so policies can be replayed "
                     "again without re-running greedy")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/replay.json"))
+    ap.add_argument("--out", help="default bench/results/replay.json (replay-fixedlen.json with --ignore-eos)")
     a = ap.parse_args(argv)
+    a.out = a.out or default_out("replay", a.ignore_eos)
 
     import lookahead_jax as lj
     from lookahead_jax.budget import AcceptanceStats, AutoBudget
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.generate import encode_prompts, measure_verify_costs
+    from lookahead_jax.acceptance import TokenMatch
+    from lookahead_jax.engine import engine_for
+    from lookahead_jax.generate import encode_prompts
     from lookahead_jax.sampling import SamplingParams
     from lookahead_jax.trie import NgramTrie
-    from lookahead_jax.verify import jitted_verify_step
 
+    print(host_line(), f"| {eos_mode(a.ignore_eos)}", flush=True)
     model, tok = lj.load(a.model)
     buckets = (0, 1, 3, 7, 15, 31, 63)
     if a.costs:
@@ -187,18 +208,18 @@ def main(argv=None):
             ap.error(f"--costs needs {len(buckets)} values, for T = {buckets}")
         cost = dict(zip(buckets, a.costs))
     else:  # a typical step of these runs: S = 512, length 256
-        verify = jitted_verify_step(model.config, SamplingParams(0.0, 0, 1.0))
-        cost = measure_verify_costs(model, verify, 1, 512, buckets, 256, rounds=10)
+        cost = engine_for(model).measure_verify_costs(TokenMatch(SamplingParams(0.0, 0, 1.0)), 1, 512, buckets,
+                                                      256, rounds=10)
     cost = {T: c / cost[0] for T, c in cost.items()}
     print("relative verify cost t(T)/t(0):", {T: round(c, 3) for T, c in cost.items()})
 
-    result = dict(model=a.model, prompts_per_dataset=a.n, max_new_tokens=a.max_new_tokens,
+    result = dict(model=a.model, prompts_per_dataset=a.n, max_new_tokens=a.max_new_tokens, stop_at_eos=not a.ignore_eos,
                   branch_length=a.branch_length, mode=a.mode,
                   relative_verify_cost={str(T): round(c, 4) for T, c in cost.items()}, datasets={})
     import pickle
     from pathlib import Path
 
-    key = (a.model, a.n, a.max_new_tokens, a.branch_length, a.mode)
+    key = (a.model, a.n, a.max_new_tokens, a.branch_length, a.mode, "fixed length" if a.ignore_eos else "stop at EOS")
     saved = {}
     if a.records and Path(a.records).exists():
         saved = pickle.loads(Path(a.records).read_bytes())
@@ -216,7 +237,7 @@ def main(argv=None):
             for i, x in enumerate(ids):
                 ref_ids = [tok.encode(t, add_special_tokens=False) for t in refs[i]]
                 recs.append(record(model, tok, TrieDrafter, trie, x, ref_ids, a.max_new_tokens,
-                                   a.branch_length, a.mode, 64))
+                                   a.branch_length, a.mode, 64, ignore_eos=a.ignore_eos))
                 print(f"[{ds}] recorded {i + 1}/{len(ids)}", flush=True)
             if a.records:
                 saved = dict(saved, key=key, datasets={**saved.get("datasets", {}), ds: recs})
@@ -227,6 +248,8 @@ def main(argv=None):
             each prompt's (choose, cost[, observe])"""
             per, total_t, total_g, total_steps = [], 0.0, 0.0, 0
             for out, steps in recs:
+                if not steps:  # ended at its first token (EOS): no decode step to schedule
+                    continue
                 t, n = replay(steps, out, *per_prompt(), branch_length=a.branch_length)
                 g = len(steps) * cost[0]
                 per.append(g / t)
@@ -249,7 +272,8 @@ def main(argv=None):
         bound = {str(c): round(ngram_bound(sources, [out for out, _ in recs], c), 3)
                  for c in (a.branch_length, 10 ** 6)}
         result.setdefault("ngram_bound_tokens_per_step", {})[ds] = bound
-        o = [len(s) * cost[0] / oracle(s, cost) for _, s in recs]
+        result.setdefault("new_tokens_per_prompt", {})[ds] = [len(out) for out, _ in recs]
+        o = [len(s) * cost[0] / oracle(s, cost) for _, s in recs if s]
         og = sum(len(s) for _, s in recs) * cost[0] / sum(oracle(s, cost) for _, s in recs)
         policies["oracle"] = (og, None, o)
         for name, feature in (("class hindsight (Draft.key)", lambda st, i: st[i][0].key),
