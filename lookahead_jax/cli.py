@@ -304,8 +304,6 @@ def main(argv=None) -> int:
     return 0
 
 
-
-
 def console_main() -> int:
     """The `lookahead-generate` console script: like `python -m lookahead_jax.generate`,
     with the persistent compilation cache on."""

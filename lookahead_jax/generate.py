@@ -271,8 +271,6 @@ def _norm_references(references, B):
     return [[r] if isinstance(r, str) else list(r) for r in references]
 
 
-
-
 def main(argv=None) -> int:
     """The CLI (`cli.main`)."""
     from .cli import main as cli_main

@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from . import presets
