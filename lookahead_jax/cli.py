@@ -42,6 +42,7 @@ class CliConfig:
     options: tuple = ()  # (field, value) of the strategy's own options given on the command line
     verbose: bool = False
     mesh: Optional[tuple] = None  # (("data", n), ("model", m)) given with --mesh
+    max_cache_len: Optional[int] = None
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -145,6 +146,8 @@ def parse_args(argv=None) -> CliConfig:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; at 1 (the default) text streams as it is "
                     "generated, larger batches print each answer when its batch is done")
+    ap.add_argument("--max-cache-len", type=int, help="KV cache slots (default: the longest prompt + "
+                    "--max-new-tokens + the verify block, rounded up)")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: params split over 'model' by the "
                     "rule table, batch rows and the KV cache over 'data' (default: one device)")
     flags = _strategy_flags(ap)
@@ -158,6 +161,8 @@ def parse_args(argv=None) -> CliConfig:
         ap.error("--max-new-tokens must be >= 1")
     if a.batch_size < 1:
         ap.error("--batch-size must be >= 1")
+    if a.max_cache_len is not None and a.max_cache_len < 2:
+        ap.error("--max-cache-len must be >= 2")
     mesh = None
     if a.mesh:
         try:
@@ -192,7 +197,7 @@ def parse_args(argv=None) -> CliConfig:
         strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
         top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, json=a.json,
         stop=tuple(a.stop), batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
-        mesh=mesh,
+        mesh=mesh, max_cache_len=a.max_cache_len,
     )
 
 
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
     kw = dict(
         max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
-        mesh=mesh,
+        mesh=mesh, max_cache_len=cfg.max_cache_len,
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)

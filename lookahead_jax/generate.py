@@ -215,7 +215,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         raise ValueError(
             f"prompt {first_index + longest} has {lens[longest]} tokens and "
             f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + ". Shorten the prompt, "
-            "lower max_new_tokens, or raise max_cache_len."
+            "lower max_new_tokens (--max-new-tokens), or raise max_cache_len (--max-cache-len)."
         )
     eos = () if ignore_eos else tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
 

@@ -123,6 +123,17 @@ def test_streaming_prints_the_text(fake_load, tiny, capsys):
 
 
 
+def test_max_cache_len_flag(fake_load, tiny, capsys):
+    """--max-cache-len sets the cache; a prompt that does not fit names the flags to change."""
+    args = ("--prompt", PROMPTS[1], "--max-new-tokens", "8", "--json")
+    rc, _, err = run_main(capsys, *args, "--max-cache-len", "16")
+    assert rc == 2 and "the cache holds 16" in err and "--max-cache-len" in err and "--max-new-tokens" in err, err
+    rc, out, err = run_main(capsys, *args, "--max-cache-len", "256")
+    assert rc == 0, err
+    want = generate(tiny, ByteTokenizer(), PROMPTS[1], max_new_tokens=8, max_cache_len=256)
+    assert parse_json_lines(out)[0][0]["token_ids"] == want.token_ids[0]
+
+
 def test_prompts_file_batches(fake_load, tiny, capsys, tmp_path):
     f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS])
     want = generate(tiny, ByteTokenizer(), PROMPTS, max_new_tokens=8)

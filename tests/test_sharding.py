@@ -37,7 +37,15 @@ N_DEVICES = 8
 CONFIGS = {
     "llama": dict(vocab_size=260, n_heads=8, n_kv_heads=4, head_dim=8),
     "gemma3": dict(vocab_size=260, tie_embeddings=True, final_logit_softcap=30.0),
+    "qwen2": dict(vocab_size=260),  # q/k/v biases; K=2 kv heads
 }
+FAMILIES = tuple(CONFIGS)
+
+
+def kv_heads_split(family) -> bool:
+    """Whether the family's tiny config has kv heads that divide model=4 (then K is split
+    over "model" in the weights and the cache; otherwise replicated over it)."""
+    return tiny_config(family, **CONFIGS[family]).n_kv_heads % 4 == 0
 
 
 def abstract_mesh(data, model):
@@ -192,13 +200,14 @@ def mesh_runs(tmp_path_factory):
     """family -> the child's results. Both children start at once (they overlap on 2 cores)
     and are waited for on first use."""
     procs = {"llama": _start_child("llama"),
-             "gemma3": _start_child("gemma3", str(tmp_path_factory.mktemp("ckpt") / "ckpt"))}
+             "gemma3": _start_child("gemma3", str(tmp_path_factory.mktemp("ckpt") / "ckpt")),
+             "qwen2": _start_child("qwen2")}
     done = {}
 
     def get(family):
         if family not in done:
             try:
-                out, err = procs[family].communicate(timeout=300)
+                out, err = procs[family].communicate(timeout=600)
             except subprocess.TimeoutExpired:
                 procs[family].kill()
                 out, err = procs[family].communicate()
@@ -443,7 +452,7 @@ def _child_main(family, ckpt_dir=None) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sharded_forward_matches_one_device(mesh_runs, family):
     r = mesh_runs(family)["forward"]
     assert r["logits_diff"] <= 1e-5, r
@@ -456,7 +465,7 @@ def test_sharded_forward_matches_one_device(mesh_runs, family):
     assert r["o_spec"] == str(P("model", None))
     assert r["o_shard"] == [cfg.n_heads * cfg.head_dim // 4, cfg.d_model]
     assert r["embed_shard"] == [cfg.vocab_size // 4, cfg.d_model]
-    if family == "llama":  # K=4 divides: kv heads split in the weights and in the cache
+    if kv_heads_split(family):  # llama's K=4 divides: kv heads split in the weights and in the cache
         assert r["qkv_spec"] == str(P(None, "model", None, None))
         assert r["cache_spec"] == str(P("data", "model", None, None))
         assert r["cache_shard"] == [2, 1, 32, cfg.head_dim]
@@ -466,7 +475,7 @@ def test_sharded_forward_matches_one_device(mesh_runs, family):
         assert r["cache_shard"] == [2, 2, 32, cfg.head_dim]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sharded_generate_matches_one_device(mesh_runs, family):
     r = mesh_runs(family)["generate"]
     t = r["tokens"]
@@ -485,11 +494,11 @@ def test_sharded_generate_matches_one_device(mesh_runs, family):
     assert r["step_length"][0] == r["step_length"][1]
     assert r["step_cache_diff"] <= 1e-5, r["step_cache_diff"]
     assert r["step_emitted_devices"] == N_DEVICES
-    kv_split = "model" if family == "llama" else None
+    kv_split = "model" if kv_heads_split(family) else None
     assert r["step_cache_spec"] == str(P("data", kv_split, None, None))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_generate_with_a_mesh_matches_one_device(mesh_runs, family):
     """generate(mesh=...) on (data=2, model=4) and (data=8): batch 8, prompts of 8
     lengths, greedy and lookahead give the one-device tokens; the cache is split over
@@ -500,7 +509,7 @@ def test_generate_with_a_mesh_matches_one_device(mesh_runs, family):
     assert len(want) == 8 and all(len(x) == 12 for x in want)
     for name, ids in t.items():
         assert ids == want, name
-    kv_split = "model" if family == "llama" else None
+    kv_split = "model" if kv_heads_split(family) else None
     f = r["facts"]
     assert f["data=2,model=4"]["cache_in"] == f["data=2,model=4"]["cache_out"] == str(P(*_strip(("data", kv_split))))
     assert f["data=8,model=1"]["cache_in"] == f["data=8,model=1"]["cache_out"] == str(P("data"))
