@@ -150,16 +150,3 @@ def window_for(needed: int, max_len: int) -> int:
         raise ValueError(f"a step needs {needed} cache slots but the cache holds {max_len}")
     w = max(WINDOW_MIN, 1 << max(needed - 1, 0).bit_length())
     return max_len if w >= max_len else w
-
-
-def prefill_step(params, cache: KVCache, tokens, lengths, seed, row, *, config: ModelConfig,
-                 sampling: SamplingParams):
-    """`extend_step` from an empty cache: the prompt forward (right-padded [B,P], reading
-    only its own P slots); returns (first generated token [B], cache)."""
-    return extend_step(params, cache, tokens, lengths, seed, row, config=config, sampling=sampling,
-                       window=tokens.shape[1])
-
-
-@functools.lru_cache(maxsize=None)
-def jitted_prefill(config: ModelConfig, sampling: SamplingParams):
-    return jax.jit(functools.partial(prefill_step, config=config, sampling=sampling), donate_argnums=(1,))

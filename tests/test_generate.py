@@ -31,7 +31,7 @@ import pytest
 # so the module is taken from sys.modules once `from ... import` has loaded it.
 from lookahead_jax.engine import engine_for
 from lookahead_jax.generate import generate, verify_block
-from lookahead_jax.verify import jitted_prefill
+from lookahead_jax.verify import jitted_extend
 from lookahead_jax import presets
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.loading import load, parse_dtype
@@ -249,8 +249,8 @@ def test_cached_incremental_decoding_equals_full_forward(models, tok, family):
     seeds, rows = jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.int32)
     tokens = np.zeros((1, P), np.int32)
     tokens[0, :n] = prompt
-    first, cache = compiled("prefill", jitted_prefill(cfg, sp), params, init_cache(cfg, 1, S),
-                            jnp.asarray(tokens), jnp.asarray([n], jnp.int32), seeds, rows)
+    first, cache = compiled("prefill", jitted_extend(cfg, sp), params, init_cache(cfg, 1, S),
+                            jnp.asarray(tokens), jnp.asarray([n], jnp.int32), seeds, rows, window=P)
     assert int(first[0]) == seq[n]
     assert int(cache.length[0]) == n
 

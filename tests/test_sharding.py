@@ -296,7 +296,7 @@ def _child_generate(model, mesh) -> dict:
 
     from lookahead_jax import generate as G
     from lookahead_jax.engine import engine_for
-    from lookahead_jax.verify import jitted_prefill
+    from lookahead_jax.verify import jitted_extend
     from lookahead_jax.models import init_cache
     from lookahead_jax.sampling import SamplingParams
     from lookahead_jax.drafters.trie import TrieDrafter
@@ -340,8 +340,8 @@ def _child_generate(model, mesh) -> dict:
     drafts = [Draft([g[1], g[2], wrong(g[2]), g[3]], [-1, 0, 0, 1]) for g in greedy]
 
     def steps(params, cache, put):
-        first, cache = jitted_prefill(cfg, sp)(params, cache, put(tokens), put(lens),
-                                                 put(seeds), put(rows))
+        first, cache = jitted_extend(cfg, sp)(params, cache, put(tokens), put(lens),
+                                              put(seeds), put(rows), window=tokens.shape[1])
         blk = G.verify_block(np.asarray(first), drafts, 4)
         emitted, n, _, cache = jitted_verify_step(cfg, sp)(
             params, cache, put(blk.tokens), put(blk.parents), put(blk.depth), put(blk.mask),
