@@ -28,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from .drafts import depths
-from .sampling import SamplingParams, select_tokens
+from .sampling import SamplingParams, filter_logits, position_keys, select_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,3 +76,119 @@ class TokenMatch:
                 i += 1
             out.append(best)
         return tuple(out)
+
+
+# salts of the speculative-sampling streams: the acceptance uniforms and the bonus draw of
+# a step are keyed by (seed, row, root position) and these, apart from every token key
+SALT_ACCEPT, SALT_BONUS = 0x5EC1, 0x5EC2
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSampling:
+    """Exact tree speculative sampling (SpecInfer's multi-step speculative sampling, with
+    children drawn without replacement as in Sequoia): the emitted tokens are distributed
+    exactly as plain sampling from the target with `sampling` (temperature / top-k / top-p),
+    whatever the drafts. Greedy (temperature 0) is `TokenMatch`.
+
+    Per row, a walk from the root. At the current node u the residual target is p (at
+    first the target's filtered distribution at u) and the proposal q (the distribution
+    u's children were drawn from, `draft_probs[u]`). Its children c1, c2, ... are tried in
+    block order, which is the order they were drawn in:
+
+        x = token of c; accept with probability min(1, p(x) / q(x))
+        accepted: move to c (p <- target at c, q <- draft_probs[c]), try c's children
+        rejected: p <- normalize(max(0, p - q));  q <- normalize(q without x)
+        no child left: emit the bonus token ~ p (at a leaf: the target at the leaf)
+
+    Why exact: one try is standard speculative sampling (x ~ q, accepted with min(1, p/q),
+    else the output must be drawn from norm(max(0, p - q)) =: p'). Instead of drawing from
+    p' directly, the walk tries the next child, which was drawn from q without x; p'(x) = 0
+    (x is only rejected where q(x) > p(x)), so this is again speculative sampling of p'
+    with proposal q-without-x, and by induction the token that leaves u is distributed as
+    p. Children drawn *with* replacement, or top-k children, or a q not renormalized,
+    break the argument (the statistical tests show each breaks the distribution).
+
+    A node whose `draft_probs` row is all zero (or `draft_probs=None`), or whose token has
+    q(x) = 0, was proposed deterministically (an n-gram trie): its proposal is one-hot(x),
+    so it is accepted with probability p(x), and a rejection zeroes x in p.
+
+    Worked example (V = 3, root u with children a = token 0, b = token 1, drawn without
+    replacement from q = [.6, .3, .1]; target p = [.2, .5, .3]):
+        try a: accept with min(1, .2/.6) = 1/3. Rejected (2/3):
+               p <- norm(max(0, p - q)) = norm([0, .2, .2]) = [0, .5, .5]
+               q <- norm([0, .3, .1]) = [0, .75, .25]
+        try b: accept with min(1, .5/.75) = 2/3. Rejected: p <- norm([0, 0, .25]) = [0, 0, 1]
+        bonus ~ p: token 2.
+    P(token 0 first) = P(a drawn first) * 1/3 = .6/3 = .2 = p(0), as it must be.
+
+    Randomness: the uniform of block node c is keyed by (seed, row, the root's position,
+    SALT_ACCEPT, c), the bonus by (..., SALT_BONUS): a pure function of the state, fresh at
+    every step (each step has its own root position), independent of the draft's keys.
+    """
+
+    sampling: SamplingParams = SamplingParams(temperature=1.0)
+
+    def __call__(self, logits, tokens, parent, depth, anc, positions, seed, row, draft_probs=None):
+        if self.sampling.greedy:
+            return TokenMatch(self.sampling)(logits, tokens, parent, depth, anc, positions, seed, row)
+        B, T1 = tokens.shape
+        p_all = jax.nn.softmax(filter_logits(logits, self.sampling), axis=-1)  # [B,1+T,V]
+        q_all = jnp.zeros_like(p_all) if draft_probs is None else draft_probs.astype(jnp.float32)
+        step_keys = position_keys(seed, row, positions[:, :1])[:, 0]  # [B,2]
+        best, bonus = jax.vmap(lambda *a: _walk(self, *a))(p_all, q_all, tokens, parent, step_keys)
+        return best, bonus
+
+    # the two updates after a rejection (methods, so that a test can break one of them)
+    @staticmethod
+    def residual(p, q):
+        """The target after rejecting a draw from q: normalize(max(0, p - q)); p itself
+        where that is empty (p <= q everywhere: a rejection had probability 0)."""
+        r = jnp.maximum(p - q, 0.0)
+        return jnp.where(jnp.sum(r) > 0, _normalized(r), p)
+
+    @staticmethod
+    def without(q, x):
+        """The proposal of the next sibling: q without the rejected token x, renormalized
+        (siblings are drawn without replacement)."""
+        return _normalized(q.at[x].set(0.0))
+
+
+def _normalized(x):
+    s = jnp.sum(x)
+    return jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), x)
+
+
+def _walk(rule, p_all, q_all, tokens, parent, key):
+    """One row of `SpecSampling`: p_all/q_all [1+T,V], tokens/parent [1+T], key [2]."""
+    T1, V = p_all.shape
+    idx = jnp.arange(T1)
+    accept_key = jax.random.fold_in(key, SALT_ACCEPT)
+
+    def body(_, st):
+        u, ptr, p, q, done, bonus = st
+        cand = (parent == u) & (idx > ptr)
+        has = jnp.any(cand) & ~done
+        c = jnp.argmax(cand)  # the next child in block (= draw) order
+        x = tokens[c]
+        drawn = (jnp.sum(q) > 0) & (q[x] > 0)  # else: a deterministic child, proposal one-hot(x)
+        qv = jnp.where(drawn, q, jax.nn.one_hot(x, V, dtype=q.dtype))
+        ratio = p[x] / jnp.where(qv[x] > 0, qv[x], 1.0)
+        u01 = jax.random.uniform(jax.random.fold_in(accept_key, c))
+        ok = has & (u01 < ratio)
+        rej = has & ~ok
+        p_rej = rule.residual(p, qv)
+        q_rej = jnp.where(drawn, rule.without(q, x), q)
+        # no child left (or a leaf): the walk ends with the bonus token drawn from p
+        end = ~done & ~has
+        draw = jax.random.categorical(jax.random.fold_in(key, SALT_BONUS), jnp.log(p))
+        u = jnp.where(ok, c, u)
+        ptr = jnp.where(has, c, ptr)
+        p = jnp.where(ok, p_all[c], jnp.where(rej, p_rej, p))
+        q = jnp.where(ok, q_all[c], jnp.where(rej, q_rej, q))
+        bonus = jnp.where(end, draw.astype(jnp.int32), bonus)
+        return u, ptr, p, q, done | end, bonus
+
+    init = (jnp.int32(0), jnp.int32(0), p_all[0], q_all[0], jnp.bool_(False), jnp.int32(0))
+    # each pass tries one child or ends the walk: T tries at most, then the bonus
+    u, _, _, _, _, bonus = jax.lax.fori_loop(0, T1 + 1, body, init)
+    return u, bonus

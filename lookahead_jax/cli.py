@@ -99,7 +99,9 @@ def _strategy_flags(ap) -> dict:
         for field in dataclasses.fields(cls):
             flag = cls.cli_names.get(field.name, field.name.replace("_", "-"))
             doc = f"{cls.name}: {field.name} (default {field.default!r})"
-            if isinstance(field.default, str) and field.default == "auto":
+            if field.name in getattr(cls, "parsers", {}):
+                parse = cls.parsers[field.name]
+            elif isinstance(field.default, str) and field.default == "auto":
                 parse = _auto_or_int
             elif isinstance(field.default, bool):
                 parse = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731

@@ -334,6 +334,17 @@ def rollback(state: DecodeState, rows: Sequence[int], to_length: int, drafter=No
 
 
 # ----------------------------------------------------------------------------- the loop
+def _fit_probs(probs, T: int):
+    """Draft distributions [B,1+N,V] (block order) cut or zero-padded to the step's 1+T."""
+    if probs is None or probs.shape[1] == 1 + T:
+        return probs
+    if probs.shape[1] > 1 + T:
+        return probs[:, :1 + T]
+    import jax.numpy as jnp
+
+    return jnp.pad(probs, ((0, 0), (0, 1 + T - probs.shape[1]), (0, 0)))
+
+
 def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
            until: Optional[Callable[[DecodeState], bool]] = None) -> DecodeState:
     """Decode until every row has finished (or `until(state)` is true before a step).
@@ -356,11 +367,12 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
         T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
         blk = tree_lib.with_root(tree_lib.pack(drafts.drafts, T), state.root)
         window = window_for(int(state.lengths[active].max()) + 1 + T, S)
+        probs = _fit_probs(drafts.probs, T)
         state.host_s += time.perf_counter() - h0
         state.tree_sizes.append(T)
         (emitted, n_emit, path, state.cache), seconds, compiled = _timed(engine, state, lambda: engine.verify(
             state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
-            draft_probs=drafts.probs))
+            draft_probs=probs))
         h0 = time.perf_counter()
         if not compiled:  # real step times correct the calibration
             budget.record(T, window, seconds)

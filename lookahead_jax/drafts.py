@@ -53,8 +53,11 @@ EMPTY = Draft([], [])
 
 @dataclasses.dataclass(frozen=True)
 class DraftBatch:
-    """One Draft per batch row; `probs` optional [B][node] draft distributions (None:
-    deterministic drafts, as the n-gram trie's)."""
+    """One Draft per batch row; `probs` optional draft distributions [B, 1+N, V] in block
+    order (row i: the distribution the children of block node i were drawn from; block
+    node 0 is the root, node j of a draft is block node j+1; all-zero rows: deterministic
+    children), a host or device array (a draft model keeps it on device). None:
+    deterministic drafts, as the n-gram trie's."""
 
     drafts: tuple
     probs: Optional[tuple] = None

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from . import tree as tree_lib
-from .acceptance import TokenMatch
+from .acceptance import SpecSampling, TokenMatch
 from .budget import AutoBudget, FixedBudget, StepTimes
 
 log = logging.getLogger("lookahead_jax")
@@ -105,6 +105,105 @@ class Lookahead:
         return drafter, rule, policy
 
 
+def _expansion(value) -> tuple:
+    """--expansion "1,1,3,1" -> (1, 1, 3, 1)"""
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    return tuple(int(v) for v in value)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SpecInfer:
+    """A small draft model proposes a token tree (SpecInfer's expansion-based trees, grown
+    on device over the draft's own KV cache, `drafters/model.py`); the target verifies it
+    in one forward. Greedy: output identical to Greedy. Sampling: `sampler="mss"` keeps the
+    output distribution exactly the target's (multi-step speculative sampling over
+    children drawn without replacement, `acceptance.SpecSampling`); `sampler="invariant"`
+    draws the draft with the target's position-keyed noise and gives plain sampling's
+    tokens for the same seed.
+
+    draft_model: a preset name, a local path (e.g. a `python -m lookahead_jax.distill`
+        output), or a loaded `Model`; same tokenizer as the target.
+    expansion: children per node at each depth; (1, 1, 3, 1, 1, 1, 1, 1) = 20 nodes."""
+
+    draft_model: object = None
+    expansion: tuple = (1, 1, 3, 1, 1, 1, 1, 1)
+    sampler: str = "mss"
+
+    name = "specinfer"
+    help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
+    cli_names = {}
+    choices = {"sampler": ("mss", "invariant")}
+    parsers = {"expansion": _expansion, "draft_model": str}
+
+    def __post_init__(self):
+        if isinstance(self.expansion, (str, list)):
+            object.__setattr__(self, "expansion", _expansion(self.expansion))
+
+    def validate(self) -> None:
+        from .drafters.model import check_expansion
+
+        if self.draft_model is None or self.draft_model == "":
+            raise ValueError("strategy 'specinfer' needs a draft model: draft_model=NAME_OR_PATH "
+                             "(CLI: --draft-model), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
+        if self.sampler not in ("mss", "invariant"):
+            raise ValueError(f"sampler must be 'mss' or 'invariant', got {self.sampler!r}")
+        check_expansion(self.expansion, tree_lib.MAX_NODES)
+
+    def drafter(self, engine):
+        from .drafters.model import ModelDrafter
+        from .engine import engine_for
+
+        draft = load_draft(engine, self.draft_model)
+        return ModelDrafter(engine_for(draft, engine.mesh), self.expansion, self.sampler)
+
+    def max_nodes(self, drafter) -> int:
+        return drafter.max_nodes
+
+    def setup(self, engine, state, drafter, references=None):
+        drafter.begin(state, references)
+        if state.sampling.greedy or self.sampler == "invariant" or drafter.mode != "mss":
+            rule = TokenMatch(state.sampling)
+        else:
+            rule = SpecSampling(state.sampling)
+        return drafter, rule, FixedBudget(drafter.max_nodes)
+
+
+def load_draft(engine, draft_model):
+    """The draft model for `engine`'s target: loaded once per (engine, name) in the target's
+    dtype, checked to share the target's vocabulary (an error otherwise), with a warning
+    when it is not smaller than the target."""
+    if isinstance(draft_model, str):
+        cache = engine.shared.setdefault("draft_models", {})
+        if draft_model not in cache:
+            from .loading import load
+
+            try:
+                cache[draft_model] = load(draft_model, dtype=engine.dtype)[0]
+            except (FileNotFoundError, ValueError) as e:
+                raise ValueError(f"cannot load draft model {draft_model!r}: {e}") from e
+        draft = cache[draft_model]
+    else:
+        draft = draft_model
+    tc, dc = engine.config, draft.config
+    if dc.vocab_size != tc.vocab_size:
+        raise ValueError(
+            f"draft model {getattr(draft, 'name', '') or draft_model!r} has a vocabulary of {dc.vocab_size} "
+            f"tokens but the target {engine.name or 'model'} has {tc.vocab_size}: SpecInfer needs a draft "
+            "with the target's tokenizer (e.g. a smaller model of the same family, or one made by "
+            "python -m lookahead_jax.distill)")
+    import jax
+
+    size = lambda m: sum(x.size for x in jax.tree.leaves(m.params))  # noqa: E731
+    warned = engine.shared.setdefault("draft_size_warned", set())
+    if id(draft) not in warned and size(draft) >= size(engine.model):
+        warned.add(id(draft))
+        log.warning("the draft model (%d params) is not smaller than the target (%d): SpecInfer "
+                    "will be slower than plain decoding", size(draft), size(engine.model))
+    return draft
+
+
 def resolve(strategy, **options):
     """A strategy object from a name or an object; `options` are the strategy's fields
     given flat (`decoding_length=7`). Options of another strategy are ignored (with a
@@ -136,5 +235,5 @@ def strategy_options() -> dict:
     return {f.name: f.default for c in REGISTRY.values() for f in dataclasses.fields(c)}
 
 
-__all__ = ["Greedy", "Lookahead", "REGISTRY", "register", "resolve", "strategy_options"]
+__all__ = ["Greedy", "Lookahead", "SpecInfer", "REGISTRY", "register", "resolve", "strategy_options"]
 

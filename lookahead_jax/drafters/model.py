@@ -1,0 +1,307 @@
+"""SpecInfer's drafter: a small model ("SSM") grows a token tree on device, one level per
+forward, over its own KV cache.
+
+Tree shape (expansion-based, SpecInfer's): per-depth widths, e.g. (1, 1, 3, 1, 1, 1, 1, 1):
+the root gets 1 child, that node 1, the next 3, and each of those a chain of 5 more: 20
+nodes. Nodes are laid out level by level (children of one parent contiguous, in the
+order they were drawn), which is topological and best-first within a level:
+
+    expansion (2, 2) -> parents [-1, -1, 0, 0, 1, 1]   (levels [1, 1, 2, 2, 2, 2])
+
+One jitted call per decode step (`draft_tree_step`) does, for every row at once:
+1. commit the draft K/V of the previous step's accepted path (`models.cache.commit`, the
+   path the target accepted: block index i is node i - 1, as in the target's block);
+2. catch up: forward the (at most 2) context tokens the draft cache lacks: the root,
+   and the accepted node of the deepest level when it was accepted (that level is never
+   forwarded: nothing is drawn from it);
+3. for each level d: draw w_d children of every node of level d - 1 from the draft's
+   distribution there, then forward the new level (positions length + d, written after the
+   committed slots at the node's block slot, a tree mask over its ancestors) to get the
+   distributions of the next level.
+Returns the tokens [B, N] and, for speculative sampling, the distribution every node's
+children were drawn from, `q [B, 1+N, V]` (block order: the root first; zeros for the
+last level), which stays on device and goes straight to the verify step.
+
+How children are drawn (`mode`):
+- "greedy" (temperature 0): the top-w_d tokens; verified by `TokenMatch`: the output is
+  plain greedy decoding's.
+- "mss": w_d tokens drawn *without replacement* from q (Gumbel-top-k: the top w_d of
+  log q + Gumbel noise, keyed by (seed, row, root position) and the parent node), so that
+  `acceptance.SpecSampling` is exact.
+- "invariant": the top w_d of log q + the Gumbel noise the *target* uses at that position
+  (`sampling.position_keys`: `jax.random.categorical` is argmax(logits + gumbel(key))).
+  Verified by `TokenMatch`: the output is token for token what plain sampling with that
+  seed gives, for any draft; when the draft's distribution is close to the target's its
+  first child is the target's own sample, so acceptance stays high.
+
+Sliding-window layers (Gemma 3) see tree slots at slightly wrong positions in the draft
+(`key_positions` assumes a compact cache); that only changes the draft's proposals, never
+the output, which the target verifies.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..drafts import EMPTY, Draft, DraftBatch
+from ..models import advance, commit, hidden_states, logits_from_hidden
+from ..models.config import ModelConfig
+from ..sampling import SamplingParams, filter_logits, position_keys
+from ..verify import window_for
+
+DEFAULT_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's default tree: 20 nodes
+MAX_WIDTH = 16
+MAX_DEPTH = 32
+SALT_DRAFT = 0x5EC3  # the "mss" draft's key stream (apart from the acceptance streams)
+CATCH_UP = 2  # context tokens the draft forwards before its tree in a step
+
+
+def expansion_tree(expansion: Sequence[int]) -> tuple:
+    """(parents, levels) of the expansion-based tree (module docstring).
+
+    # expansion_tree((2, 2)) -> ([-1, -1, 0, 0, 1, 1], [1, 1, 2, 2, 2, 2])
+    """
+    parents, levels, prev = [], [], [-1]
+    for d, w in enumerate(expansion, 1):
+        level = []
+        for p in prev:
+            for _ in range(w):
+                level.append(len(parents))
+                parents.append(p)
+                levels.append(d)
+        prev = level
+    return parents, levels
+
+
+def check_expansion(expansion, max_nodes: int = 128) -> tuple:
+    """The expansion as a tuple of ints, or a ValueError naming the allowed ranges."""
+    try:
+        exp = tuple(int(w) for w in expansion)
+    except (TypeError, ValueError):
+        raise ValueError(f"expansion must be a sequence of per-depth widths like (1, 1, 3, 1), got {expansion!r}") from None
+    if not 1 <= len(exp) <= MAX_DEPTH:
+        raise ValueError(f"expansion needs 1 to {MAX_DEPTH} depths, got {len(exp)}")
+    if any(not 1 <= w <= MAX_WIDTH for w in exp):
+        raise ValueError(f"expansion widths must be in [1, {MAX_WIDTH}], got {exp}")
+    n = len(expansion_tree(exp)[0])
+    if n > max_nodes:
+        raise ValueError(f"expansion {exp} makes a tree of {n} nodes; at most {max_nodes} are verified in one step")
+    return exp
+
+
+def _ancestors(parents) -> np.ndarray:
+    """anc [N, N]: anc[i, j] = node j is node i or one of its ancestors."""
+    n = len(parents)
+    anc = np.zeros((n, n), bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] = anc[p]
+        anc[i, i] = True
+    return anc
+
+
+def _gumbel(keys, V):
+    """Gumbel noise [..., V] for keys [..., 2], as `jax.random.categorical` draws it."""
+    flat = keys.reshape(-1, keys.shape[-1])
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(flat)
+    return g.reshape(keys.shape[:-1] + (V,))
+
+
+def draw_children(logits, width: int, sampling: SamplingParams, mode: str, noise=None):
+    """Children of nodes with draft logits [..., V]: (tokens [..., width], q [..., V]).
+
+    greedy: the top `width` tokens. "mss"/"invariant": the top `width` of the filtered
+    logits + `noise` (Gumbel, [..., V]): for "mss" that is `width` draws without replacement
+    from q (Gumbel-top-k), in draw order. q = the filtered softmax (zeros when greedy)."""
+    if mode == "greedy":
+        return jax.lax.top_k(logits, width)[1].astype(jnp.int32), jnp.zeros_like(logits)
+    filt = filter_logits(logits, sampling)
+    toks = jax.lax.top_k(filt + noise, width)[1].astype(jnp.int32)
+    return toks, jax.nn.softmax(filt, axis=-1)
+
+
+def draft_tree_step(params, cache, catch, n_catch, commit_src, commit_n, seed, row, *,
+                    config: ModelConfig, expansion: tuple, sampling: SamplingParams, mode: str,
+                    window: int):
+    """The draft's step (module docstring). Returns (tokens [B,N], q [B,1+N,V], cache);
+    the cache's length ends after the root (the tree's slots are written, uncommitted)."""
+    parents, levels = expansion_tree(expansion)
+    N, D = len(parents), len(expansion)
+    anc = jnp.asarray(_ancestors(parents))
+    cache = commit(cache, commit_src, commit_n)
+    B, C = catch.shape
+    pos = cache.length[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    s = jnp.arange(window)[None, None, :]
+    h, cache = hidden_states(params, catch, pos, cache, s <= pos[:, :, None], config)
+    last = jnp.take_along_axis(h, jnp.maximum(n_catch - 1, 0)[:, None, None], axis=1)
+    logits = logits_from_hidden(params, last, config)  # [B,1,V] at the root
+    cache = advance(cache, n_catch)
+    base = cache.length  # the root sits at slot base - 1, position L = base - 1
+    L = base - 1
+    V = logits.shape[-1]
+    root_keys = position_keys(seed, row, L[:, None])[:, 0]  # [B,2]
+
+    toks_all, q_all = [], [None] * (1 + N)
+    prev = [0]  # block indices of the previous level (the root)
+    first = 0  # node index of the level's first node
+    for d, w in enumerate(expansion, 1):
+        noise = None
+        if mode == "mss":  # per parent node: its own draws
+            pk = jax.vmap(lambda k: jax.vmap(
+                lambda i: jax.random.fold_in(jax.random.fold_in(k, SALT_DRAFT), i))(jnp.asarray(prev)))(root_keys)
+            noise = _gumbel(pk, V)  # [B,n_prev,V]
+        elif mode == "invariant":  # the target's own noise at the children's position
+            noise = _gumbel(position_keys(seed, row, (L + d)[:, None]), V)  # [B,1,V]
+        toks, q = draw_children(logits, w, sampling, mode, noise)  # [B,n_prev,w], [B,n_prev,V]
+        for j, blk in enumerate(prev):
+            q_all[blk] = q[:, j]
+        level = toks.reshape(B, -1)  # [B,n_prev*w], parents contiguous
+        toks_all.append(level)
+        n = level.shape[1]
+        if d < D:  # forward the level: the next level's distributions
+            nodes = np.arange(first, first + n)
+            rel = s - base[:, None, None]  # slot offset inside the tree
+            in_tree = (rel >= 0) & (rel < N)
+            seen = jnp.take(anc[nodes], jnp.clip(rel, 0, N - 1)[:, 0, :], axis=1)  # [n,B,W]
+            mask = (rel < 0) | (in_tree & jnp.transpose(seen, (1, 0, 2)))
+            positions = jnp.broadcast_to((L + d)[:, None], (B, n))
+            hl, written = hidden_states(params, level, positions, cache.replace(length=base + first), mask, config)
+            cache = written.replace(length=base)
+            logits = logits_from_hidden(params, hl, config)  # [B,n,V]
+            prev = list(range(first + 1, first + n + 1))
+        first += n
+    tokens = jnp.concatenate(toks_all, axis=1)  # [B,N]
+    zeros = jnp.zeros((B, V), jnp.float32)
+    q = jnp.stack([zeros if x is None else x for x in q_all], axis=1)  # [B,1+N,V]
+    return tokens, q, cache
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_draft_tree(config: ModelConfig, expansion: tuple, sampling: SamplingParams, mode: str):
+    return jax.jit(functools.partial(draft_tree_step, config=config, expansion=expansion,
+                                     sampling=sampling, mode=mode),
+                   donate_argnums=(1,), static_argnames=("window",))
+
+
+@jax.jit
+def _commit_only(cache, src, n):
+    return commit(cache, src, n)
+
+
+class ModelDrafter:
+    """The draft-model drafter (module docstring); implements `drafters.base.Drafter`.
+
+    engine: the draft model's `Engine` (`engine_for(draft_model)`). sampler: how children
+    are drawn when the call samples ("mss" or "invariant"; greedy calls draw the top-k)."""
+
+    def __init__(self, engine, expansion: Sequence[int] = DEFAULT_EXPANSION, sampler: str = "mss"):
+        if sampler not in ("mss", "invariant"):
+            raise ValueError(f"sampler must be 'mss' or 'invariant', got {sampler!r}")
+        self.engine = engine
+        self.expansion = check_expansion(expansion)
+        self.parents, self.levels = expansion_tree(self.expansion)
+        self.max_nodes = len(self.parents)
+        self.sampler = sampler
+        self.mode = "greedy"
+        self.cache = None
+        self.draft_s = 0.0  # host wall time inside propose (the draft's forwards included)
+        self.steps = 0
+
+    # ------------------------------------------------------------------ protocol
+    def begin(self, state, references=None) -> None:
+        B, S = state.batch, state.max_len
+        self.sampling = state.sampling
+        self.mode = "greedy" if state.sampling.greedy else self.sampler
+        self.seeds, self.rowids = state.seeds, state.rowids
+        self.cache = self.engine.init_cache(B, S)
+        self.dlen = np.zeros(B, np.int64)  # context tokens in the draft cache (with pending commits)
+        self.base = np.zeros(B, np.int64)  # the device cache's length (before pending commits)
+        self.commit_src = np.zeros((B, len(self.expansion)), np.int32)
+        self.commit_n = np.zeros(B, np.int32)
+        self.draft_s, self.steps = 0.0, 0
+        self._catch_up(state, np.asarray(state.lengths))  # the prompts, all but the root
+
+    def propose(self, state, budget: int) -> DraftBatch:
+        import time
+
+        t0 = time.perf_counter()
+        B, S = state.batch, state.max_len
+        L = np.asarray(state.lengths)
+        active = state.active
+        if (active & (L + 1 - self.dlen > CATCH_UP)).any():  # after a rollback: a longer prefill first
+            self._catch_up(state, np.where(active, L, self.dlen))
+        catch = np.zeros((B, CATCH_UP), np.int32)
+        n_catch = np.zeros(B, np.int32)
+        for b in np.flatnonzero(active):
+            new = state.context(b)[int(self.dlen[b]):int(L[b]) + 1]
+            catch[b, :len(new)] = new
+            n_catch[b] = len(new)
+        window = window_for(int(L[active].max()) + 2 + self.max_nodes, S)
+        e = self.engine
+        fn = jitted_draft_tree(e.config, self.expansion, self.sampling, self.mode)
+        args = (e.params, self.cache, e.arg(catch), e.arg(n_catch), e.arg(self.commit_src),
+                e.arg(self.commit_n), self.seeds, self.rowids)
+        tokens, q, self.cache = e.compiled("draft", fn, *args, window=window)
+        self.base = self.base + self.commit_n + n_catch
+        self.dlen = self.base.copy()
+        self.commit_n = np.zeros(B, np.int32)
+        tokens = np.asarray(tokens)
+        n = min(budget, self.max_nodes)
+        drafts = tuple(Draft(tokens[b, :n].tolist(), self.parents[:n]) if live and n else EMPTY
+                       for b, live in enumerate(active))
+        self.draft_s += time.perf_counter() - t0
+        self.steps += 1
+        return DraftBatch(drafts, probs=q if self.mode == "mss" else None)
+
+    def update(self, state, step) -> None:
+        D = len(self.expansion)
+        for b in range(state.batch):
+            n_acc = int(step.n_emit[b]) - 1
+            if n_acc < 0:
+                continue
+            nodes = [int(i) - 1 for i in step.path[b, 1:1 + n_acc]]
+            fwd = [i for i in nodes if self.levels[i] < D]  # the deepest level has no K/V
+            self.commit_src[b, :len(fwd)] = fwd
+            self.commit_n[b] = len(fwd)
+            self.dlen[b] = self.base[b] + len(fwd)
+
+    def rollback(self, rows, length) -> None:
+        rows = list(rows)
+        for b in rows:
+            keep = min(int(self.dlen[b]), int(length))
+            self.commit_n[b] = max(0, min(int(self.commit_n[b]), keep - int(self.base[b])))
+            self.base[b] = min(int(self.base[b]), keep)
+            self.dlen[b] = keep
+        self.cache = self.cache.replace(length=self.cache.length.at[np.asarray(rows)].set(
+            jnp.asarray(self.base[rows], jnp.int32)))
+
+    def end(self) -> None:
+        self.cache = None
+
+    # ------------------------------------------------------------------ helpers
+    def _catch_up(self, state, upto) -> None:
+        """Forward context[dlen:upto] of every row into the draft cache (prefill)."""
+        from ..decode import prompt_bucket
+
+        B, S = state.batch, state.max_len
+        if self.commit_n.any():
+            self.cache = _commit_only(self.cache, jnp.asarray(self.commit_src), jnp.asarray(self.commit_n))
+            self.base = self.base + self.commit_n
+            self.commit_n = np.zeros(B, np.int32)
+        n_new = np.maximum(np.asarray(upto, np.int64) - self.dlen, 0).astype(np.int32)
+        if not n_new.any():
+            return
+        P = prompt_bucket(int(n_new.max()), S)
+        block = np.zeros((B, P), np.int32)
+        for b in np.flatnonzero(n_new):
+            block[b, :n_new[b]] = state.context(b)[int(self.dlen[b]):int(upto[b])]
+        window = P if not self.dlen.any() else window_for(int((self.dlen + n_new).max()), S)
+        _, self.cache = self.engine.extend(self.cache, block, n_new, self.seeds, self.rowids,
+                                           sampling=SamplingParams(), window=window)
+        self.dlen = self.dlen + n_new
+        self.base = self.dlen.copy()
