@@ -98,7 +98,8 @@ def _strategy_flags(ap) -> dict:
     for cls in REGISTRY.values():
         for field in dataclasses.fields(cls):
             flag = cls.cli_names.get(field.name, field.name.replace("_", "-"))
-            doc = f"{cls.name}: {field.name} (default {field.default!r})"
+            doc = f"{cls.name}: " + getattr(cls, "field_help", {}).get(
+                field.name, f"{field.name} (default {field.default!r})")
             if field.name in getattr(cls, "parsers", {}):
                 parse = cls.parsers[field.name]
             elif isinstance(field.default, str) and field.default == "auto":
@@ -108,7 +109,8 @@ def _strategy_flags(ap) -> dict:
             else:
                 parse = type(field.default)
             choices = getattr(cls, "choices", {}).get(field.name)
-            ap.add_argument(f"--{flag}", default=None, help=doc, choices=choices)
+            ap.add_argument(f"--{flag}", default=None, help=doc, choices=choices,
+                            metavar=getattr(cls, "metavars", {}).get(field.name))
             flags[flag] = (cls, field, parse)
     return flags
 

@@ -256,6 +256,10 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         mean_tree_size=float(np.mean(state.tree_sizes)) if state.tree_sizes else 0.0,
     )
     stats.update(budget.summary())
+    if drafter is not None and hasattr(drafter, "summary"):
+        stats.update(drafter.summary())
+        if getattr(drafter, "engine", engine) is not engine:  # a draft model's own compilations
+            stats["compile_s"] += stats.get("draft_compile_s", 0.0)
     return GenerateOutput(outs, stats)
 
 

@@ -125,17 +125,32 @@ class SpecInfer:
 
     draft_model: a preset name, a local path (e.g. a `python -m lookahead_jax.distill`
         output), or a loaded `Model`; same tokenizer as the target.
-    expansion: children per node at each depth; (1, 1, 3, 1, 1, 1, 1, 1) = 20 nodes."""
+    expansion: children per node at each depth; (1, 1, 3, 1, 1, 1, 1, 1) = 20 nodes.
+    lookahead_nodes: > 0 merges that many nodes of lookahead's n-gram trie (prompt, past
+        outputs) into the draft model's tree each step (`drafters/merge.py`); greedy or
+        sampler="invariant" only."""
 
     draft_model: object = None
     expansion: tuple = (1, 1, 3, 1, 1, 1, 1, 1)
     sampler: str = "mss"
+    lookahead_nodes: int = 0
 
     name = "specinfer"
     help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
     cli_names = {}
     choices = {"sampler": ("mss", "invariant")}
     parsers = {"expansion": _expansion, "draft_model": str}
+    metavars = {"draft_model": "NAME_OR_PATH", "expansion": "W1,W2,..."}
+    field_help = {
+        "draft_model": "the draft model: a preset (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b) or "
+                       "a local path (e.g. a python -m lookahead_jax.distill output); same tokenizer as --model",
+        "expansion": "children per node at each depth of the draft tree (default 1,1,3,1,1,1,1,1: 20 nodes)",
+        "lookahead_nodes": "merge this many n-gram trie nodes (lookahead's drafts) into the draft model's "
+                           "tree (default 0: none; greedy or --sampler invariant)",
+        "sampler": "with --temperature > 0: mss = exact speculative sampling (the target's distribution); "
+                   "invariant = the draft uses the target's random keys (the tokens of plain sampling "
+                   "with the same --seed)",
+    }
 
     def __post_init__(self):
         if isinstance(self.expansion, (str, list)):
@@ -149,24 +164,37 @@ class SpecInfer:
                              "(CLI: --draft-model), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
         if self.sampler not in ("mss", "invariant"):
             raise ValueError(f"sampler must be 'mss' or 'invariant', got {self.sampler!r}")
-        check_expansion(self.expansion, tree_lib.MAX_NODES)
+        from .drafters.model import expansion_tree
+
+        n = len(expansion_tree(check_expansion(self.expansion, tree_lib.MAX_NODES))[0])
+        if not isinstance(self.lookahead_nodes, int) or not 0 <= self.lookahead_nodes <= tree_lib.MAX_NODES - n:
+            raise ValueError(f"lookahead_nodes must be an integer in [0, {tree_lib.MAX_NODES - n}] (the "
+                             f"expansion's tree has {n} nodes, a step verifies at most {tree_lib.MAX_NODES}), "
+                             f"got {self.lookahead_nodes!r}")
 
     def drafter(self, engine):
         from .drafters.model import ModelDrafter
         from .engine import engine_for
 
         draft = load_draft(engine, self.draft_model)
-        return ModelDrafter(engine_for(draft, engine.mesh), self.expansion, self.sampler)
+        model = ModelDrafter(engine_for(draft, engine.mesh), self.expansion, self.sampler)
+        if not self.lookahead_nodes:
+            return model
+        from .drafters.merge import MergedDrafter
+        from .drafters.trie import TrieDrafter
+
+        return MergedDrafter(model, TrieDrafter.shared(engine, max_nodes=self.lookahead_nodes))
 
     def max_nodes(self, drafter) -> int:
         return drafter.max_nodes
 
     def setup(self, engine, state, drafter, references=None):
+        mss = not state.sampling.greedy and self.sampler == "mss"
+        if mss and self.lookahead_nodes:
+            raise ValueError("lookahead_nodes > 0 merges trees, which are verified by matching tokens: "
+                             "use temperature 0 or sampler='invariant'")
         drafter.begin(state, references)
-        if state.sampling.greedy or self.sampler == "invariant" or drafter.mode != "mss":
-            rule = TokenMatch(state.sampling)
-        else:
-            rule = SpecSampling(state.sampling)
+        rule = SpecSampling(state.sampling) if mss else TokenMatch(state.sampling)
         return drafter, rule, FixedBudget(drafter.max_nodes)
 
 
@@ -183,6 +211,10 @@ def load_draft(engine, draft_model):
                 cache[draft_model] = load(draft_model, dtype=engine.dtype)[0]
             except (FileNotFoundError, ValueError) as e:
                 raise ValueError(f"cannot load draft model {draft_model!r}: {e}") from e
+            if engine.mesh is None:  # a draft loaded here is ours alone: one copy of its weights
+                from .engine import engine_for
+
+                engine_for(cache[draft_model]).keep_packed_only()
         draft = cache[draft_model]
     else:
         draft = draft_model

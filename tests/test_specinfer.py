@@ -25,6 +25,7 @@ from lookahead_jax import decode as D
 from lookahead_jax import generate as G
 from lookahead_jax import tree as tree_lib
 from lookahead_jax.acceptance import SpecSampling
+from lookahead_jax.drafters.merge import merge
 from lookahead_jax.drafters.model import ModelDrafter, check_expansion, expansion_tree
 from lookahead_jax.drafts import Draft
 from lookahead_jax.engine import engine_for
@@ -135,6 +136,23 @@ def test_model_drafter_rollback(model, tok, greedy, drafts):
         D.rollback(st, [b], back[b], drafter)
     D.decode(engine, st, drafter)
     assert [r.ids for r in st.rows] == greedy[:4]
+
+
+def test_merge_shares_prefixes():
+    merged, maps = merge([Draft([5, 7, 9], [-1, 0, 1]), Draft([5, 7, 4, 8], [-1, 0, 1, -1])])
+    assert (merged.tokens, merged.parents) == ([5, 7, 9, 4, 8], [-1, 0, 1, 1, -1])
+    assert maps == [[0, 1, 2], [0, 1, 3, 4]]
+
+
+@pytest.mark.parametrize("draft,batch", [("close", 4), ("random", 1)])
+def test_draft_model_merged_with_the_trie_equals_greedy(model, tok, greedy, drafts, draft, batch):
+    """A draft model's tree + lookahead's trie nodes, merged: still plain greedy; with a
+    useless draft model the trie still drafts (fewer forwards than tokens)."""
+    ids, steps = run(model, tok, batch, strategy=SpecInfer(draft_model=drafts[draft], expansion=(1, 1, 2, 1),
+                                                           lookahead_nodes=8))
+    assert ids == greedy
+    if draft == "random":
+        assert steps < sum(len(x) for x in ids) * 0.95
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -343,5 +361,9 @@ def test_specinfer_errors(model, tok, tmp_path):
         G.generate(model, tok, "hi", strategy="specinfer", draft_model=other)
     with pytest.raises(ValueError, match="expansion widths"):
         G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, expansion=(1, 99))
+    with pytest.raises(ValueError, match="merges trees"):
+        G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, lookahead_nodes=4, temperature=1.0)
+    with pytest.raises(ValueError, match="lookahead_nodes must be"):
+        G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, lookahead_nodes=200)
     with pytest.raises(ValueError, match="cannot load draft model"):
         G.generate(model, tok, "hi", strategy="specinfer", draft_model=str(tmp_path / "missing"))
