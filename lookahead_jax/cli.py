@@ -235,6 +235,19 @@ def enable_compilation_cache() -> Optional[str]:
     return str(path)
 
 
+def is_instruct(model_name: str, tokenizer) -> bool:
+    """A model tuned for chat: it has a chat template, and its name (or its preset's
+    description) says Instruct / chat / it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    from .presets import PRESETS
+
+    text = model_name + " " + (PRESETS[model_name].description if model_name in PRESETS else "")
+    import re
+
+    return any(w in ("instruct", "chat", "it") for w in re.split(r"[^a-z0-9.]+", text.lower()))
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING, format="%(message)s")
@@ -260,6 +273,10 @@ def main(argv=None) -> int:
     except (TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not cfg.chat and any(isinstance(p, str) for p in cfg.prompts) and is_instruct(cfg.model, tok):
+        print(f"warning: {cfg.model} is an instruct (chat) model and --chat is not set: plain prompts are "
+              "sent as raw text, which such models often continue with junk. Pass --chat to wrap them "
+              "in the model's chat template.", file=sys.stderr)
     kw = dict(
         max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,

@@ -429,3 +429,19 @@ def test_real_model_cli_reuses_compiled_steps(real_env, real_greedy):
     assert cold[0][0]["token_ids"] == real_greedy[0][0]["token_ids"]
     assert cold[1]["compile_s"] > again[1]["compile_s"]
 
+
+
+def test_plain_prompt_to_an_instruct_model_warns_once(fake_load, capsys):
+    """An instruct model (name says so, tokenizer has a chat template) given plain text
+    without --chat: one warning naming --chat; none with --chat or for a base model."""
+    tok = ByteTokenizer()
+    tok.chat_template = "{{ messages }}"
+    fake_load.tok = tok
+    rc, _, err = run_main(capsys, "--model", "org/Some-Model-Instruct", "--prompt", PROMPTS[0],
+                          "--max-new-tokens", "2")
+    assert rc == 0 and err.count("Pass --chat") == 1 and "instruct" in err
+    rc, _, err = run_main(capsys, "--model", "org/Some-Model-Instruct", "--prompt", PROMPTS[0], "--chat",
+                          "--max-new-tokens", "2")
+    assert rc == 0 and "warning" not in err
+    rc, _, err = run_main(capsys, "--model", "org/Some-Base-Model", "--prompt", PROMPTS[0], "--max-new-tokens", "2")
+    assert rc == 0 and "warning" not in err
