@@ -631,6 +631,19 @@ class Tokenizer:
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in batch]
 
+    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = False) -> list[str]:
+        """HF's name for `decode_batch` (`tokenizer.batch_decode(out.token_ids, skip_special_tokens=True)`)."""
+        return self.decode_batch(sequences, skip_special_tokens)
+
+    def __call__(self, text, add_special_tokens: bool = True, **kwargs) -> dict:
+        """HF-style call: {"input_ids": ids} for a str, or a list of id lists for a list of
+        strs (no padding, no tensors: `return_tensors`, `padding` and the like are errors)."""
+        if kwargs:
+            raise TypeError(f"Tokenizer() takes text and add_special_tokens only, got {sorted(kwargs)}")
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": self.encode_batch(list(text), add_special_tokens)}
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

@@ -38,6 +38,7 @@ class RowOutput:
     finish_reason: str  # "eos" | "stop" | "length"
     forward_steps: int  # model forwards that produced this row's tokens (prefill included)
     wall_s: float
+    sample_index: int = 0  # which of the n samples of its prompt (generate's n)
 
     @property
     def new_tokens(self) -> int:
@@ -54,7 +55,8 @@ class RowOutput:
 
     def to_json(self) -> dict:
         return dict(
-            prompt_index=self.prompt_index, text=self.text, token_ids=self.token_ids,
+            prompt_index=self.prompt_index, **({"sample_index": self.sample_index} if self.sample_index else {}),
+            text=self.text, token_ids=self.token_ids,
             new_tokens=self.new_tokens, finish_reason=self.finish_reason,
             forward_steps=self.forward_steps,
             mean_accepted_tokens=round(self.mean_accepted_tokens, 4),
@@ -148,7 +150,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              stop=None, chat: bool = False, references=None, drafter=None,
              on_text: Optional[Callable[[int, str], None]] = None,
              max_cache_len: Optional[int] = None, ignore_eos: bool = False,
-             first_index: int = 0, mesh=None, **strategy_options) -> GenerateOutput:
+             first_index: int = 0, mesh=None, stop_token_ids=None, n: int = 1,
+             **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -172,6 +175,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     on_text(prompt_index, text_delta): streaming callback, called as tokens are accepted.
     max_cache_len: KV cache slots (default: prompt + max_new_tokens + verify block, rounded).
     ignore_eos: keep generating past EOS (benchmarks of a fixed length, as in vLLM).
+    stop_token_ids: more token ids that end a row like EOS (kept in token_ids; finish
+        reason "eos"), also with ignore_eos.
+    n: samples per prompt (temperature > 0): each prompt becomes n consecutive rows, each
+        with its own sampling row (so its own tokens); `rows[i * n + j]` is sample j of
+        prompt i (its `prompt_index` is the prompt's, `sample_index` is j).
     first_index: index of the first prompt (for prompt_index, error messages and the
         sampling key's row), so a long list decoded in batches samples as one batch.
     mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): params
@@ -184,12 +192,21 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     stop = tuple([stop] if isinstance(stop, str) else (stop or ()))
     if any(not s for s in stop):
         raise ValueError("stop strings must be non-empty")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n (samples per prompt) must be a positive integer, got {n!r}")
+    if n > 1 and sampling.greedy:
+        raise ValueError(f"n={n} samples per prompt need temperature > 0 (greedy gives n identical rows)")
     engine = engine_for(model, mesh)
     cfg: ModelConfig = engine.config
     compiled = engine.compiled
     ids = encode_prompts(tokenizer, prompts, chat, first_index)
+    if references is not None and n > 1 and not isinstance(references, str) \
+            and not all(isinstance(r, str) for r in references):
+        references = [r for r in references for _ in range(n)]
+    ids = [x for x in ids for _ in range(n)]
+    first_row = first_index * n  # sampling rows: prompt i's sample j is row (first_index + i) * n + j
     B = len(ids)
-    for i, x in enumerate(ids, first_index):
+    for i, x in enumerate(ids[::n], first_index):
         if min(x) < 0 or max(x) >= cfg.vocab_size:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size})")
     if isinstance(strat, Greedy):
@@ -213,15 +230,19 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         if max(lens) + max_new_tokens > cfg.max_position:
             limits.append(f"the model's context is {cfg.max_position} positions")
         raise ValueError(
-            f"prompt {first_index + longest} has {lens[longest]} tokens and "
+            f"prompt {first_index + longest // n} has {lens[longest]} tokens and "
             f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + ". Shorten the prompt, "
             "lower max_new_tokens (--max-new-tokens), or raise max_cache_len (--max-cache-len)."
         )
     eos = () if ignore_eos else tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+    for t in stop_token_ids or ():
+        if not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {cfg.vocab_size})")
+    eos = tuple(sorted(set(eos) | {int(t) for t in stop_token_ids or ()}))
 
     c_before = compiled.compile_s
     state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=max_new_tokens,
-                    sampling=sampling, seed=seed, first_index=first_index, eos_ids=eos,
+                    sampling=sampling, seed=seed, first_index=first_row, eos_ids=eos,
                     stop=stop, on_text=on_text)
     refs = None
     if drafter is not None:
@@ -241,8 +262,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
             drafter.end()
     wall = state.elapsed()
     outs = [
-        RowOutput(first_index + r.index, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
-                  state.finish_s.get(r.index, wall))
+        RowOutput(first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
+                  state.finish_s.get(r.index, wall), r.index % n)
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)

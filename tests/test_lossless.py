@@ -202,3 +202,26 @@ def test_sampling_rng_is_keyed_by_row_and_position(model, tok):
     a = G.generate(model, tok, [TEXTS[0], TEXTS[1]], **kw)
     b = G.generate(model, tok, [TEXTS[0], TEXTS[5], TEXTS[9]], **kw)
     assert a.token_ids[0] == b.token_ids[0]
+
+
+def test_n_samples_and_stop_token_ids_under_lookahead(model, tok):
+    """n samples per prompt are rows of their own (distinct tokens), and lookahead gives
+    plain sampling's; stop_token_ids end rows like EOS, identically under lookahead."""
+    kw = dict(max_new_tokens=16, temperature=1.0, seed=3, max_cache_len=CACHE, n=3)
+    ref = G.generate(model, tok, TEXTS[:2], **kw)
+    assert [(r.prompt_index, r.sample_index) for r in ref.rows] == [(i, j) for i in range(2) for j in range(3)]
+    assert len({tuple(t) for t in ref.token_ids[:3]}) == 3  # three different samples of prompt 0
+    out = G.generate(model, tok, TEXTS[:2], strategy="lookahead", decoding_length=16, references=REFS[:2], **kw)
+    assert out.token_ids == ref.token_ids
+    with pytest.raises(ValueError, match="need temperature > 0"):
+        G.generate(model, tok, TEXTS[:1], n=2)
+    g = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE)
+    stop_id = g.token_ids[0][5]
+    ref = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, stop_token_ids=[stop_id])
+    assert ref.token_ids[0] == g.token_ids[0][:g.token_ids[0].index(stop_id) + 1]
+    assert ref.rows[0].finish_reason == "eos"
+    out = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, stop_token_ids=[stop_id],
+                     strategy="lookahead", decoding_length=16, references=REFS[:4])
+    assert out.token_ids == ref.token_ids
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        G.generate(model, tok, TEXTS[:1], stop_token_ids=[10**6])

@@ -677,3 +677,14 @@ def test_llama_sentencepiece_matches_transformers():
             assert ours.decode(ids) == s
         # streaming with the Strip decoder
         assert "".join(_stream(ours, ids)) == ours.decode(ids)
+
+
+def test_hf_style_call_and_batch_decode(ours_smol, hf_smol):
+    """`tok(text)` / `tok([texts])` and `batch_decode`, as HF's tokenizers spell them."""
+    texts = [s for s in TEXTS[:20] if not _has_numeric(s)]
+    assert ours_smol(texts[0])["input_ids"] == hf_smol(texts[0])["input_ids"]
+    ids = ours_smol(texts)["input_ids"]
+    assert ids == [hf_smol(t)["input_ids"] for t in texts]
+    assert ours_smol.batch_decode(ids, skip_special_tokens=True) == hf_smol.batch_decode(ids, skip_special_tokens=True)
+    with pytest.raises(TypeError, match="return_tensors"):
+        ours_smol(texts[0], return_tensors="np")
