@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (HFPeer, dataset_prompts, default_out, eos_mode, host_line, model_gguf,  # noqa: E402
+from common import (HFPeer, bar_plot, dataset_prompts, default_out, eos_mode, host_line, model_gguf,  # noqa: E402
                     resolve_hf_device, save)
 
 
@@ -47,32 +47,7 @@ def parse_config(s: str) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sets = list(result["datasets"])
-    methods = list(result["datasets"][sets[0]]["methods"])
-    fig, ax = plt.subplots(figsize=(1.5 + 1.6 * len(sets) * len(methods) / 3, 4.2))
-    w = 0.8 / len(methods)
-    for j, m in enumerate(methods):
-        vals = [result["datasets"][d]["methods"][m]["tokens_per_s"] for d in sets]
-        bars = ax.bar([i + j * w for i in range(len(sets))], vals, w, label=m)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks([i + w * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
-    ax.set_ylabel("tokens / s")
-    fixed = not result.get("stop_at_eos", True)
-    length = (f"fixed length (EOS ignored), {result['max_new_tokens']} new tokens" if fixed
-              else f"stops at EOS, <= {result['max_new_tokens']} new tokens")
-    cpu = result.get("host", {}).get("cpu_model", "")
-    ax.set_title(f"{Path(result['model']).name} ({result['dtype']}), "
-                 f"{result['prompts_per_dataset']} prompts/dataset\n{length}" + (f"\n{cpu}" if cpu else ""),
-                 fontsize=8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"saved {path}")
+    bar_plot(result, path, f"{Path(result['model']).name} ({result['dtype']})")
 
 
 def main(argv=None):

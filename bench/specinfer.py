@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dataset_prompts, default_out, eos_mode, host_line, model_gguf, save  # noqa: E402
+from common import bar_plot, dataset_prompts, default_out, eos_mode, host_line, model_gguf, save  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- HF worker
@@ -90,30 +90,7 @@ class HFProcess:
 
 # ----------------------------------------------------------------------------- plot
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sets = list(result["datasets"])
-    methods = list(result["datasets"][sets[0]]["methods"])
-    fig, ax = plt.subplots(figsize=(2 + 1.2 * len(sets) * len(methods) / 3, 4.2))
-    w = 0.8 / len(methods)
-    for j, m in enumerate(methods):
-        vals = [result["datasets"][d]["methods"][m]["tokens_per_s"] for d in sets]
-        bars = ax.bar([i + j * w for i in range(len(sets))], vals, w, label=m)
-        ax.bar_label(bars, fmt="%.1f", fontsize=6)
-    ax.set_xticks([i + w * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
-    ax.set_ylabel("tokens / s")
-    length = ("fixed length (EOS ignored)" if not result["stop_at_eos"] else "stops at EOS") + \
-        f", <= {result['max_new_tokens']} new tokens"
-    ax.set_title(f"{result['target']} <- draft {result['draft']} ({result['dtype']}), "
-                 f"{result['prompts_per_dataset']} prompts/dataset\n{length}\n{result['host']['cpu_model']}",
-                 fontsize=8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"saved {path}")
+    bar_plot(result, path, f"{result['target']} <- draft {result['draft']} ({result['dtype']})", fmt="%.1f")
 
 
 # ----------------------------------------------------------------------------- main

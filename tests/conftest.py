@@ -77,3 +77,19 @@ def tiny_hf():
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     return make_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny llama (seed 1) of the lossless / decode-core / SpecInfer tests (one per module)."""
+    from tiny import tiny_model
+
+    return tiny_model("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The byte-level tokenizer of the tiny models."""
+    from tiny import ByteTokenizer
+
+    return ByteTokenizer()

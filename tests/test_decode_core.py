@@ -18,7 +18,6 @@ from lookahead_jax.drafters.base import Drafter, PerRowDrafter
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.drafts import Draft, DraftBatch
 from lookahead_jax.engine import Engine, engine_for
-from lookahead_jax.sampling import SamplingParams
 from lookahead_jax.strategies import Greedy, Lookahead
 from tiny import ByteTokenizer, load_prompts, tiny_model
 
@@ -87,16 +86,6 @@ class Recording:
     def end(self):
         self.calls["end"] += 1
         self.inner.end()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return ByteTokenizer()
 
 
 @pytest.fixture(scope="module")

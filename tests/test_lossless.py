@@ -25,16 +25,6 @@ TEXTS = [p["prompt"] for p in PROMPTS]
 REFS = [[p["reference"]] for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return ByteTokenizer()
-
-
 def run(model, tok, batch, **kw):
     """Generate all TEXTS in batches of `batch`; returns (token ids, total steps, outputs)."""
     ids, steps, rows = [], 0, []

@@ -53,16 +53,6 @@ def perturbed(model, scale, seed=0):
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return ByteTokenizer()
-
-
-@pytest.fixture(scope="module")
 def drafts(model):
     return {"same": model, "close": perturbed(model, 0.3), "random": tiny_model("llama", seed=2)}
 
