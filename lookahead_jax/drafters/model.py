@@ -42,6 +42,7 @@ the output, which the target verifies.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Sequence
 
 import jax
@@ -230,8 +231,6 @@ class ModelDrafter:
         self.compile_s = self.engine.compiled.compile_s - c0
 
     def propose(self, state, budget: int) -> DraftBatch:
-        import time
-
         t0 = time.perf_counter()
         B, S = state.batch, state.max_len
         L = np.asarray(state.lengths)
