@@ -221,7 +221,6 @@ class ModelDrafter:
         self.mode = "greedy" if state.sampling.greedy else self.sampler
         self.seeds, self.rowids = state.seeds, state.rowids
         self.cache = self.engine.init_cache(B, S)
-        self.dlen = np.zeros(B, np.int64)  # context tokens in the draft cache (with pending commits)
         self.base = np.zeros(B, np.int64)  # the device cache's length (before pending commits)
         self.commit_src = np.zeros((B, len(self.expansion)), np.int32)
         self.commit_n = np.zeros(B, np.int32)
@@ -253,7 +252,6 @@ class ModelDrafter:
         state.compile_s += e.compiled.compile_s - c0  # compilation is not decode time
         self.compile_s += e.compiled.compile_s - c0
         self.base = self.base + self.commit_n + n_catch
-        self.dlen = self.base.copy()
         self.commit_n = np.zeros(B, np.int32)
         tokens = np.asarray(tokens)
         n = min(budget, self.max_nodes)
@@ -273,7 +271,6 @@ class ModelDrafter:
             fwd = [i for i in nodes if self.levels[i] < D]  # the deepest level has no K/V
             self.commit_src[b, :len(fwd)] = fwd
             self.commit_n[b] = len(fwd)
-            self.dlen[b] = self.base[b] + len(fwd)
 
     def rollback(self, rows, length) -> None:
         rows = list(rows)
@@ -281,7 +278,6 @@ class ModelDrafter:
             keep = min(int(self.dlen[b]), int(length))
             self.commit_n[b] = max(0, min(int(self.commit_n[b]), keep - int(self.base[b])))
             self.base[b] = min(int(self.base[b]), keep)
-            self.dlen[b] = keep
         self.cache = self.cache.replace(length=self.cache.length.at[np.asarray(rows)].set(
             jnp.asarray(self.base[rows], jnp.int32)))
 
@@ -294,6 +290,11 @@ class ModelDrafter:
                     draft_compile_s=self.compile_s, expansion=list(self.expansion), sampler=self.mode)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def dlen(self) -> np.ndarray:
+        """Context tokens of each row in the draft cache, pending commits included."""
+        return self.base + self.commit_n
+
     def _catch_up(self, state, upto) -> None:
         """Forward context[dlen:upto] of every row into the draft cache (prefill)."""
         from ..decode import prompt_bucket
@@ -313,5 +314,4 @@ class ModelDrafter:
         window = P if not self.dlen.any() else window_for(int((self.dlen + n_new).max()), S)
         _, self.cache = self.engine.extend(self.cache, block, n_new, self.seeds, self.rowids,
                                            sampling=SamplingParams(), window=window)
-        self.dlen = self.dlen + n_new
-        self.base = self.dlen.copy()
+        self.base = self.base + n_new
