@@ -106,6 +106,9 @@ def main(argv=None):
     ap.add_argument("--expansions", nargs="+", default=["1,1,3,1,1,1,1,1", "1,1,1,1,1"],
                     help="greedy SpecInfer tree shapes (widths per depth)")
     ap.add_argument("--lookahead", nargs="*", default=["7:12"], help="lookahead decoding_length:branch_length")
+    ap.add_argument("--draft-weights", nargs="+", default=["bfloat16"], choices=("bfloat16", "float32"),
+                    help="storage of the draft's CPU weights (SpecInfer draft_weights); several: each greedy "
+                         "SpecInfer shape runs with each (sampling uses the first)")
     ap.add_argument("--temperature", type=float, default=0.7, help="for sample / specinfer-mss / -inv")
     ap.add_argument("--no-sampling", action="store_true", help="skip the three sampling methods")
     ap.add_argument("--no-hf", action="store_true")
@@ -128,23 +131,29 @@ def main(argv=None):
     draft = load_draft(engine, a.draft)  # loaded once, packed only, vocabulary checked
     eos = [] if ie else sorted(getattr(tok, "eos_token_ids", ()) or ())
     hf = None if a.no_hf else HFProcess(a.target, a.draft, a.dtype)
-    exps = {f"specinfer[{e}]": tuple(int(w) for w in e.split(",")) for e in a.expansions}
+    short = {"bfloat16": "bf16", "float32": "f32"}
+    exps = {f"specinfer[{e}]" + (f"/{short[w]}" if len(a.draft_weights) > 1 else ""):
+            (tuple(int(v) for v in e.split(",")), w) for e in a.expansions for w in a.draft_weights}
     looks = {f"lookahead[{c}]": dict(decoding_length=int(c.split(":")[0]), branch_length=int(c.split(":")[1]))
              for c in a.lookahead}
     T = a.temperature
-    main_exp = next(iter(exps.values()))
+    main_exp, main_w = next(iter(exps.values()))
     methods = {"greedy": dict()}
-    methods.update({n: dict(strategy=lj.SpecInfer(draft_model=draft, expansion=e)) for n, e in exps.items()})
+    methods.update({n: dict(strategy=lj.SpecInfer(draft_model=draft, expansion=e, draft_weights=w))
+                    for n, (e, w) in exps.items()})
     methods.update({n: dict(strategy="lookahead", **c) for n, c in looks.items()})
     if not a.no_sampling:
         methods.update({
             "sample": dict(temperature=T, seed=0),
-            "specinfer-mss": dict(strategy=lj.SpecInfer(draft_model=draft, expansion=main_exp), temperature=T, seed=0),
-            "specinfer-inv": dict(strategy=lj.SpecInfer(draft_model=draft, expansion=main_exp, sampler="invariant"),
+            "specinfer-mss": dict(strategy=lj.SpecInfer(draft_model=draft, expansion=main_exp, draft_weights=main_w),
+                                  temperature=T, seed=0),
+            "specinfer-inv": dict(strategy=lj.SpecInfer(draft_model=draft, expansion=main_exp, sampler="invariant",
+                                                        draft_weights=main_w),
                                   temperature=T, seed=0),
         })
     hf_methods = [] if hf is None else ["hf_greedy", "hf_assisted"]
-    result = dict(target=a.target, draft=a.draft, dtype=a.dtype, max_new_tokens=a.max_new_tokens,
+    result = dict(target=a.target, draft=a.draft, dtype=a.dtype, draft_weights=a.draft_weights,
+                  max_new_tokens=a.max_new_tokens,
                   stop_at_eos=not ie, eos_token_ids=eos, prompts_per_dataset=a.n, temperature=T,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   datasets={})

@@ -54,6 +54,7 @@ class Engine:
         self.step_times: dict = {}  # (rule, B, S) -> budget.StepTimes
         self.shared: dict = {}  # drafter state that outlives requests (tries, statistics)
         self._placed: Optional[tuple] = None  # (source leaves, params as the steps take them)
+        self._weight_dtype = None  # storage of packed weights (None: the params' own, f32)
         self._mesh_steps: dict = {}  # jitted steps with explicit shardings (mesh only)
 
     @property
@@ -82,7 +83,10 @@ class Engine:
             return self._placed[1]
         out = self.model.params
         if _is_packed(out):  # `keep_packed_only` made the packed copy the model's params
-            pass
+            if self._weight_dtype is not None:
+                from .models.transformer import cast_packed
+
+                out = cast_packed(out, self._weight_dtype)
         elif self.mesh is not None:
             from .sharding import shard_params
 
@@ -90,9 +94,31 @@ class Engine:
         elif _packable(leaves):
             from .models.transformer import pack_params
 
-            out = pack_params(out)  # eager: the leaves it does not pack stay shared
+            out = pack_params(out, self._weight_dtype)  # eager: the leaves it does not pack stay shared
         self._placed = (leaves, out)
         return out
+
+    @property
+    def weight_dtype(self):
+        """How the packed CPU weights are stored: None (f32, the model's exact values) or
+        bfloat16 (half the bytes each step reads, f32 arithmetic; the weights rounded, so
+        the logits change by ~1e-2: for DRAFT models, whose outputs are verified, never
+        for the model whose tokens are returned). Applies where packing does (one CPU
+        device, f32, kernels on); elsewhere the params run as loaded (load a draft with
+        dtype="bfloat16" on GPU/TPU)."""
+        return self._weight_dtype
+
+    @weight_dtype.setter
+    def weight_dtype(self, dtype):
+        dtype = None if dtype is None or jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+        if dtype is not None and dtype != jnp.bfloat16:
+            raise ValueError(f"weight_dtype must be None, float32 or bfloat16, got {dtype}")
+        if dtype != self._weight_dtype:
+            if _packed_dtype(self.model.params) == jnp.bfloat16:
+                raise ValueError("keep_packed_only() made the bf16 copy this engine's only weights: "
+                                 "reload the model to go back to float32")
+            self._weight_dtype = dtype
+            self._placed = None  # repacked at the next use
 
     def keep_packed_only(self) -> bool:
         """Make the packed copy (see `params`) the model's own params, so that one copy of
@@ -228,6 +254,17 @@ class Engine:
             floor = max(floor, self.verify_costs[keys[T]])
             out[T] = floor
         return out
+
+
+def _packed_dtype(params):
+    """The storage dtype of the params' packed layer weights (None: not packed)."""
+    from .models import cpu_kernels
+
+    layers = params.get("layers") if isinstance(params, dict) else None
+    for v in (layers[0].values() if layers else ()):
+        if isinstance(v, cpu_kernels.PackedWeight):
+            return v.dtype
+    return None
 
 
 def _is_packed(params) -> bool:

@@ -128,17 +128,24 @@ class SpecInfer:
     expansion: children per node at each depth; (1, 1, 3, 1, 1, 1, 1, 1) = 20 nodes.
     lookahead_nodes: > 0 merges that many nodes of lookahead's n-gram trie (prompt, past
         outputs) into the draft model's tree each step (`drafters/merge.py`); greedy or
-        sampler="invariant" only."""
+        sampler="invariant" only.
+    draft_weights: "bfloat16" (default) stores the draft's packed CPU weights in bf16 and
+        computes in f32: its forwards, which dominate a step on CPU, read half the bytes.
+        The draft only proposes, so the output is unchanged (greedy: the target's tokens;
+        sampling: the target's distribution); acceptance may move slightly. "float32": the
+        draft exactly as loaded. Where the CPU kernels do not run (GPU/TPU, a mesh) the
+        draft runs as loaded: load it in bf16 there."""
 
     draft_model: object = None
     expansion: tuple = (1, 1, 3, 1, 1, 1, 1, 1)
     sampler: str = "mss"
     lookahead_nodes: int = 0
+    draft_weights: str = "bfloat16"
 
     name = "specinfer"
     help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
     cli_names = {}
-    choices = {"sampler": ("mss", "invariant")}
+    choices = {"sampler": ("mss", "invariant"), "draft_weights": ("bfloat16", "float32")}
     parsers = {"expansion": _expansion, "draft_model": str}
     metavars = {"draft_model": "NAME_OR_PATH", "expansion": "W1,W2,..."}
     field_help = {
@@ -150,6 +157,8 @@ class SpecInfer:
         "sampler": "with --temperature > 0: mss = exact speculative sampling (the target's distribution); "
                    "invariant = the draft uses the target's random keys (the tokens of plain sampling "
                    "with the same --seed)",
+        "draft_weights": "storage of the draft's weights on CPU: bfloat16 (default; half the bytes per draft "
+                         "forward, f32 arithmetic, same output) or float32",
     }
 
     def __post_init__(self):
@@ -164,6 +173,8 @@ class SpecInfer:
                              "(CLI: --draft-model), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
         if self.sampler not in ("mss", "invariant"):
             raise ValueError(f"sampler must be 'mss' or 'invariant', got {self.sampler!r}")
+        if self.draft_weights not in self.choices["draft_weights"]:
+            raise ValueError(f"draft_weights must be 'bfloat16' or 'float32', got {self.draft_weights!r}")
         from .drafters.model import expansion_tree
 
         n = len(expansion_tree(check_expansion(self.expansion, tree_lib.MAX_NODES))[0])
@@ -176,8 +187,8 @@ class SpecInfer:
         from .drafters.model import ModelDrafter
         from .engine import engine_for
 
-        draft = load_draft(engine, self.draft_model)
-        model = ModelDrafter(engine_for(draft, engine.mesh), self.expansion, self.sampler)
+        model = ModelDrafter(draft_engine(engine, self.draft_model, self.draft_weights), self.expansion,
+                             self.sampler)
         if not self.lookahead_nodes:
             return model
         from .drafters.merge import MergedDrafter
@@ -198,26 +209,67 @@ class SpecInfer:
         return drafter, rule, FixedBudget(drafter.max_nodes)
 
 
-def load_draft(engine, draft_model):
+def draft_engine(engine, draft_model, weights: str = "bfloat16"):
+    """The Engine that runs the draft for `engine`'s target (`load_draft`), made once per
+    (target engine, draft, weights). weights="bfloat16" on one CPU device: a private Engine
+    whose packed weights are bf16 (`Engine.weight_dtype`), so a draft Model the caller
+    passed in keeps its exact self elsewhere; "float32", or on a mesh: the draft's shared
+    engine (`engine_for`)."""
+    from .engine import Engine, engine_for
+
+    if weights not in ("bfloat16", "float32"):
+        raise ValueError(f"draft weights must be 'bfloat16' or 'float32', got {weights!r}")
+    by_name = isinstance(draft_model, str)
+    engines = engine.shared.setdefault("draft_engines", {})
+    key = (draft_model if by_name else id(draft_model), weights, engine.mesh is None)
+    hit = engines.get(key)
+    if hit is not None and (by_name or hit.model is draft_model):
+        return hit
+    if weights == "float32" or engine.mesh is not None:
+        eng = engine_for(load_draft(engine, draft_model), engine.mesh)
+    else:
+        # by name: a copy of our own (not the shared float32 one), whose bf16 packed
+        # weights become its params (one copy in memory)
+        draft = check_draft(engine, _load_by_name(engine, draft_model) if by_name else draft_model, draft_model)
+        eng = Engine(draft)  # holds the draft: kept as long as the target's engine
+        eng.weight_dtype = "bfloat16"
+        if by_name:
+            eng.keep_packed_only()
+    engines[key] = eng
+    return eng
+
+
+def load_draft(engine, draft_model, pack: bool = True):
     """The draft model for `engine`'s target: loaded once per (engine, name) in the target's
     dtype, checked to share the target's vocabulary (an error otherwise), with a warning
-    when it is not smaller than the target."""
+    when it is not smaller than the target. A draft loaded by name is ours alone: with
+    `pack` (one CPU device) its packed copy replaces its params (one copy in memory)."""
     if isinstance(draft_model, str):
         cache = engine.shared.setdefault("draft_models", {})
         if draft_model not in cache:
-            from .loading import load
-
-            try:
-                cache[draft_model] = load(draft_model, dtype=engine.dtype)[0]
-            except (FileNotFoundError, ValueError) as e:
-                raise ValueError(f"cannot load draft model {draft_model!r}: {e}") from e
-            if engine.mesh is None:  # a draft loaded here is ours alone: one copy of its weights
-                from .engine import engine_for
-
-                engine_for(cache[draft_model]).keep_packed_only()
+            cache[draft_model] = _load_by_name(engine, draft_model)
         draft = cache[draft_model]
+        if pack and engine.mesh is None:
+            from .engine import engine_for
+
+            engine_for(draft).keep_packed_only()
     else:
         draft = draft_model
+    return check_draft(engine, draft, draft_model)
+
+
+def _load_by_name(engine, name: str):
+    from .loading import load
+
+    try:
+        return load(name, dtype=engine.dtype)[0]
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"cannot load draft model {name!r}: {e}") from e
+
+
+def check_draft(engine, draft, draft_model):
+    """`draft` if it can draft for `engine`'s target: the same vocabulary (an error
+    otherwise); a warning (once per draft) when it is not smaller than the target."""
     tc, dc = engine.config, draft.config
     if dc.vocab_size != tc.vocab_size:
         raise ValueError(

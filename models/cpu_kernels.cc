@@ -122,6 +122,18 @@ static inline vec vexp_neg(vec x) {
   return vzero_below(vscale2(p, n), x, lo);
 }
 
+// Weight vectors for "nn": f32, or bf16 (the top 16 bits of an f32, stored as uint16) widened
+// to f32 in registers. A bf16 weight halves the bytes a step reads; the arithmetic stays f32
+// (`cpu_kernels.pack(w, dtype=bfloat16)`: for draft models, whose rounding costs no exactness).
+static inline vec wload(const float* p) { return vload(p); }
+static inline vec wload(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#else
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#endif
+}
+
 constexpr int MR = 8;        // rows of x per register block (8 x 3 accumulators)
 static_assert(MR == 8, "for_row_blocks spells out remainders of 1..7 rows");
 constexpr int PREFETCH = 16;  // rows of w ahead ("nn")
@@ -133,18 +145,18 @@ constexpr int NV1 = 8;  // vectors per tile of a one-row product
 // of MR; later blocks find the tile's weights in L2. PF: prefetch rows of w PREFETCH
 // ahead (a strided walk over row-major w needs it; packed tiles are one contiguous
 // stream, which the hardware prefetcher follows better alone).
-template <int NV, int R, bool PF = true>
-static void nn_block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+template <int NV, int R, bool PF = true, typename WT = float>
+static void nn_block(const float* x, int64_t ldx, const WT* w, int64_t ldw, float* y, int64_t ldy,
                      int64_t K) {
   vec acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
-  const float* wk = w;
+  const WT* wk = w;
   for (int64_t k = 0; k < K; ++k, wk += ldw) {
     if (PF && k + PREFETCH < K)
       for (int j = 0; j < NV * VW; j += 16) _mm_prefetch((const char*)(wk + PREFETCH * ldw + j), _MM_HINT_T0);
     vec wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = vload(wk + j * VW);
+    for (int j = 0; j < NV; ++j) wv[j] = wload(wk + j * VW);
     for (int r = 0; r < R; ++r) {
       vec xb = vset1(x[r * ldx + k]);
       for (int j = 0; j < NV; ++j) acc[r][j] = vfma(xb, wv[j], acc[r][j]);
@@ -174,11 +186,11 @@ static void for_row_blocks(int64_t M, const F& f) {
 
 // Columns n0 .. n0 + NV * VW of y[M, ldy] = x[M,K] @ w (w: that tile's first column, rows
 // ldw apart), all M rows.
-template <int NV, bool PF = true>
-static void nn_tile(const float* x, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
+template <int NV, bool PF = true, typename WT = float>
+static void nn_tile(const float* x, const WT* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
                     int64_t K) {
   for_row_blocks(M, [&](int64_t m, auto R) {
-    nn_block<NV, decltype(R)::value, PF>(x + m * K, K, w, ldw, y + m * ldy, ldy, K);
+    nn_block<NV, decltype(R)::value, PF, WT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K);
   });
 }
 
@@ -297,26 +309,38 @@ static ffi::Error MatmulNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 // prefetcher). The FMAs are the row-major kernel's in the same order: bitwise the same y.
 // Any M: the tile stays in L2 for all row blocks, which also beats XLA's GEMM at prefill
 // sizes here. Sub-tiles of SW = 3, 2 or 1 vectors (TW = 48 on AVX2: two of 24).
-static ffi::Error MatmulNNPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
-                                 ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = wp.dimensions();
+template <typename WT>
+static ffi::Error MatmulNNPackedT(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const WT* wpp,
+                                  ffi::Span<const int64_t> wd, ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] % VW)
     return ffi::Error::InvalidArgument("matmul_nn_packed: needs x[M,K], w[NT,K,TW] with TW % vector width == 0");
   const int64_t M = xd[0], K = xd[1], NT = wd[0], TW = wd[2], N = NT * TW;
   const int64_t NV = TW % (3 * VW) == 0 ? 3 : TW % (2 * VW) == 0 ? 2 : 1;
   const int64_t SW = NV * VW, subs = TW / SW;
   const float* xp = x.typed_data();
-  const float* wpp = wp.typed_data();
   float* yp = y->typed_data();
   parallel_tiles(pool, NT * subs, [=](int64_t t) {
     const int64_t tile = t / subs, col = (t % subs) * SW;
-    const float* w = wpp + tile * K * TW + col;
+    const WT* w = wpp + tile * K * TW + col;
     float* yt = yp + tile * TW + col;
-    if (NV == 3) nn_tile<3, false>(xp, w, TW, yt, N, M, K);
-    else if (NV == 2) nn_tile<2, false>(xp, w, TW, yt, N, M, K);
-    else nn_tile<1, false>(xp, w, TW, yt, N, M, K);
+    if (NV == 3) nn_tile<3, false, WT>(xp, w, TW, yt, N, M, K);
+    else if (NV == 2) nn_tile<2, false, WT>(xp, w, TW, yt, N, M, K);
+    else nn_tile<1, false, WT>(xp, w, TW, yt, N, M, K);
   });
   return ffi::Error::Success();
+}
+
+static ffi::Error MatmulNNPacked(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
+                                 ffi::ResultBuffer<ffi::F32> y) {
+  return MatmulNNPackedT<float>(pool, x, wp.typed_data(), wp.dimensions(), y);
+}
+
+// The same with bf16 weights (f32 arithmetic: each weight widened exactly to f32).
+static ffi::Error MatmulNNPackedBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> wp,
+                                     ffi::ResultBuffer<ffi::F32> y) {
+  return MatmulNNPackedT<uint16_t>(pool, x, reinterpret_cast<const uint16_t*>(wp.typed_data()),
+                                   wp.dimensions(), y);
 }
 
 static ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> e,
@@ -530,6 +554,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_matmul_nn_packed, MatmulNNPacked,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_matmul_nn_packed_bf16, MatmulNNPackedBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_matmul_nt, MatmulNT,

@@ -119,8 +119,8 @@ def vector_width() -> Optional[int]:
         else:
             try:
                 lib = ctypes.CDLL(str(_build()))
-                for name in ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nt",
-                             "lookahead_attention", "lookahead_argmax", "lookahead_copy"):
+                for name in ("lookahead_matmul_nn", "lookahead_matmul_nn_packed",
+                             "lookahead_matmul_nn_packed_bf16", "lookahead_matmul_nt", "lookahead_attention", "lookahead_argmax", "lookahead_copy"):
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
                 _state["width"] = int(lib.lookahead_vector_width())
                 _state["lib"] = lib  # keep the library loaded
@@ -184,8 +184,11 @@ _nt = _with_plain_jvp(lambda x, e: _ffi("lookahead_matmul_nt", x, e, e.shape[0])
 def matmul(x, w):
     """x [M,K] @ w [K,N]; w may be a `PackedWeight` (then any M takes the kernel)."""
     if isinstance(w, PackedWeight):
-        if x.ndim == 2 and x.dtype == jnp.float32 and w.dtype == jnp.float32 and vector_width():
-            return _nn_packed(x, w.data)
+        if x.ndim == 2 and x.dtype == jnp.float32 and vector_width():
+            if w.dtype == jnp.float32:
+                return _nn_packed(x, w.data)
+            if w.dtype == jnp.bfloat16:
+                return _nn_packed_bf16(x, w.data)
         return _packed_dot(x, w.data)
     if _usable(x, w, w.shape[1], MAX_ROWS):
         return _nn(x, w)
@@ -267,22 +270,37 @@ def pack_width(n: int) -> Optional[int]:
     return next((tw for tw in PACK_WIDTHS if n % tw == 0), None)
 
 
-def pack(w) -> "PackedWeight":
-    """w [K, ...] -> PackedWeight (f32, columns a multiple of 16; see `pack_width`)."""
+def pack(w, dtype=None) -> "PackedWeight":
+    """w [K, ...] -> PackedWeight (f32, columns a multiple of 16; see `pack_width`).
+
+    `dtype=jnp.bfloat16` stores the tiles in bf16 (w rounded to nearest even): half the
+    bytes per step, with f32 arithmetic (each weight widened exactly in registers). Not
+    for a model whose output must equal its f32 self; for a draft model, whose rounding
+    changes only which drafts are proposed, never the verified output."""
     k = w.shape[0]
     n = int(np.prod(w.shape[1:]))
     tw = pack_width(n)
     if tw is None:
         raise ValueError(f"cannot pack a weight of {n} columns: not a multiple of {PACK_WIDTHS[-1]}")
-    return PackedWeight(jnp.asarray(w).reshape(k, n // tw, tw).transpose(1, 0, 2), w.shape)
+    data = jnp.asarray(w).reshape(k, n // tw, tw).transpose(1, 0, 2)
+    if dtype is not None and jnp.dtype(dtype) != data.dtype:
+        if jnp.dtype(dtype) != jnp.bfloat16 or data.dtype != jnp.float32:
+            raise ValueError(f"packed weights are f32, or bf16 from f32; got {data.dtype} -> {jnp.dtype(dtype)}")
+        data = data.astype(jnp.bfloat16)
+    return PackedWeight(data, w.shape)
 
 
 def _packed_dot(x, data):
-    return _dot(x, data.transpose(1, 0, 2).reshape(data.shape[1], -1))
+    w = data.transpose(1, 0, 2).reshape(data.shape[1], -1)
+    if x.dtype == jnp.float32 and w.dtype == jnp.bfloat16:  # bf16 storage, f32 arithmetic (exact widening)
+        w = w.astype(jnp.float32)
+    return _dot(x, w)
 
 
 _nn_packed = _with_plain_jvp(  # data [N/TW, K, TW]: N = N/TW * TW columns
     lambda x, d: _ffi("lookahead_matmul_nn_packed", x, d, d.shape[0] * d.shape[2]), _packed_dot)
+_nn_packed_bf16 = _with_plain_jvp(  # the same with bf16 tiles
+    lambda x, d: _ffi("lookahead_matmul_nn_packed_bf16", x, d, d.shape[0] * d.shape[2]), _packed_dot)
 
 
 def matmul_nt(x, e):

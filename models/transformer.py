@@ -150,16 +150,18 @@ def _dense(x, w):
 PACKED_LEAVES = ("qkv", "o", "gate_up", "down")  # per layer; plus an untied lm_head
 
 
-def pack_params(params):
+def pack_params(params, dtype=None):
     """The params with every layer weight (and an untied lm_head) as a
     `cpu_kernels.PackedWeight`: the layout the CPU matmul kernel reads fastest. For f32
     inference on one CPU device (`lookahead_jax.runtime_params` decides and caches it);
     the forward computes bitwise the same values from either form. Weights whose column
     count no tile width divides stay plain.
         packed = pack_params(params); forward(packed, ...) == forward(params, ...)
+    `dtype=jnp.bfloat16`: the packed weights stored in bf16, computed in f32 (half the
+    bytes per step; NOT the same values: for draft models only, `Engine.weight_dtype`).
     """
     def one(w):
-        return cpu_kernels.pack(w) if cpu_kernels.pack_width(int(np.prod(w.shape[1:]))) else w
+        return cpu_kernels.pack(w, dtype) if cpu_kernels.pack_width(int(np.prod(w.shape[1:]))) else w
 
     out = dict(params, layers=[{k: one(v) if k in PACKED_LEAVES else v for k, v in p.items()}
                                for p in params["layers"]])
@@ -169,8 +171,19 @@ def pack_params(params):
         # tied: the output layer as a packed e.T beside the embedding table (lookups keep
         # reading `embed`). One sequential pass over columns of e.T reads the 49k x 576
         # table ~1.4x faster at one row, and 2-3x faster at 4-16 rows, than the nt kernel.
-        out["packed_head"] = cpu_kernels.pack(params["embed"].T)
+        out["packed_head"] = cpu_kernels.pack(params["embed"].T, dtype)
     return out
+
+
+def cast_packed(params, dtype):
+    """`params` with every `cpu_kernels.PackedWeight` stored as `dtype` (e.g. bf16 from an
+    f32 packed copy; see `pack_params`); other leaves unchanged."""
+    def one(w):
+        if isinstance(w, cpu_kernels.PackedWeight) and w.dtype != dtype:
+            return cpu_kernels.PackedWeight(w.data.astype(dtype), w.shape)
+        return w
+
+    return jax.tree.map(one, params, is_leaf=lambda w: isinstance(w, cpu_kernels.PackedWeight))
 
 
 def unpack_params(params):

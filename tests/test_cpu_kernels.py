@@ -212,6 +212,30 @@ def test_packed_matmul_is_the_row_major_kernel_bitwise(K, N):
         np.testing.assert_allclose(y, _ref(x, w), rtol=0, atol=2e-5 * np.sqrt(K) * 4)
 
 
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(576, 960), (64, 64), (1536, 576)])
+def test_bf16_packed_weights_are_the_f32_kernel_on_the_rounded_weights(K, N):
+    """pack(w, bfloat16) stores w rounded to bf16 and computes in f32: bitwise the f32
+    kernel on those rounded weights (each widened exactly), any M; the plain fallback
+    (no kernel) computes the same product within f32 rounding."""
+    w = jax.random.normal(jax.random.PRNGKey(N), (K, N))
+    wr = w.astype(jnp.bfloat16).astype(jnp.float32)
+    pb, pr = ck.pack(w, jnp.bfloat16), ck.pack(wr)
+    assert pb.data.dtype == jnp.bfloat16 and pb.shape == (K, N)
+    assert np.array_equal(np.asarray(pb.unpacked(), np.float32), np.asarray(wr))
+    for M in (1, 2, 3, 8, 9, 17, 64):
+        x = jax.random.normal(jax.random.PRNGKey(M), (M, K))
+        assert "lookahead_matmul_nn_packed_bf16" in jax.jit(ck.matmul).lower(x, pb).as_text()
+        y = np.asarray(jax.jit(ck.matmul)(x, pb))
+        assert np.array_equal(y, np.asarray(jax.jit(ck.matmul)(x, pr)))
+        plain = np.asarray(jax.jit(ck._packed_dot)(x, pb.data))
+        assert plain.dtype == np.float32
+        np.testing.assert_allclose(y, plain, rtol=0, atol=2e-5 * np.sqrt(K) * 4)
+        assert not np.array_equal(y, np.asarray(jax.jit(ck.matmul)(x, ck.pack(w))))  # rounding is real
+    with pytest.raises(ValueError, match="bf16 from f32"):
+        ck.pack(w.astype(jnp.bfloat16), jnp.float16)
+
+
 def test_packed_weight_fallbacks_and_derivatives():
     """bf16 activations, or no kernel: plain dot on the unpacked weight; derivatives are
     those of x @ w, through jit (PackedWeight is a pytree node)."""
@@ -319,8 +343,8 @@ def test_avx2_variant_matches_the_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path))
     lib = ctypes.CDLL(str(ck._build(("-mno-avx512f",))))
     assert lib.lookahead_vector_width() == 8
-    for name in ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nt", "lookahead_attention",
-                 "lookahead_argmax"):
+    for name in ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nn_packed_bf16",
+                 "lookahead_matmul_nt", "lookahead_attention", "lookahead_argmax"):
         jax.ffi.register_ffi_target(name + "_avx2", jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
 
     def call(name, out_shape, *args, **attrs):
@@ -338,6 +362,9 @@ def test_avx2_variant_matches_the_reference(tmp_path, monkeypatch):
             packed = np.asarray(ck.pack(wn).data)
             assert np.array_equal(call("lookahead_matmul_nn_packed", (M, 2 * n), x, packed),
                                   call("lookahead_matmul_nn", (M, 2 * n), x, wn))
+            wr = np.asarray(jnp.asarray(wn).astype(jnp.bfloat16).astype(jnp.float32))
+            assert np.array_equal(call("lookahead_matmul_nn_packed_bf16", (M, 2 * n), x, ck.pack(wn, jnp.bfloat16).data),
+                                  call("lookahead_matmul_nn", (M, 2 * n), x, wr))
         np.testing.assert_allclose(call("lookahead_matmul_nt", (M, 13), x, e), _ref(x, e.T), rtol=0, atol=1e-4)
         if M > 1:
             assert np.array_equal(call("lookahead_matmul_nt", (1, 13), x[1:2], e), call("lookahead_matmul_nt", (M, 13), x, e)[1:2])

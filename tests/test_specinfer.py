@@ -86,13 +86,40 @@ def test_expansion_tree_shape():
 @pytest.mark.parametrize("draft", ["same", "close", "random"])
 @pytest.mark.parametrize("batch,expansion", [(4, (1, 1, 3, 1, 1, 1, 1, 1)), (1, (2, 2, 1)), (4, (4,))])
 def test_specinfer_greedy_equals_greedy(model, tok, greedy, drafts, draft, batch, expansion):
-    ids, steps = run(model, tok, batch, strategy=SpecInfer(draft_model=drafts[draft], expansion=expansion))
+    # "same" keeps the draft's weights f32 (the target itself: always right); the others
+    # run the default bf16 draft weights
+    weights = "float32" if draft == "same" else "bfloat16"
+    ids, steps = run(model, tok, batch, strategy=SpecInfer(draft_model=drafts[draft], expansion=expansion,
+                                                           draft_weights=weights))
     assert ids == greedy
     n_tokens = sum(len(x) for x in ids)
     if draft == "same":  # every draft accepted: the full depth (+ the bonus) per step
         assert steps < n_tokens / 1.8
     if draft == "random":  # nothing accepted: one token per forward, as plain decoding
         assert steps >= n_tokens * 0.9
+
+
+def test_bf16_draft_weights(model, tok, greedy, drafts):
+    """draft_weights="bfloat16" (the default): the draft runs on a private engine whose
+    packed weights are bf16 (where the CPU kernels pack), the caller's draft model keeps
+    its f32 params, the output is greedy's, and the target itself as a bf16 draft is
+    still accepted almost always."""
+    from lookahead_jax.engine import _packed_dtype
+    from lookahead_jax.strategies import draft_engine
+
+    target = engine_for(model)
+    before = jax.tree.leaves(drafts["same"].params)
+    ids, steps = run(model, tok, 4, strategy=SpecInfer(draft_model=drafts["same"], expansion=(1, 1, 1, 1)))
+    assert ids == greedy
+    assert steps < sum(len(x) for x in ids) / 2.5  # 5 tokens per step when every draft is accepted
+    eng = draft_engine(target, drafts["same"], "bfloat16")
+    assert eng is not engine_for(drafts["same"]) and eng.weight_dtype == jnp.bfloat16
+    if _packed_dtype(engine_for(drafts["same"]).params) is not None:  # kernels on: packing applies
+        assert _packed_dtype(eng.params) == jnp.bfloat16
+    assert all(a is b for a, b in zip(jax.tree.leaves(drafts["same"].params), before))
+    assert draft_engine(target, drafts["same"], "float32") is engine_for(drafts["same"])
+    with pytest.raises(ValueError, match="draft_weights"):
+        G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, draft_weights="int8")
 
 
 def test_specinfer_eos_mid_batch_and_stop(model, greedy, drafts):
