@@ -11,8 +11,8 @@ imports are rewritten to the new name), so both import side by side. The new sid
 installed `lookahead_jax` (the working tree), or `--new-rev` exported as
 `lookahead_jax_new`. Both call the same CPU kernels: the kernel library is registered
 once, by the new side, and the old copy's `models.cpu_kernels` reuses that registration
-(`--kernels share`, the default, when both copies' `cpu_kernels.cc` are identical; see
-`kernel_setup`).
+(`--kernels share`, the default, when both copies' `cpu_kernels.cc` are identical or the
+new one has every kernel the old one calls; see `kernel_setup`).
 
 Each side loads the model once (`--model`, f32) and is warmed up (compiled, and auto
 calibrated) on each dataset's first prompt, untimed. Then, for every prompt and strategy
@@ -21,8 +21,9 @@ run in ABBA order (A = old on even prompts, new on odd ones), each with a fresh 
 drafter (cold, with the prompt's references: every run of a prompt starts from the same
 drafter state, so repeats do not draft from their own earlier output). Generation stops
 at EOS. Every run's tokens are checked: new == old, and lookahead == greedy. By default
-(`--calibration shared`) `auto` on both sides reads one verify-cost table, measured once:
-calibrating each side separately (`own`) makes the two budgets pick different trees from
+(`--calibration shared`) `auto` on both sides reads one verify-cost table, measured once,
+and one table of real step times (the online correction of those costs): calibrating and
+correcting each side separately (`own`) makes the two budgets pick different trees from
 noise in two measurements, which is not a difference between the loops.
 
 Reported per strategy: total wall time (generate's `wall_s`: compilation and calibration
@@ -102,7 +103,8 @@ def kernel_setup(old, new, mode: str) -> dict:
     same target names. 'share': register the new side's, then point the old module's
     `_state` (its record of the registration) at the new one's, so the old copy never
     registers and its ffi_calls resolve to the same handlers; only when the two .cc files
-    are identical (otherwise the old side would run the new kernels: use 'separate').
+    are identical, or when they differ but the new library has every handler the old side
+calls: then both sides run the new kernels (the A/B compares loops, not kernels).
     'separate': each side registers its own. With jax 0.10.2 on CPU the second registration
     of the same names (another .so: the revisions' kernel cache keys differ) raised no
     error, so both sides report kernels on, but which library's function then serves a name
@@ -119,8 +121,15 @@ def kernel_setup(old, new, mode: str) -> dict:
     info["same_source"] = Path(ck_old.SOURCE).read_bytes() == Path(ck_new.SOURCE).read_bytes()
     if mode == "share":
         if not info["same_source"]:
-            raise SystemExit("the two revisions' cpu_kernels.cc differ: sharing would run the new kernels "
-                             "on both sides; use --kernels separate")
+            # both sides run the new kernels: right for comparing loops, as long as every
+            # kernel the old side calls exists in the new library under the same name
+            handlers = lambda path: set(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\((\w+)", Path(path).read_text()))  # noqa: E731
+            missing = handlers(ck_old.SOURCE) - handlers(ck_new.SOURCE)
+            if missing:
+                raise SystemExit(f"the new cpu_kernels.cc lacks the old side's kernels {sorted(missing)}; "
+                                 "use --kernels separate")
+            info["note"] = "sources differ: both sides run the new side's kernels (a superset of the old's names)"
+            print("kernels: the revisions' cpu_kernels.cc differ; both sides run the new ones", flush=True)
         if not hasattr(ck_old, "_state") or not hasattr(ck_new, "_state"):
             raise SystemExit("a cpu_kernels module has no _state to share; use --kernels separate")
         ck_old._state = ck_new._state  # the old module's functions read the global at call time
@@ -151,7 +160,26 @@ def share_costs(pkgs, models) -> dict:
     if not hasattr(old_gen, "measure_verify_costs"):
         raise SystemExit("the old revision has no generate.measure_verify_costs; use --calibration own")
     old_gen.measure_verify_costs = lambda model, verify, B, S, bk, *r, **k: {T: table[T] for T in bk}
-    return dict(cost_ms={T: round(c * 1e3, 3) for T, c in table.items()})
+
+    # one table of observed step times too: each side's online correction (StepTimes)
+    # otherwise drifts apart on noise (a slow spell during one side's run) and the two
+    # budgets pick different trees for the same drafts
+    times = SharedStepTimes()
+    engine.step_times = times
+    models["old"].__dict__["_step_times"] = times
+    return dict(cost_ms={T: round(c * 1e3, 3) for T, c in table.items()}, step_times="shared")
+
+
+class SharedStepTimes(dict):
+    """The sides key their step-time tables (verify rule or function, B, S); the rule
+    objects differ between the packages, so key by (B, S) only: one StepTimes per shape,
+    whichever side makes it first (the classes have the same interface)."""
+
+    def setdefault(self, key, default=None):
+        return super().setdefault(tuple(key[1:]), default)
+
+    def __getitem__(self, key):
+        return super().__getitem__(tuple(key[1:]))
 
 
 def quartiles(xs):
