@@ -20,6 +20,7 @@ import time
 from . import tree as tree_lib
 from .acceptance import SpecSampling, TokenMatch
 from .budget import AutoBudget, FixedBudget, StepTimes
+from .drafters.model import SAMPLERS
 
 log = logging.getLogger("lookahead_jax")
 REGISTRY: dict = {}
@@ -145,7 +146,7 @@ class SpecInfer:
     name = "specinfer"
     help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
     cli_names = {}
-    choices = {"sampler": ("mss", "invariant"), "draft_weights": ("bfloat16", "float32")}
+    choices = {"sampler": SAMPLERS, "draft_weights": ("bfloat16", "float32")}
     parsers = {"expansion": _expansion, "draft_model": str}
     metavars = {"draft_model": "NAME_OR_PATH", "expansion": "W1,W2,..."}
     field_help = {
@@ -171,8 +172,8 @@ class SpecInfer:
         if self.draft_model is None or self.draft_model == "":
             raise ValueError("strategy 'specinfer' needs a draft model: draft_model=NAME_OR_PATH "
                              "(CLI: --draft-model), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
-        if self.sampler not in ("mss", "invariant"):
-            raise ValueError(f"sampler must be 'mss' or 'invariant', got {self.sampler!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.draft_weights not in self.choices["draft_weights"]:
             raise ValueError(f"draft_weights must be 'bfloat16' or 'float32', got {self.draft_weights!r}")
         from .drafters.model import expansion_tree

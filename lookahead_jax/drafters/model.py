@@ -194,6 +194,11 @@ def _commit_only(cache, src, n):
     return commit(cache, src, n)
 
 
+# how the draft's children are drawn under sampling: "mss" (its own distribution, for
+# multi-step speculative sampling) or "invariant" (the target's position-keyed noise)
+SAMPLERS = ("mss", "invariant")
+
+
 class ModelDrafter:
     """The draft-model drafter (module docstring); implements `drafters.base.Drafter`.
 
@@ -201,8 +206,8 @@ class ModelDrafter:
     are drawn when the call samples ("mss" or "invariant"; greedy calls draw the top-k)."""
 
     def __init__(self, engine, expansion: Sequence[int] = DEFAULT_EXPANSION, sampler: str = "mss"):
-        if sampler not in ("mss", "invariant"):
-            raise ValueError(f"sampler must be 'mss' or 'invariant', got {sampler!r}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
         self.engine = engine
         self.expansion = check_expansion(expansion)
         self.parents, self.levels = expansion_tree(self.expansion)
