@@ -124,12 +124,12 @@ def _auto_or_int(v: str):
         raise ValueError(f"must be an integer or 'auto', got {v!r}") from None
 
 
-def parse_args(argv=None) -> CliConfig:
+def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
+    """`prog`: the command's name in usage lines (default `python -m lookahead_jax.generate`)."""
     from .presets import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(
-        prog=("lookahead-generate" if sys.argv and sys.argv[0].endswith("lookahead-generate")
-              else "python -m lookahead_jax.generate"),
+        prog=prog or "python -m lookahead_jax.generate",
         description="Generate text with a JAX decoder; --strategy lookahead gives the same "
         "tokens as greedy, faster.",
     )
@@ -248,8 +248,8 @@ def is_instruct(model_name: str, tokenizer) -> bool:
     return any(w in ("instruct", "chat", "it") for w in re.split(r"[^a-z0-9.]+", text.lower()))
 
 
-def main(argv=None) -> int:
-    cfg = parse_args(argv)
+def main(argv=None, prog: Optional[str] = None) -> int:
+    cfg = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING, format="%(message)s")
     from .loading import load
 
@@ -331,7 +331,11 @@ def main(argv=None) -> int:
 
 
 def console_main() -> int:
-    """The `lookahead-generate` console script: like `python -m lookahead_jax.generate`,
-    with the persistent compilation cache on."""
+    """The `lookahead-generate` console script ([project.scripts]): the same setup as
+    `python -m lookahead_jax.generate` (compilation cache on, then `main`), with usage lines
+    that name the command as it was invoked."""
+    import os
+
+    name = os.path.basename(sys.argv[0]) if sys.argv else ""
     enable_compilation_cache()
-    return main()
+    return main(prog=name if name and not name.startswith("-") else "lookahead-generate")

@@ -320,6 +320,57 @@ def test_missing_prompts_file(fake_load, capsys, tmp_path):
     assert e.value.code == 2 and "cannot read --prompts-file" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- entry points
+@pytest.mark.parametrize("argv0,prog", [("/venv/bin/lookahead-generate", "lookahead-generate"),
+                                        ("/home/me/bin/lj-gen", "lj-gen")])
+def test_console_script_sets_up_like_the_module(monkeypatch, capsys, argv0, prog):
+    """`lookahead-generate` (cli.console_main) turns the compilation cache on before
+    anything else, as `python -m lookahead_jax.generate` does, and its usage names the
+    command as invoked; main() called in-process keeps the module's name."""
+    import lookahead_jax.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli, "enable_compilation_cache", lambda: calls.append("cache"))
+    monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+    with pytest.raises(SystemExit) as e:
+        cli.console_main()
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and calls == ["cache"]
+    assert out.startswith(f"usage: {prog} [-h]"), out[:200]
+    assert "python -m lookahead_jax.generate" not in out
+    rc, out, _ = run_main(capsys, "--help")
+    assert rc == 0 and out.startswith("usage: python -m lookahead_jax.generate [-h]")
+
+
+def _console_script_command():
+    """The [project.scripts] entry of pyproject.toml, run the way pip's wrapper runs it."""
+    import tomllib
+    from pathlib import Path
+
+    spec = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"]["scripts"]["lookahead-generate"]
+    module, func = spec.split(":")
+    code = (f"import sys; sys.argv[0] = 'lookahead-generate'; from {module} import {func}; "
+            f"sys.exit({func}())")
+    return [sys.executable, "-c", code]
+
+
+@pytest.mark.parametrize("entry", ["module", "script"])
+def test_entry_points_enable_the_compilation_cache(tmp_path, entry):
+    """Both commands, as subprocesses, create the persistent compilation cache folder under
+    LOOKAHEAD_JAX_CACHE/xla (the same setup), and report a bad file without a traceback."""
+    f = write_jsonl(tmp_path / "bad.jsonl", ["{oops"])
+    cmd = ([sys.executable, "-m", "lookahead_jax.generate"] if entry == "module"
+           else _console_script_command())
+    env = dict(os.environ, LOOKAHEAD_JAX_CACHE=str(tmp_path / "cache"))
+    for k in ("JAX_COMPILATION_CACHE_DIR", "LOOKAHEAD_JAX_XLA_CACHE"):
+        env.pop(k, None)
+    p = subprocess.run([*cmd, "--prompts-file", f], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr == f"error: {f}:1: not valid JSON (Expecting property name " \
+        "enclosed in double quotes)\n", p.stderr
+    assert [d.name for d in (tmp_path / "cache" / "xla").iterdir()], "no compilation cache folder"
+
+
 # ----------------------------------------------------------------------------- subprocess
 @pytest.fixture(scope="module")
 def bad_file_run(tmp_path_factory):
