@@ -43,6 +43,7 @@ class CliConfig:
     verbose: bool = False
     mesh: Optional[tuple] = None  # (("data", n), ("model", m)) given with --mesh
     max_cache_len: Optional[int] = None
+    sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -55,7 +56,7 @@ def _fail(msg: str):
 
 
 def _read_prompts_file(path: str, references_field: Optional[str]):
-    prompts, refs = [], []
+    prompts, refs, sources = [], [], []
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
@@ -80,6 +81,7 @@ def _read_prompts_file(path: str, references_field: Optional[str]):
                 prompts.append(obj["prompt"])
             else:
                 _fail(f"{path}:{n}: each line needs a 'prompt' or 'messages' field")
+            sources.append(f"{path}:{n}")
             if references_field:
                 if references_field not in obj:
                     _fail(f"{path}:{n}: no field {references_field!r} (--references-field)")
@@ -89,7 +91,7 @@ def _read_prompts_file(path: str, references_field: Optional[str]):
                 refs.append(())
     if not prompts:
         _fail(f"--prompts-file {path} holds no prompts")
-    return prompts, refs
+    return prompts, refs, sources
 
 
 def _strategy_flags(ap) -> dict:
@@ -149,7 +151,8 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     ap.add_argument("--json", action="store_true", help="print one JSON object per prompt, then a summary line")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; at 1 (the default) text streams as it is "
-                    "generated, larger batches print each answer when its batch is done")
+                    "generated, larger batches do not stream: each answer is printed when its batch "
+                    "is done")
     ap.add_argument("--max-cache-len", type=int, help="KV cache slots (default: the longest prompt + "
                     "--max-new-tokens + the verify block, rounded up)")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: params split over 'model' by the "
@@ -191,17 +194,17 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     if a.prompt is not None:
         if not a.prompt.strip():
             ap.error("--prompt is empty")
-        prompts, refs = [a.prompt], [()]
+        prompts, refs, sources = [a.prompt], [()], ["--prompt"]
         if a.references_field:
             ap.error("--references-field needs --prompts-file")
     else:
-        prompts, refs = _read_prompts_file(a.prompts_file, a.references_field)
+        prompts, refs, sources = _read_prompts_file(a.prompts_file, a.references_field)
     return CliConfig(
         model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=a.chat,
         strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
         top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, json=a.json,
         stop=tuple(a.stop), batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
-        mesh=mesh, max_cache_len=a.max_cache_len,
+        mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources),
     )
 
 
@@ -248,6 +251,27 @@ def is_instruct(model_name: str, tokenizer) -> bool:
     return any(w in ("instruct", "chat", "it") for w in re.split(r"[^a-z0-9.]+", text.lower()))
 
 
+def check_chat_templates(cfg: CliConfig, tokenizer) -> Optional[str]:
+    """Render the chat template of every chat prompt before decoding anything: a template
+    that rejects the messages (jinja's `raise_exception`, e.g. roles that do not alternate,
+    or an undefined field) is an error naming the prompt's file line, not a traceback
+    after earlier batches have run. Returns the error message, or None."""
+    from jinja2 import TemplateError
+
+    for p, where in zip(cfg.prompts, cfg.sources or [f"prompt {i}" for i in range(len(cfg.prompts))]):
+        if isinstance(p, str):
+            if not cfg.chat:
+                continue
+            p = [{"role": "user", "content": p}]
+        try:
+            tokenizer.apply_chat_template(p, add_generation_prompt=True)
+        except TemplateError as e:
+            return f"{where}: the model's chat template rejects these messages: {e}"
+        except ValueError as e:  # no chat template
+            return f"{where}: {e}"
+    return None
+
+
 def main(argv=None, prog: Optional[str] = None) -> int:
     cfg = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING, format="%(message)s")
@@ -277,6 +301,10 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         print(f"warning: {cfg.model} is an instruct (chat) model and --chat is not set: plain prompts are "
               "sent as raw text, which such models often continue with junk. Pass --chat to wrap them "
               "in the model's chat template.", file=sys.stderr)
+    error = check_chat_templates(cfg, tok)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     kw = dict(
         max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
@@ -284,6 +312,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)
+    row_tokens = row_steps = 0  # tokens per step is per row: a batched forward of 4 greedy rows is 1.0, not 4
     streaming = not cfg.json and cfg.batch_size == 1
     for start in range(0, len(cfg.prompts), cfg.batch_size):
         batch = list(cfg.prompts[start:start + cfg.batch_size])
@@ -305,12 +334,14 @@ def main(argv=None, prog: Optional[str] = None) -> int:
                 print(f"--- prompt {r.prompt_index}\n{r.text}", flush=True)
         for k in totals:
             totals[k] += out.stats[k]
+        row_tokens += sum(r.new_tokens for r in out.rows)
+        row_steps += sum(r.forward_steps for r in out.rows)
     summary = dict(
         model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
         new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
         tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
         prefill_s=round(totals["prefill_s"], 4), forward_steps=totals["forward_steps"],
-        tokens_per_step=round(totals["new_tokens"] / totals["forward_steps"], 3) if totals["forward_steps"] else 0.0,
+        tokens_per_step=round(row_tokens / row_steps, 3) if row_steps else 0.0,
         compile_s=round(totals["compile_s"], 3), calibrate_s=round(totals["calibrate_s"], 3),
         host_s=round(totals["host_s"], 4),
         compilations=len(engine_for(model, mesh).compiled.compilations),
@@ -323,7 +354,8 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         print(
             f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
             f"{summary['tokens_per_s']:.1f} tok/s; {summary['forward_steps']} forward steps, "
-            f"{summary['tokens_per_step']:.2f} tokens/step; compile {summary['compile_s']:.1f} s"
+            f"{summary['tokens_per_step']:.2f} tokens/step"
+            + (" per row" if cfg.batch_size > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
             + (f", calibration {summary['calibrate_s']:.1f} s" if summary["calibrate_s"] else "") + "]",
             file=sys.stderr,
         )

@@ -123,6 +123,25 @@ def test_streaming_prints_the_text(fake_load, tiny, capsys):
 
 
 
+def test_lookahead_auto_summary_shows_steps_and_calibration(fake_load, capsys):
+    """The summary line puts forward steps, tokens per step, compile and calibration time
+    beside tok/s; `auto` calibrates on a model it has not measured yet (a fresh model, so
+    no earlier test's costs are reused) and the line and --json's summary report it."""
+    fake_load.model = tiny_model("llama", seed=5)
+    args = ("--prompt", PROMPTS[1], "--max-new-tokens", "8", "--strategy", "lookahead")
+    rc, _, err = run_main(capsys, *args)
+    assert rc == 0, err
+    line = err.strip().splitlines()[-1]
+    assert "tok/s" in line and "forward steps" in line and "tokens/step" in line, line
+    assert "compile" in line and "calibration" in line, line
+    fake_load.model = tiny_model("llama", seed=6)
+    rc, out, err = run_main(capsys, *args, "--json")
+    rows, summary = parse_json_lines(out)
+    assert rc == 0 and summary["calibrate_s"] > 0 and summary["compile_s"] > 0
+    assert summary["forward_steps"] == rows[0]["forward_steps"]
+    assert summary["tokens_per_step"] == round(rows[0]["new_tokens"] / rows[0]["forward_steps"], 3)
+
+
 def test_max_cache_len_flag(fake_load, tiny, capsys):
     """--max-cache-len sets the cache; a prompt that does not fit names the flags to change."""
     args = ("--prompt", PROMPTS[1], "--max-new-tokens", "8", "--json")
@@ -144,12 +163,15 @@ def test_prompts_file_batches(fake_load, tiny, capsys, tmp_path):
     assert [r["prompt_index"] for r in rows] == [0, 1, 2]
     assert [r["token_ids"] for r in rows] == want.token_ids
     assert summary["prompts"] == 3 and summary["new_tokens"] == sum(r["new_tokens"] for r in rows)
+    # greedy rows take one token per forward each, however many rows share a forward
+    assert summary["tokens_per_step"] == 1.0 and summary["forward_steps"] < summary["new_tokens"]
     # without --json: a header before every prompt, batched (the last batch holds only
     # prompt 2, it still gets its header) or streamed (--batch-size 1: several streamed
     # answers are not run together)
     rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8", "--batch-size", "2")
     assert rc == 0, err
     assert out == "".join(f"--- prompt {i}\n{t}\n" for i, t in enumerate(want.texts))
+    assert "1.00 tokens/step per row" in err, err
     rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "8")
     assert rc == 0, err
     assert out == "".join(f"--- prompt {i}\n{t}\n" for i, t in enumerate(want.texts))
@@ -304,6 +326,45 @@ def test_prompts_file_errors(fake_load, capsys, tmp_path, lines, extra, msg):
     assert fake_load.calls == []
 
 
+class TemplateTokenizer(ByteTokenizer):
+    """Renders a real jinja chat template (the loader's sandbox) that, like Gemma's, refuses
+    a system message and roles that do not alternate."""
+
+    chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        from convert.tokenizer import _compile_chat_template
+
+        return _compile_chat_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+def test_chat_template_rejection_names_the_line(fake_load, tiny, capsys, tmp_path):
+    """Messages the model's chat template refuses (jinja's raise_exception) are an error
+    naming the file line, before any prompt is decoded, not a traceback."""
+    fake_load.tok = TemplateTokenizer()
+    user = {"role": "user", "content": "hi"}
+    f = write_jsonl(tmp_path / "m.jsonl", [{"messages": [user]}, {"prompt": "plain"},
+                                           {"messages": [user, user]}])
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "2")
+    assert rc == 2 and out == "", out
+    assert err.endswith(f"\nerror: {f}:3: the model's chat template rejects these messages: "
+                        "Conversation roles must alternate user/assistant/user/assistant/...\n"), err
+    assert "Traceback" not in err
+    f = write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "system", "content": "be brief"}, user]}])
+    rc, _, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "2")
+    assert rc == 2 and f"{f}:1: the model's chat template rejects" in err and "System role" in err
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--chat", "--max-new-tokens", "2", "--json")
+    want = generate(tiny, fake_load.tok, "hi", chat=True, max_new_tokens=2)
+    assert rc == 0 and parse_json_lines(out)[0][0]["token_ids"] == want.token_ids[0], err
+
+
 @pytest.mark.parametrize("line", ["42", "null", '"a prompt"', "[1, 2]"])
 def test_prompts_file_line_that_is_not_an_object(fake_load, capsys, tmp_path, line):
     """A JSON value that is not an object is reported like any malformed line (file:line),
@@ -340,6 +401,8 @@ def test_console_script_sets_up_like_the_module(monkeypatch, capsys, argv0, prog
     assert "python -m lookahead_jax.generate" not in out
     rc, out, _ = run_main(capsys, "--help")
     assert rc == 0 and out.startswith("usage: python -m lookahead_jax.generate [-h]")
+    flat = " ".join(out.split())
+    assert "larger batches do not stream" in flat
 
 
 def _console_script_command():
