@@ -43,6 +43,8 @@ class CliConfig:
     verbose: bool = False
     mesh: Optional[tuple] = None  # (("data", n), ("model", m)) given with --mesh
     max_cache_len: Optional[int] = None
+    n: int = 1  # samples per prompt
+    stop_token_ids: tuple = ()
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
 
     def strategy_object(self):
@@ -126,6 +128,17 @@ def _auto_or_int(v: str):
         raise ValueError(f"must be an integer or 'auto', got {v!r}") from None
 
 
+def _token_ids(v: str) -> list:
+    """'1,2' -> [1, 2]."""
+    try:
+        ids = [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be token ids separated by commas, like 2,13, got {v!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"must be token ids >= 0 separated by commas, like 2,13, got {v!r}")
+    return ids
+
+
 def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     """`prog`: the command's name in usage lines (default `python -m lookahead_jax.generate`)."""
     from .presets import DEFAULT_MODEL
@@ -147,8 +160,13 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", "--num-return-sequences", dest="n", type=int, default=1, metavar="N",
+                    help="samples per prompt (needs --temperature > 0); with --json each row has "
+                    "its sample_index. Several samples are printed when done, not streamed")
+    ap.add_argument("--stop-token-ids", type=_token_ids, action="append", default=[], metavar="ID,ID",
+                    help="token ids that end a row as EOS does (comma-separated, repeatable)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    ap.add_argument("--json", action="store_true", help="print one JSON object per prompt, then a summary line")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per answer (per sample with --n), then a summary line")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--batch-size", type=int, default=1, help="prompts decoded together; at 1 (the default) text streams as it is "
                     "generated, larger batches do not stream: each answer is printed when its batch "
@@ -168,6 +186,10 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         ap.error("--max-new-tokens must be >= 1")
     if a.batch_size < 1:
         ap.error("--batch-size must be >= 1")
+    if a.n < 1:
+        ap.error("--n must be >= 1")
+    if a.n > 1 and a.temperature <= 0:
+        ap.error(f"--n {a.n} samples per prompt need --temperature > 0 (greedy gives {a.n} identical answers)")
     if a.max_cache_len is not None and a.max_cache_len < 2:
         ap.error("--max-cache-len must be >= 2")
     mesh = None
@@ -204,7 +226,8 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
         top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, json=a.json,
         stop=tuple(a.stop), batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
-        mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources),
+        mesh=mesh, max_cache_len=a.max_cache_len, n=a.n,
+        stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), sources=tuple(sources),
     )
 
 
@@ -272,6 +295,14 @@ def check_chat_templates(cfg: CliConfig, tokenizer) -> Optional[str]:
     return None
 
 
+def _row_json(r, n: int) -> dict:
+    """A row as JSON; with n > 1 samples per prompt every row names its sample."""
+    d = r.to_json()
+    if n > 1:
+        d = {"prompt_index": d.pop("prompt_index"), "sample_index": r.sample_index, **d}
+    return d
+
+
 def main(argv=None, prog: Optional[str] = None) -> int:
     cfg = parse_args(argv, prog)
     logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING, format="%(message)s")
@@ -308,12 +339,14 @@ def main(argv=None, prog: Optional[str] = None) -> int:
     kw = dict(
         max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
-        mesh=mesh, max_cache_len=cfg.max_cache_len,
+        mesh=mesh, max_cache_len=cfg.max_cache_len, n=cfg.n,
+        stop_token_ids=list(cfg.stop_token_ids) or None,
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)
     row_tokens = row_steps = 0  # tokens per step is per row: a batched forward of 4 greedy rows is 1.0, not 4
-    streaming = not cfg.json and cfg.batch_size == 1
+    # one answer at a time streams; several samples of a prompt would interleave
+    streaming = not cfg.json and cfg.batch_size == 1 and cfg.n == 1
     for start in range(0, len(cfg.prompts), cfg.batch_size):
         batch = list(cfg.prompts[start:start + cfg.batch_size])
         refs = [list(r) for r in cfg.references[start:start + cfg.batch_size]]
@@ -327,11 +360,12 @@ def main(argv=None, prog: Optional[str] = None) -> int:
             return 2
         for r in out.rows:
             if cfg.json:
-                print(json.dumps(r.to_json(), ensure_ascii=False), flush=True)
+                print(json.dumps(_row_json(r, cfg.n), ensure_ascii=False), flush=True)
             elif streaming:
                 print(flush=True)
             else:
-                print(f"--- prompt {r.prompt_index}\n{r.text}", flush=True)
+                sample = f", sample {r.sample_index}" if cfg.n > 1 else ""
+                print(f"--- prompt {r.prompt_index}{sample}\n{r.text}", flush=True)
         for k in totals:
             totals[k] += out.stats[k]
         row_tokens += sum(r.new_tokens for r in out.rows)
@@ -355,7 +389,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
             f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
             f"{summary['tokens_per_s']:.1f} tok/s; {summary['forward_steps']} forward steps, "
             f"{summary['tokens_per_step']:.2f} tokens/step"
-            + (" per row" if cfg.batch_size > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
+            + (" per row" if cfg.batch_size > 1 or cfg.n > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
             + (f", calibration {summary['calibrate_s']:.1f} s" if summary["calibrate_s"] else "") + "]",
             file=sys.stderr,
         )

@@ -204,6 +204,42 @@ def test_chat_messages_stop_and_sampling(fake_load, tiny, capsys, tmp_path):
     assert rc == 0 and parse_json_lines(out)[0][0]["token_ids"] == want.token_ids[0]
 
 
+def test_n_samples_per_prompt(fake_load, tiny, capsys, tmp_path):
+    """--n N (alias --num-return-sequences) gives N sampled rows per prompt, rows i*N+j, the
+    tokens generate(n=N) gives; --json rows name their sample; without --json each answer
+    has a header (several samples are not streamed: they would interleave)."""
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS[:2]])
+    kw = dict(temperature=0.9, seed=4)
+    want = generate(tiny, ByteTokenizer(), PROMPTS[:2], max_new_tokens=6, n=3, **kw)
+    assert len(set(map(tuple, want.token_ids))) > 2  # the samples differ
+    args = ("--prompts-file", f, "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "4")
+    for flag, batch in (("--n", "2"), ("--num-return-sequences", "1")):
+        rc, out, err = run_main(capsys, *args, flag, "3", "--json", "--batch-size", batch)
+        assert rc == 0, err
+        rows, summary = parse_json_lines(out)
+        assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(i, j) for i in range(2) for j in range(3)]
+        assert [r["token_ids"] for r in rows] == want.token_ids
+        assert summary["prompts"] == 2 and summary["new_tokens"] == sum(r["new_tokens"] for r in rows)
+    rc, out, err = run_main(capsys, *args, "--n", "3")
+    assert rc == 0, err
+    assert out == "".join(f"--- prompt {r.prompt_index}, sample {r.sample_index}\n{r.text}\n" for r in want.rows)
+
+
+def test_stop_token_ids(fake_load, tiny, capsys):
+    """--stop-token-ids ends a row at any of the ids, as EOS does (kept in token_ids)."""
+    full = generate(tiny, ByteTokenizer(), PROMPTS[2], max_new_tokens=10).token_ids[0]
+    k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    args = ("--prompt", PROMPTS[2], "--max-new-tokens", "10", "--json")
+    for flags in (["--stop-token-ids", f"258,{full[k]}"], ["--stop-token-ids", "258", "--stop-token-ids", str(full[k])]):
+        rc, out, err = run_main(capsys, *args, *flags)
+        assert rc == 0, err
+        row = parse_json_lines(out)[0][0]
+        assert row["token_ids"] == full[:k + 1] and row["finish_reason"] == "eos"
+        assert "sample_index" not in row  # only with --n > 1
+    rc, out, err = run_main(capsys, *args, "--stop-token-ids", "100000")
+    assert rc == 2 and out == "" and "stop_token_ids: 100000 is not a token id" in err
+
+
 class Latin1Tokenizer(ByteTokenizer):
     """Bytes as latin-1 characters: any output text encodes back to the same tokens, so a
     continuation can be written into a JSONL passage (UTF-8 would garble random bytes)."""
@@ -257,6 +293,10 @@ def test_model_path_that_is_not_a_model(capsys, tmp_path):
     (["--prompt", "hi", "--references-field", "passage"], "--references-field needs --prompts-file"),
     (["--prompt", "hi", "--strategy", "beam"], "invalid choice: 'beam'"),
     (["--max-new-tokens", "8"], "one of the arguments --prompt --prompts-file is required"),
+    (["--prompt", "hi", "--n", "2"], "--n 2 samples per prompt need --temperature > 0"),
+    (["--prompt", "hi", "--n", "0"], "--n must be >= 1"),
+    (["--prompt", "hi", "--stop-token-ids", "2,x"], "must be token ids separated by commas, like 2,13, got '2,x'"),
+    (["--prompt", "hi", "--stop-token-ids", "-1"], "must be token ids >= 0"),
 ])
 def test_argument_errors(fake_load, capsys, argv, msg):
     rc, out, err = run_main(capsys, *argv)
@@ -402,7 +442,8 @@ def test_console_script_sets_up_like_the_module(monkeypatch, capsys, argv0, prog
     rc, out, _ = run_main(capsys, "--help")
     assert rc == 0 and out.startswith("usage: python -m lookahead_jax.generate [-h]")
     flat = " ".join(out.split())
-    assert "larger batches do not stream" in flat
+    assert "larger batches do not stream" in flat and "--num-return-sequences" in flat
+    assert "--stop-token-ids ID,ID" in flat
 
 
 def _console_script_command():
