@@ -92,7 +92,9 @@ def check_messages(messages, where: str = "messages") -> None:
     str}; anything else is a ValueError naming the message and the expected form (rather
     than a template engine's error, or a plain string taken as a prompt)."""
     form = 'a list of {"role": "user", "content": "..."} objects'
-    if not isinstance(messages, list) or not messages:
+    if isinstance(messages, list) and not messages:
+        raise ValueError(f"{where}: chat messages must be {form}, got an empty list")
+    if not isinstance(messages, list):
         raise ValueError(f"{where}: chat messages must be {form}, got {type(messages).__name__}"
                          + (" (for plain text use 'prompt')" if isinstance(messages, str) else ""))
     for j, m in enumerate(messages):
@@ -224,15 +226,20 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     if need > S or max(lens) + max_new_tokens > cfg.max_position:
         longest = int(np.argmax(lens))
         limits = []
+        over_context = max(lens) + max_new_tokens > cfg.max_position
         if need > S:
+            held = (f"max_cache_len={max_cache_len}" if max_cache_len else
+                    f"the default, capped at the model's {cfg.max_position} positions")
             limits.append(f"it needs {need} cache slots (+{max_T + 1} for verification) but "
-                          f"the cache holds {S} (max_cache_len={max_cache_len})")
-        if max(lens) + max_new_tokens > cfg.max_position:
+                          f"the cache holds {S} ({held})")
+        if over_context:
             limits.append(f"the model's context is {cfg.max_position} positions")
+        fix = ("Shorten the prompt or lower max_new_tokens (--max-new-tokens)" if over_context or not max_cache_len
+               else "Shorten the prompt, lower max_new_tokens (--max-new-tokens), or raise max_cache_len "
+                    "(--max-cache-len)")
         raise ValueError(
             f"prompt {first_index + longest // n} has {lens[longest]} tokens and "
-            f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + ". Shorten the prompt, "
-            "lower max_new_tokens (--max-new-tokens), or raise max_cache_len (--max-cache-len)."
+            f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + f". {fix}."
         )
     eos = () if ignore_eos else tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     for t in stop_token_ids or ():

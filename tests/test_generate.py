@@ -307,12 +307,19 @@ def test_prompt_errors(models, tok):
                           [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]], max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt 0, message 0: no 'role' field"):
         generate(m, tok, [[{"content": "a"}]], max_new_tokens=4)
+    from lookahead_jax.generate import check_messages
+
+    with pytest.raises(ValueError, match="got an empty list"):
+        check_messages([], "prompt 0")
 
 
 def test_prompt_longer_than_cache(models, tok):
     m = models["llama"]
     with pytest.raises(ValueError, match=r"prompt 1 has 24 tokens.*cache holds 32.*max_cache_len"):
         generate(m, tok, ["a", "x" * 23], max_new_tokens=8, max_cache_len=32)
+    # the default cache, capped by the model's context: no --max-cache-len advice that cannot help
+    with pytest.raises(ValueError, match=r"positions\. Shorten the prompt or lower max_new_tokens \(--max-new-tokens\)\.$"):
+        generate(m, tok, ["x" * (m.config.max_position - 4)], max_new_tokens=8)
 
 
 def test_prompt_longer_than_model_context(tok):
