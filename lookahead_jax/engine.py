@@ -188,25 +188,44 @@ class Engine:
             self._mesh_steps[jkey] = fn
         return fn, {}
 
-    def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True):
-        """`verify.extend_step` through the compiled-function table (name "prefill")."""
+    def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
+               suppress=None, ban: tuple = (), logprobs: bool = False):
+        """`verify.extend_step` through the compiled-function table (name "prefill").
+        suppress [B] / ban (min_new_tokens) and logprobs: see `verify.py`; off by default
+        (the same executable as without them)."""
         from .verify import jitted_extend
 
         args = (self.params, cache, self.arg(tokens), self.arg(n_new), seeds, rows)
+        static = dict(window=window, emit=emit)
+        if suppress is not None and ban:
+            args += (self.arg(np.asarray(suppress, np.int32)),)
+            static["ban"] = tuple(int(t) for t in ban)
+        if logprobs:
+            static["logprobs"] = True
         fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling),
-                                args, 1, dict(window=window, emit=emit))
+                                args, 2 if logprobs else 1, static)
         return self.compiled("prefill", fn, *args, **static)
 
-    def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None):
-        """`verify.verify_step` on a packed `tree.VerifyBlock`."""
+    def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
+               suppress=None, ban: tuple = (), logprobs: bool = False):
+        """`verify.verify_step` on a packed `tree.VerifyBlock` (suppress / ban / logprobs:
+        see `verify.py`; off by default)."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
                 self.arg(block.depth), self.arg(block.mask), self.arg(active), seeds, rows)
+        static = dict(window=window)
         if draft_probs is not None:
             args += (draft_probs if isinstance(draft_probs, jax.Array) else self.arg(draft_probs),)
+        if suppress is not None and ban:
+            if draft_probs is None:
+                args += (None,)
+            args += (self.arg(np.asarray(suppress, np.int32)),)
+            static["ban"] = tuple(int(t) for t in ban)
+        if logprobs:
+            static["logprobs"] = True
         fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule),
-                                args, 3, dict(window=window))
+                                args, 4 if logprobs else 3, static)
         return self.compiled("verify", fn, *args, **static)
 
     def measure_verify_costs(self, rule, B: int, S: int, buckets, length: Optional[int] = None,

@@ -30,6 +30,15 @@ Algorithm (one forward, no shape depends on the outcome):
     # best = 3, path = [0, 1, 3], emitted = [tok[1], tok[3], c[3]], length += 3
 
 With T = 0 (no drafts) the step is plain decoding: one token per forward.
+
+Two options change a step the same way in plain decoding and in verification, so every
+strategy stays exact with them (both off by default: the step is then unchanged):
+* `suppress` [B] with static `ban` ids (min_new_tokens): the logits at a position below
+  suppress[b] give the `ban` tokens (EOS, stop ids) probability 0 before the rule sees
+  them, so a node is checked against exactly what plain decoding would pick there.
+* static `logprobs`: also return the model's log-probability of every emitted token
+  (log_softmax of the raw logits, before temperature / top-k / top-p / bans) at the node
+  that chose it: the values plain decoding computes for the same token at the same place.
 """
 
 from __future__ import annotations
@@ -58,26 +67,51 @@ def tree_mask(length, anc, n_slots):
     return prefix | (in_block & block)
 
 
+def banned(logits, positions, suppress, ban: tuple):
+    """logits [B,T,V] with the `ban` ids at -inf where positions [B,T] < suppress [B]
+    (min_new_tokens: the token after such a position may not end the row)."""
+    if suppress is None or not ban:
+        return logits
+    ids = jnp.asarray(ban, jnp.int32)
+    early = (positions < suppress[:, None])[..., None]  # [B,T,1]
+    cur = logits[..., ids]
+    return logits.at[..., ids].set(jnp.where(early, -jnp.inf, cur))
+
+
+def token_logprobs(logits, picks):
+    """log_softmax(logits [B,T,V])[picks [B,T]] -> [B,T] f32."""
+    lf = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(lf, jnp.clip(picks, 0)[..., None], axis=-1)[..., 0]
+    return chosen - jax.nn.logsumexp(lf, axis=-1)
+
+
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
-                draft_probs=None, *, config: ModelConfig, rule, window: int = 0):
+                draft_probs=None, suppress=None, *, config: ModelConfig, rule, window: int = 0,
+                ban: tuple = (), logprobs: bool = False):
     """Returns (emitted [B,1+T] int32 (-1 past n), n_emitted [B] int32, path [B,1+T] int32
-    (block indices of the accepted nodes root..best, then 0), cache).
+    (block indices of the accepted nodes root..best, then 0), cache); with `logprobs`,
+    (emitted, n_emitted, path, logprobs [B,1+T] f32 of the emitted tokens, cache).
 
     rule: the acceptance rule (`acceptance.TokenMatch`, ...), static. draft_probs: the
     drafts' distributions for rules that need them (None: deterministic drafts).
-    window: static number of cache slots attention reads (0: all). Every active row needs
-    length + 1 + T <= window; the decode loop picks it with `window_for`."""
+    suppress/ban: see the module docstring (min_new_tokens). window: static number of
+    cache slots attention reads (0: all). Every active row needs length + 1 + T <= window;
+    the decode loop picks it with `window_for`."""
     B, T1 = tokens.shape
     length = cache.length
     positions = length[:, None] + depth  # [B,1+T]
     mask = tree_mask(length, anc, window or cache.max_len)
-    logits, cache = forward(params, tokens, positions, cache, mask, config)
+    raw, cache = forward(params, tokens, positions, cache, mask, config)
+    logits = banned(raw, positions, suppress, ban)
     best, bonus = rule(logits, tokens, parent, depth, anc, positions, seed, row, draft_probs)
     active = active.astype(bool)
     n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
     n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
     if T1 == 1:  # plain decoding
-        return bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32), advance(cache, n_emit)
+        out = (bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32))
+        if logprobs:
+            out += (token_logprobs(raw, bonus[:, None]),)
+        return out + (advance(cache, n_emit),)
 
     # path[d] = index of the accepted node at depth d (d = 0..n_acc); rest 0
     on_path = jnp.take_along_axis(anc, best[:, None, None], axis=1)[:, 0, :]  # [B,1+T]
@@ -90,11 +124,16 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     d = jnp.arange(T1)[None, :]
     emitted = jnp.where(d < n_acc[:, None], nxt, jnp.where(d == n_acc[:, None], bonus[:, None], -1))
     cache = commit(cache, path, n_emit)
+    if logprobs:  # emitted[d] was chosen at the path's node of depth d
+        at_path = jnp.take_along_axis(raw, path[:, :, None], axis=1)  # [B,1+T,V]
+        lp = jnp.where(d <= n_acc[:, None], token_logprobs(at_path, emitted), 0.0)
+        return emitted, n_emit, path, lp, cache
     return emitted, n_emit, path, cache
 
 
-def extend_step(params, cache: KVCache, tokens, n_new, seed, row, *, config: ModelConfig,
-                sampling: SamplingParams, window: int, emit: bool = True):
+def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, *, config: ModelConfig,
+                sampling: SamplingParams, window: int, emit: bool = True, ban: tuple = (),
+                logprobs: bool = False):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
@@ -105,7 +144,8 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, *, config: Mod
     root). With emit=False the last token stays uncommitted (length += n - 1): it is the
     root the next step forwards, as after any decode step. Rows with n_new = 0 are left
     as they are. window: static slots attention reads (>= max(length) + P; a fresh
-    prefill reads only its own P slots)."""
+    prefill reads only its own P slots). suppress/ban, logprobs: as in `verify_step`
+    (with logprobs: (next token, its log-probability [B], cache))."""
     B, P = tokens.shape
     length = cache.length
     positions = length[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]  # [B,P]
@@ -113,9 +153,12 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, *, config: Mod
     mask = s <= positions[:, :, None]  # [B,P,W]: the committed prefix and the block, causal
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)
     last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)  # [B,1,D]
-    logits = logits_from_hidden(params, last, config)  # [B,1,V]
+    raw = logits_from_hidden(params, last, config)  # [B,1,V]
+    logits = banned(raw, (length + n_new - 1)[:, None], suppress, ban)
     nxt = select_tokens(logits, sampling, seed, row, (length + n_new)[:, None])[:, 0]
     keep = n_new if emit else jnp.maximum(n_new - 1, 0)
+    if logprobs:
+        return nxt, token_logprobs(raw, nxt[:, None])[:, 0], advance(cache, keep)
     return nxt, advance(cache, keep)
 
 
@@ -123,7 +166,7 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, *, config: Mod
 def jitted_extend(config: ModelConfig, sampling: SamplingParams):
     """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
     return jax.jit(functools.partial(extend_step, config=config, sampling=sampling),
-                   donate_argnums=(1,), static_argnames=("window", "emit"))
+                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,7 +177,7 @@ def jitted_verify_step(config: ModelConfig, rule):
         rule = TokenMatch(rule)
     return jax.jit(
         functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
-        static_argnames=("window",),
+        static_argnames=("window", "ban", "logprobs"),
     )
 
 
