@@ -103,7 +103,7 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=3, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--ignore-eos", action="store_true", help="fixed length (a separate, labelled result)")
-    ap.add_argument("--expansions", nargs="+", default=["1,1,3,1,1,1,1,1", "1,1,1,1,1"],
+    ap.add_argument("--expansions", nargs="+", default=["1,1,1,1", "1,1,3,1,1,1,1,1"],
                     help="greedy SpecInfer tree shapes (widths per depth)")
     ap.add_argument("--lookahead", nargs="*", default=["7:12"], help="lookahead decoding_length:branch_length")
     ap.add_argument("--draft-weights", nargs="+", default=["bfloat16"], choices=("bfloat16", "float32"),
