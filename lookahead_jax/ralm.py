@@ -1,0 +1,614 @@
+"""Retrieval-augmented decoding on the one decode loop: in-context RaLM and RaLMSpec.
+
+RaLM (in-context retrieval-augmented LM, `strategy="ralm"`), per row:
+
+    passage = top-1 of retrieve(prompt text)                 # before the first prefill
+    row prompt = [BOS] + passage tokens + "\\n\\n" + prompt   # passage before the question
+    every `stride` generated tokens (boundary g = stride, 2*stride, ...):
+        query = text of the last `query_tokens` tokens of prompt + generated[:g]
+        p = top-1 of retrieve(query)
+        p != passage: new row prompt with p, keep generated[:g], re-prefill (`replace_prompt`)
+        p == passage: decoding just continues
+
+The passage is `retriever.corpus[i].contents` (its title, when it has one, on its own line,
+then its text), cut to `max_passage_tokens`; the row's BOS (when its prompt starts with
+one) stays first. A boundary g only matters if a token after it is produced: rows that end
+(EOS, stop string, max_new_tokens) at or before g never retrieve at g.
+
+RaLMSpec (`strategy="ralmspec"`): the same outputs, token for token, with fewer calls to
+the full index (speculated boundaries are checked in one batched call). Each row keeps a speculation cache of corpus positions (every real retrieval
+adds its top-`prefetch`). At a boundary the *speculated* top-1 is the best cached passage
+(`retriever.retrieve_from`, which scores a subset exactly as the full index does and ranks
+ties the same way); the row goes on with it. After `s` speculated boundaries, at the next
+boundary g', one batched `retriever.retrieve` takes the s speculated queries plus the query
+at g': the first speculated boundary whose true top-1 differs is rolled back (generated ids
+cut to it, prompt replaced by the true passage, later speculation dropped); when all s were
+right the query at g' is a real retrieval, whose passage takes effect like RaLM's. A row that
+ends with unverified boundaries is verified before it is final (a mismatch revives it).
+
+Why the outputs are RaLM's: a verified boundary has RaLM's passage, so the tokens up to the
+next boundary are RaLM's (greedy, or sampling keyed by (seed, row, absolute position)); a
+passage change re-prefills exactly the context RaLM re-prefills. With an exact retriever a
+rollback always changes the passage (the passage in effect is cached, so when it is still
+the true top-1 the cache's top-1 is it too), i.e. RaLM re-prefilled there as well. A
+retriever whose `retrieve_from` disagrees with `retrieve` (tests force this) can make a
+rollback return to the passage it left: the row is then re-prefilled where RaLM kept
+decoding, which gives RaLM's tokens as far as a block forward computes the K/V of an
+incremental one (the property lookahead == greedy rests on). Rows are edited and
+re-prefilled in different groupings by the two strategies, so identity also rests on a
+row's logits not depending on the other rows of a forward, as for every strategy here.
+
+OS3 (`speculation_stride="auto"`): a round decodes s + 1 strides (one after the round's
+real boundary, one after each of its s speculated boundaries) and ends with one batched
+retrieval. With per-boundary speculation accuracy gamma (independent), the round resolves
+E(s) = sum_{i=0..s} gamma^i = (1 - gamma^(s+1)) / (1 - gamma) boundaries (all s right: s+1,
+the last by the real retrieval; first miss at i: i) in (s + 1) * a + b seconds, a = one
+stride of decoding plus one cache lookup, b = one verification retrieval. Each round picks
+
+    s = argmax_{1 <= s <= MAX_SPECULATION_STRIDE}  E(s) / ((s + 1) * a + b)
+
+from measured a (decode seconds per step * steps per stride + seconds per cache lookup), b
+(seconds per verification call) and the row's running gamma ((hits + 1) / (checks + 2)).
+Until a and b are measured, s = DEFAULT_SPECULATION_STRIDE.
+
+With `lookahead` (n-gram trie drafts, as strategy "lookahead") a step can emit several tokens
+and cross boundaries; they are processed in order, and tokens past a boundary whose passage
+changes are cut. Streamed text (`on_text`) is only text that no later retrieval can change.
+
+Host logic only: the forwards are decode.py's (`decode`, `replace_prompt`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .decode import decode, replace_prompt
+
+SEPARATOR = "\n\n"  # between the passage and the prompt
+DEFAULT_SPECULATION_STRIDE = 3  # s before OS3 has measurements
+MAX_SPECULATION_STRIDE = 16
+MAX_STRIDE = 4096
+
+
+def _int_in(name, v, lo, hi):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
+def _auto_or_int(v):
+    """"auto", or an integer from its string (the CLI's form); anything else as it is, for
+    `validate` to name."""
+    if isinstance(v, str) and v != "auto":
+        try:
+            return int(v)
+        except ValueError:
+            return v
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class RaLM:
+    """In-context retrieval-augmented decoding (module docstring): every `stride` generated
+    tokens the last `query_tokens` tokens query the retriever and its top-1 passage is put
+    before the prompt (the row is re-prefilled when the passage changes).
+
+    retriever: a `retrieval.Retriever` built from a Corpus (its `.corpus` gives the text), or
+        a kind ("bm25", "dense", "hnsw", "ivf") loaded with `retrieval.load_retriever(kind,
+        corpus)` (the index must have been built: `python -m lookahead_jax.retrieval build`).
+    corpus: the corpus (JSON Lines path or `Corpus`) when `retriever` is a kind.
+    stride: generated tokens between retrievals (1..4096).  query_tokens: query length in
+        tokens of prompt + output (the first query is the whole prompt).
+    max_passage_tokens: passages are cut to this many tokens; the cache is sized for it (an
+        error if a prompt plus a passage of that length cannot fit `max_cache_len`).
+    lookahead: 0 = plain decoding (greedy or sampling); "auto" or N > 0 = n-gram trie drafts
+        as strategy "lookahead" with decoding_length N (retrieved passages feed the trie)."""
+
+    retriever: object = None
+    corpus: object = None
+    stride: int = 4
+    query_tokens: int = 32
+    max_passage_tokens: int = 256
+    lookahead: object = 0
+
+    name = "ralm"
+    help = "retrieval-augmented decoding: top-1 passage before the prompt, re-retrieved every --stride tokens"
+    cli_names = {}
+    parsers = {"retriever": str, "corpus": str, "lookahead": _auto_or_int}
+    metavars = {"retriever": "KIND", "corpus": "JSONL", "lookahead": "N|auto"}
+    field_help = {
+        "retriever": "retriever kind bm25|dense|hnsw|ivf (its index built with python -m "
+                     "lookahead_jax.retrieval build)",
+        "corpus": "the passages (JSON Lines of {id, text, title?}) the index was built from",
+        "stride": "generated tokens between retrievals (default 4)",
+        "query_tokens": "the query is the text of the last N tokens of prompt + output (default 32)",
+        "max_passage_tokens": "passages are cut to N tokens; the cache is sized for them (default 256)",
+        "lookahead": "n-gram trie drafts as --strategy lookahead, N nodes or auto (default 0: none)",
+    }
+
+    def __post_init__(self):
+        object.__setattr__(self, "lookahead", _auto_or_int(self.lookahead))
+
+    # ---- checks and components
+    def validate(self) -> None:
+        from .retrieval import KINDS, UnknownRetriever
+
+        r = self.retriever
+        if r is None:
+            raise ValueError(f"strategy {self.name!r} needs a retriever: retriever=<Retriever object>, or "
+                             f"retriever=KIND and corpus=PATH (KIND one of {', '.join(KINDS)})")
+        if isinstance(r, str):
+            if r not in KINDS:
+                raise UnknownRetriever(f"unknown retriever {r!r}; valid: {', '.join(KINDS)}, or a Retriever object")
+            if self.corpus is None:
+                raise ValueError(f"retriever={r!r} needs corpus=PATH (the JSON Lines file its index was built from)")
+        elif not all(callable(getattr(r, m, None)) for m in ("retrieve", "retrieve_from")):
+            raise ValueError(f"retriever must be a retriever kind or a Retriever object, got {type(r).__name__}")
+        _int_in("stride", self.stride, 1, MAX_STRIDE)
+        _int_in("query_tokens", self.query_tokens, 1, 1 << 20)
+        _int_in("max_passage_tokens", self.max_passage_tokens, 1, 1 << 20)
+        la = self.lookahead
+        if la != "auto":
+            from . import tree as tree_lib
+
+            _int_in("lookahead", la, 0, tree_lib.MAX_NODES)
+
+    def _lookahead(self):
+        from .strategies import Lookahead
+
+        return None if self.lookahead == 0 else Lookahead(decoding_length=self.lookahead)
+
+    def drafter(self, engine):
+        la = self._lookahead()
+        return la.drafter(engine) if la is not None else None
+
+    def max_nodes(self, drafter=None) -> int:
+        la = self._lookahead()
+        if drafter is None:
+            return 0
+        return la.max_nodes(drafter) if la is not None else drafter.max_nodes
+
+    def setup(self, engine, state, drafter=None, references=None):
+        from .acceptance import TokenMatch
+        from .budget import FixedBudget
+
+        if drafter is None:
+            return None, TokenMatch(state.sampling), FixedBudget(0)
+        la = self._lookahead()
+        if la is not None:
+            return la.setup(engine, state, drafter, references)
+        drafter.begin(state, references)
+        return drafter, TokenMatch(state.sampling), FixedBudget(drafter.max_nodes)
+
+    def start(self, tokenizer, prompt_ids):
+        """The per-call run (generate's hook): rewrites the prompts, then drives the loop."""
+        return RalmRun(self, tokenizer, prompt_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaLMSpec(RaLM):
+    """RaLM's outputs with speculative retrieval (module docstring).
+
+    speculation_stride: speculated boundaries per verification: "auto" (OS3) or 1..16.
+    prefetch: top-k of each real retrieval that enter the row's speculation cache."""
+
+    speculation_stride: object = "auto"
+    prefetch: int = 20
+
+    name = "ralmspec"
+    help = "ralm's tokens with speculative retrieval from a per-request cache, verified in batches"
+    # one flag per field: RaLM's fields are --retriever, --stride, ... (the CLI does not
+    # share a flag between two strategies yet)
+    cli_names = {f: "ralmspec-" + f.replace("_", "-") for f in
+                 ("retriever", "corpus", "stride", "query_tokens", "max_passage_tokens", "lookahead")}
+    field_help = dict(RaLM.field_help,
+                      speculation_stride="speculated boundaries per verification: auto (OS3) or 1..16",
+                      prefetch="top-k of each real retrieval added to the speculation cache (default 20)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "speculation_stride", _auto_or_int(self.speculation_stride))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.speculation_stride != "auto":
+            try:
+                _int_in("speculation_stride", self.speculation_stride, 1, MAX_SPECULATION_STRIDE)
+            except ValueError:
+                raise ValueError(f"speculation_stride must be 'auto' or an integer in "
+                                 f"[1, {MAX_SPECULATION_STRIDE}], got {self.speculation_stride!r}") from None
+        _int_in("prefetch", self.prefetch, 1, 1 << 20)
+
+    def start(self, tokenizer, prompt_ids):
+        return RalmSpecRun(self, tokenizer, prompt_ids)
+
+
+# ----------------------------------------------------------------------------- retrievers
+_LOADED: dict = {}  # the last retriever loaded by (kind, corpus): one entry
+
+
+def resolve_retriever(retriever, corpus=None):
+    """A Retriever object as given, or `load_retriever(kind, corpus)` (the last one loaded
+    is kept, keyed by the corpus file's path, size and mtime)."""
+    if not isinstance(retriever, str):
+        return retriever
+    from .retrieval import load_retriever
+    from .retrieval.corpus import Corpus
+
+    if isinstance(corpus, Corpus):
+        key = (retriever, "sha256", corpus.fingerprint)
+    else:
+        p = Path(corpus).expanduser()
+        st = p.stat() if p.is_file() else None
+        key = (retriever, str(p.resolve()), st and (st.st_size, st.st_mtime_ns))
+    if key not in _LOADED:
+        r = load_retriever(retriever, corpus)
+        _LOADED.clear()
+        _LOADED[key] = r
+    return _LOADED[key]
+
+
+# ----------------------------------------------------------------------------- runs
+class RalmRun:
+    """One generate call of RaLM: per row the original prompt, the passage in effect, the
+    next boundary, the passages used; retrieval counters. Hook protocol (generate.py):
+    `extra_tokens` (cache sizing), `prompts()` (before prefill), `decode(...)` (instead
+    of `decode.decode`), `summary()` (stats)."""
+
+    def __init__(self, strat: RaLM, tokenizer, prompt_ids):
+        self.strat, self.tok = strat, tokenizer
+        self.retriever = resolve_retriever(strat.retriever, strat.corpus)
+        corpus = getattr(self.retriever, "corpus", None)
+        if corpus is None:
+            raise ValueError("the retriever has no corpus to take passage text from: build it from a "
+                             "retrieval.Corpus (e.g. BM25Retriever.build(corpus)) or use load_retriever")
+        self.corpus = corpus
+        self.n_docs = len(corpus)
+        self.orig = [list(x) for x in prompt_ids]
+        B = len(self.orig)
+        self.sep = list(tokenizer.encode(SEPARATOR, add_special_tokens=False))
+        self.bos = getattr(tokenizer, "bos_token_id", None)
+        self.extra_tokens = strat.max_passage_tokens + len(self.sep)
+        self.extra_note = (f"up to {self.extra_tokens} tokens of retrieved passage "
+                           f"(max_passage_tokens={strat.max_passage_tokens})")
+        self.passage = [-1] * B  # corpus position in effect per row
+        self.next_g = [strat.stride] * B  # next boundary (generated tokens) per row
+        self.history = [[] for _ in range(B)]  # (boundary, passage) where the passage changed
+        self._tokens: dict = {}  # passage tokens by corpus position
+        self.retrieval_s = 0.0
+        self.retrieval_calls = 0
+        self.retrievals = 0  # queries answered by the full index
+        self.reprefills = 0
+        self._stream = None
+
+    # ---- text
+    def _passage_tokens(self, pid: int) -> list:
+        if pid not in self._tokens:
+            text = self.corpus[int(pid)].contents
+            self._tokens[pid] = list(self.tok.encode(text, add_special_tokens=False))[:self.strat.max_passage_tokens]
+        return self._tokens[pid]
+
+    def _prompt(self, b: int, pid: int) -> list:
+        """[BOS] + passage + separator + the original prompt (after its BOS)."""
+        orig = self.orig[b]
+        head = orig[:1] if self.bos is not None and orig and orig[0] == self.bos else []
+        return head + self._passage_tokens(pid) + self.sep + orig[len(head):]
+
+    def _query(self, state, b: int, g: int) -> str:
+        ctx = self.orig[b] + state.rows[b].ids[:g]
+        return self.tok.decode(ctx[-self.strat.query_tokens:], skip_special_tokens=True)
+
+    # ---- retrieval (timed)
+    def _retrieve(self, queries, k):
+        t0 = time.perf_counter()
+        ids, _ = self.retriever.retrieve(queries, min(k, self.n_docs))
+        self.retrieval_s += time.perf_counter() - t0
+        self.retrieval_calls += 1
+        self.retrievals += len(queries)
+        return np.asarray(ids)
+
+    def _first_k(self) -> int:
+        return 1
+
+    # ---- hooks
+    def prompts(self) -> list:
+        """The initial retrieval (the whole prompt is the query): each row's prompt with its
+        top-1 passage before it."""
+        ids = self._retrieve([self.tok.decode(x, skip_special_tokens=True) for x in self.orig], self._first_k())
+        self._prefetched(range(len(self.orig)), ids)
+        out = []
+        for b, row in enumerate(ids):
+            self.passage[b] = int(row[0])
+            self.history[b] = [(0, int(row[0]))]
+            out.append(self._prompt(b, int(row[0])))
+        return out
+
+    def _prefetched(self, rows, ids) -> None:
+        pass
+
+    def decode(self, engine, state, drafter, rule, budget) -> None:
+        """Decode to the end, pausing at every boundary a row reaches (or crosses)."""
+        self._stream = _Stream(state, self.tok)
+        while True:
+            self._resolve(engine, state, drafter)
+            self._stream.flush(state, self._final_upto)
+            if not state.active.any():
+                break
+            t0, steps0 = time.perf_counter(), state.steps
+            n0 = [(len(r.ids), r.steps) for r in state.rows]
+            decode(engine, state, drafter, rule, budget, until=self._paused)
+            self._timed_decode(state, time.perf_counter() - t0, state.steps - steps0, n0)
+        self._stream.flush(state, self._final_upto)
+
+    def _timed_decode(self, state, seconds, steps, n0) -> None:
+        pass
+
+    def _due(self, state, b: int) -> bool:
+        """Row b has reached its next boundary with a token still to come, or passed it."""
+        r, g = state.rows[b], self.next_g[b]
+        return g < r.max_new and (len(r.ids) > g or (len(r.ids) == g and r.finish is None))
+
+    def _paused(self, state) -> bool:
+        return any(self._due(state, b) for b in range(state.batch))
+
+    def _final_upto(self, state, b: int) -> int:
+        """Generated tokens of row b that no retrieval can change any more."""
+        return min(len(state.rows[b].ids), self.next_g[b])
+
+    def _resolve(self, engine, state, drafter) -> None:
+        while True:
+            due = [b for b in range(state.batch) if self._due(state, b)]
+            if not due:
+                return
+            ids = self._retrieve([self._query(state, b, self.next_g[b]) for b in due], 1)
+            swaps = []
+            for b, row in zip(due, ids):
+                g, pid = self.next_g[b], int(row[0])
+                self.next_g[b] = g + self.strat.stride
+                if pid != self.passage[b]:
+                    self.passage[b] = pid
+                    self.history[b].append((g, pid))
+                    swaps.append((b, g))
+            self._swap(engine, state, drafter, swaps)
+
+    def _swap(self, engine, state, drafter, swaps) -> None:
+        """Re-prefill rows with their passage in effect, keeping g generated tokens."""
+        if not swaps:
+            return
+        rows = [b for b, _ in swaps]
+        replace_prompt(engine, state, rows, [self._prompt(b, self.passage[b]) for b in rows],
+                       [g for _, g in swaps], drafter=drafter)
+        self.reprefills += len(rows)
+        # lookahead: the new passage's n-grams seed the row's trie (its inputs)
+        trie, req = getattr(drafter, "trie", None), getattr(drafter, "_req", None)
+        if trie is not None and req is not None:
+            for b in rows:
+                trie.insert_input(self._passage_tokens(self.passage[b]), req[b])
+
+    def summary(self) -> dict:
+        return dict(
+            retrieval_s=self.retrieval_s, retrieval_calls=self.retrieval_calls, retrievals=self.retrievals,
+            reprefills=self.reprefills,
+            passages=[[[int(g), int(p)] for g, p in h] for h in self.history],
+        )
+
+
+@dataclasses.dataclass
+class _Spec:
+    g: int  # boundary (generated tokens)
+    query: str
+    spec: int  # speculated passage (cache top-1)
+    before: int  # passage in effect before the boundary
+
+
+class RalmSpecRun(RalmRun):
+    """One generate call of RaLMSpec: RalmRun plus per row the speculation cache, the
+    unverified boundaries, the round's speculation stride and accuracy counters."""
+
+    def __init__(self, strat: RaLMSpec, tokenizer, prompt_ids):
+        super().__init__(strat, tokenizer, prompt_ids)
+        B = len(self.orig)
+        self.cache = [set() for _ in range(B)]
+        self.records = [[] for _ in range(B)]
+        self.s = [self._fixed_s() or DEFAULT_SPECULATION_STRIDE] * B
+        self.checks = [0] * B  # verified speculations per row
+        self.hits = [0] * B
+        self.speculations = 0
+        self.rollbacks = 0
+        self.rollback_tokens = 0
+        self.spec_s = 0.0
+        self.spec_calls = 0
+        self.verify_s = 0.0
+        self.verify_calls = 0
+        self.s_used = []  # s of every round started
+        self._step_s = self._tokens_per_step = None  # OS3 measurements
+
+    def _fixed_s(self) -> Optional[int]:
+        s = self.strat.speculation_stride
+        return None if s == "auto" else int(s)
+
+    def _first_k(self) -> int:
+        return self.strat.prefetch
+
+    def _prefetched(self, rows, ids) -> None:
+        for b, row in zip(rows, ids):
+            self.cache[b].update(int(i) for i in row if i >= 0)
+
+    def _paused(self, state) -> bool:
+        return any(self._due(state, b) or self._unverified_end(state, b) for b in range(state.batch))
+
+    def _unverified_end(self, state, b) -> bool:
+        return bool(self.records[b]) and state.rows[b].finish is not None and not self._due(state, b)
+
+    def _final_upto(self, state, b: int) -> int:
+        g = self.records[b][0].g if self.records[b] else self.next_g[b]
+        return min(len(state.rows[b].ids), g)
+
+    def _timed_decode(self, state, seconds, steps, n0) -> None:
+        tokens = sum(max(len(r.ids) - n, 0) for r, (n, _) in zip(state.rows, n0))
+        row_steps = sum(r.steps - s for r, (_, s) in zip(state.rows, n0))
+        if steps > 0 and row_steps > 0 and tokens > 0:
+            ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new  # noqa: E731
+            self._step_s = ema(self._step_s, seconds / steps)
+            self._tokens_per_step = ema(self._tokens_per_step, tokens / row_steps)
+
+    def os3(self, b: int) -> int:
+        """The speculation stride of row b's next round (module docstring)."""
+        fixed = self._fixed_s()
+        if fixed is not None:
+            return fixed
+        if self._step_s is None or not self.verify_calls:
+            return DEFAULT_SPECULATION_STRIDE
+        a = self._step_s * self.strat.stride / self._tokens_per_step
+        a += self.spec_s / max(self.spec_calls, 1)
+        bt = self.verify_s / self.verify_calls
+        return os3_stride((self.hits[b] + 1) / (self.checks[b] + 2), a, bt)
+
+    def _resolve(self, engine, state, drafter) -> None:
+        while True:
+            spec, verify = [], []
+            for b in range(state.batch):
+                if self._due(state, b):
+                    (verify if len(self.records[b]) >= self.s[b] else spec).append(b)
+                elif self._unverified_end(state, b):
+                    verify.append(b)
+            if not spec and not verify:
+                return
+            swaps = []
+            if verify:
+                self._verify(state, verify, swaps)
+            if spec:
+                self._speculate(state, spec, swaps)
+            self._swap(engine, state, drafter, swaps)
+
+    def _speculate(self, state, rows, swaps) -> None:
+        queries = [self._query(state, b, self.next_g[b]) for b in rows]
+        t0 = time.perf_counter()
+        ids, _ = self.retriever.retrieve_from(queries, [np.fromiter(self.cache[b], np.int64) for b in rows], 1)
+        dt = time.perf_counter() - t0
+        self.spec_s += dt
+        self.retrieval_s += dt
+        self.spec_calls += 1
+        for b, q, row in zip(rows, queries, ids):
+            g, pid = self.next_g[b], int(row[0])
+            pid = self.passage[b] if pid < 0 else pid  # INVALID: nothing cached (never: the passage is)
+            if not self.records[b]:
+                self.s_used.append(self.s[b])
+            self.records[b].append(_Spec(g, q, pid, self.passage[b]))
+            self.speculations += 1
+            self.next_g[b] = g + self.strat.stride
+            if pid != self.passage[b]:
+                self.passage[b] = pid
+                self.history[b].append((g, pid))
+                swaps.append((b, g))
+
+    def _verify(self, state, rows, swaps) -> None:
+        """One batched retrieval: every listed row's speculated queries, plus the query at
+        its current boundary when it is at one."""
+        queries, spans = [], []
+        for b in rows:
+            now = self._due(state, b)
+            q = [r.query for r in self.records[b]] + ([self._query(state, b, self.next_g[b])] if now else [])
+            spans.append((len(queries), len(q), now))
+            queries += q
+        t0 = time.perf_counter()
+        ids = self._retrieve(queries, self.strat.prefetch)
+        self.verify_s += time.perf_counter() - t0
+        self.verify_calls += 1
+        for b, (i0, n, now) in zip(rows, spans):
+            got = ids[i0:i0 + n]
+            self._prefetched([b] * n, got)
+            self._check(state, b, got, now, swaps)
+            self.s[b] = self.os3(b)
+
+    def _check(self, state, b, got, now, swaps) -> None:
+        recs, self.records[b] = self.records[b], []
+        for rec, row in zip(recs, got):
+            true = int(row[0])
+            self.checks[b] += 1
+            if true == rec.spec:
+                self.hits[b] += 1
+                continue
+            # first wrong speculation: back to its boundary with the true passage
+            self.rollbacks += 1
+            self.rollback_tokens += len(state.rows[b].ids) - rec.g
+            self.history[b] = [h for h in self.history[b] if h[0] < rec.g]
+            if true != rec.before:
+                self.history[b].append((rec.g, true))
+            self.passage[b] = true
+            self.next_g[b] = rec.g + self.strat.stride
+            swaps.append((b, rec.g))
+            return
+        if now:  # all right: the query at the current boundary was a real retrieval
+            g, true = self.next_g[b], int(got[-1][0])
+            self.next_g[b] = g + self.strat.stride
+            if true != self.passage[b]:
+                self.passage[b] = true
+                self.history[b].append((g, true))
+                swaps.append((b, g))
+
+    def summary(self) -> dict:
+        out = super().summary()
+        checks = sum(self.checks)
+        out.update(
+            speculations=self.speculations, speculation_checks=checks,
+            speculation_accuracy=sum(self.hits) / checks if checks else None,
+            mean_speculation_stride=float(np.mean(self.s_used)) if self.s_used else 0.0,
+            rollbacks=self.rollbacks, rollback_tokens=self.rollback_tokens,
+            verify_calls=self.verify_calls, verify_s=self.verify_s, speculation_s=self.spec_s,
+        )
+        return out
+
+
+def os3_stride(gamma: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
+    """argmax over s in 1..max_s of E(s) / ((s + 1) a + b), E(s) = (1 - gamma^(s+1)) / (1 - gamma)
+    (module docstring). # gamma 0.9, a 1, b 2 -> 5 (E/t: s=1 .475, 3 .573, 4 .585, 5 .586, 6 .580)"""
+    gamma = min(max(gamma, 0.0), 1.0 - 1e-9)
+    s = np.arange(1, max_s + 1)
+    rate = (1 - gamma ** (s + 1)) / (1 - gamma) / ((s + 1) * a + b)
+    return int(s[int(np.argmax(rate))])
+
+
+# ----------------------------------------------------------------------------- streaming
+class _Stream:
+    """Hands on_text only text that is final: the rows' own streaming is switched off and
+    each flush sends the text of the tokens no retrieval can change (all of it once the row
+    has finished), holding back a tail that is half a character or could grow into a stop
+    string."""
+
+    def __init__(self, state, tokenizer):
+        self.tok = tokenizer
+        self.on_text = {}
+        self.sent = {}
+        for r in state.rows:
+            if r.on_text is not None:
+                self.on_text[r.index] = r.on_text
+                self.sent[r.index] = r.text[:getattr(r, "_sent", 0)]
+                r.on_text = None
+
+    def flush(self, state, final_upto) -> None:
+        for b, cb in self.on_text.items():
+            r = state.rows[b]
+            n = final_upto(state, b)
+            done = r.finish is not None and n == len(r.ids)
+            if done:
+                text = r.text
+            else:
+                text = self.tok.decode(r.ids[:n], skip_special_tokens=True)
+                end = len(text)
+                while end and text[end - 1] == "\ufffd":
+                    end -= 1
+                for s in r.stop:
+                    for k in range(min(len(s) - 1, end), 0, -1):
+                        if text[end - k:end] == s[:k]:
+                            end -= k
+                            break
+                text = text[:end]
+            sent = self.sent[b]
+            if len(text) > len(sent) and text.startswith(sent):
+                cb(b, text[len(sent):])
+                self.sent[b] = text

@@ -1,0 +1,381 @@
+"""RaLM and RaLMSpec (lookahead_jax/ralm.py) on the tiny llama + byte tokenizer.
+
+RaLMSpec's tokens (and the passages it ends up using) equal RaLM's: strides 1/2/4 x
+speculation strides 1/2/5 and OS3, greedy and sampling, batch 1 and > 1, rows ending
+mid-batch (with unverified boundaries), BM25 and a dense retriever, speculation forced
+always wrong (every boundary rolled back) and always right (none). RaLM itself is checked
+against its definition (one plain generate per stride) and against plain greedy on the
+prompt with the passage written in. `decode.replace_prompt` against a fresh prefill.
+Small corpora made here from words the model writes, so the top-1 passage really changes."""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+import lookahead_jax.decode as D
+import lookahead_jax.generate as G
+from lookahead_jax import retrieval as R
+from lookahead_jax.engine import engine_for
+from lookahead_jax.ralm import RaLM, RaLMSpec, os3_stride
+from tiny import load_prompts
+
+MAX_NEW = 24
+PROMPTS = [r["prompt"][:60] for r in load_prompts(3)]  # 9 prompts, 3 sources
+
+
+@pytest.fixture(scope="module")
+def corpus(model, tok) -> R.Corpus:
+    """80 passages of 3-11 words: the model's own output words plus the prompts' words."""
+    out = G.generate(model, tok, PROMPTS, max_new_tokens=48)
+    words = set()
+    for r in out.rows:
+        words |= {w.lower() for w in re.findall(r"[A-Za-z0-9]{2,}", r.text)}
+    for p in PROMPTS:
+        words |= {w.lower() for w in re.findall(r"[A-Za-z]{3,}", p)}
+    words = sorted(words)
+    rng = np.random.default_rng(0)
+    passages = [" ".join(rng.choice(words, size=int(rng.integers(3, 12)))) for _ in range(80)]
+    passages[7] = {"id": "titled", "title": "A title", "text": passages[7]}
+    return R.Corpus.from_passages(passages)
+
+
+@pytest.fixture(scope="module")
+def bm25(corpus):
+    pytest.importorskip("bm25s")
+    pytest.importorskip("Stemmer")
+    return R.BM25Retriever.build(corpus, progress=False)
+
+
+def toy_encode(texts) -> np.ndarray:
+    """Hashed character bigrams, L2-normalised [Q, 64]: every byte string gets a vector."""
+    out = np.zeros((len(texts), 64), np.float32)
+    for i, t in enumerate(texts):
+        for a, b in zip(t, t[1:]):
+            out[i, zlib.crc32((a + b).encode("utf-8", "surrogatepass")) % 64] += 1.0
+        n = np.linalg.norm(out[i])
+        if n:
+            out[i] /= n
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense(corpus):
+    return R.DenseRetriever(toy_encode(corpus.all_contents()), toy_encode, corpus=corpus)
+
+
+class Forced:
+    """A retriever whose `retrieve_from` (the speculation) is always wrong or always right:
+    "wrong" answers a passage other than the full index's top-1; "right" answers the full
+    index's top-1 even when it is not among the candidates."""
+
+    def __init__(self, inner, mode: str):
+        self.inner, self.mode, self.corpus = inner, mode, inner.corpus
+        self.spec_calls = 0
+
+    def retrieve(self, queries, k):
+        return self.inner.retrieve(queries, k)
+
+    def retrieve_from(self, queries, candidates, k):
+        self.spec_calls += 1
+        ids, scores = self.inner.retrieve(queries, k)
+        if self.mode == "wrong":
+            ids = (ids + 1) % len(self.corpus)
+        return ids, scores
+
+
+class Const:
+    """Always the same passage."""
+
+    def __init__(self, corpus, j: int):
+        self.corpus, self.j = corpus, j
+
+    def retrieve(self, queries, k):
+        return np.full((len(queries), k), self.j, np.int64), np.zeros((len(queries), k), np.float32)
+
+    def retrieve_from(self, queries, candidates, k):
+        return self.retrieve(queries, k)
+
+
+def run(model, tok, prompts, strat, **kw):
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    return G.generate(model, tok, prompts, strategy=strat, **kw)
+
+
+def assert_same(a, b):
+    assert a.token_ids == b.token_ids
+    assert [r.finish_reason for r in a.rows] == [r.finish_reason for r in b.rows]
+    assert [r.prompt_token_ids for r in a.rows] == [r.prompt_token_ids for r in b.rows]
+    assert a.stats["passages"] == b.stats["passages"]
+
+
+# ------------------------------------------------------------------------- RaLMSpec == RaLM
+@pytest.mark.parametrize("stride", [1, 2, 4])
+def test_ralmspec_equals_ralm_greedy(model, tok, bm25, stride):
+    base = run(model, tok, PROMPTS, RaLM(retriever=bm25, stride=stride, query_tokens=16))
+    changes = sum(len(h) - 1 for h in base.stats["passages"])
+    assert changes >= len(PROMPTS)  # the passage really changes while decoding
+    assert base.stats["retrievals"] == len(PROMPTS) * (1 + (MAX_NEW - 1) // stride)
+    rollbacks = 0
+    for s in (1, 2, 5, "auto"):
+        spec = run(model, tok, PROMPTS, RaLMSpec(retriever=bm25, stride=stride, query_tokens=16,
+                                                 speculation_stride=s))
+        assert_same(spec, base)
+        st = spec.stats
+        assert 0 < st["speculation_checks"] <= st["speculations"]  # those after a miss are dropped
+        assert 0 < st["speculation_accuracy"] <= 1
+        rollbacks += st["rollbacks"]
+        if s != "auto":
+            assert st["mean_speculation_stride"] == s
+    assert rollbacks > 0  # prefetching misses sometimes: rollbacks happened and were right
+
+
+def test_ralmspec_equals_ralm_batch_one(model, tok, bm25):
+    """Each prompt alone gives the batch's rows (rows are independent), for both."""
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    batch = run(model, tok, PROMPTS[:4], RaLM(**kw))
+    for i, p in enumerate(PROMPTS[:4]):
+        one = run(model, tok, [p], RaLM(**kw))
+        assert one.token_ids[0] == batch.token_ids[i]
+        assert one.stats["passages"][0] == batch.stats["passages"][i]
+        spec = run(model, tok, [p], RaLMSpec(speculation_stride=2, **kw))
+        assert_same(spec, one)
+
+
+def test_ralmspec_equals_ralm_sampling(model, tok, bm25):
+    kw = dict(temperature=0.9, top_k=40, seed=7)
+    base = run(model, tok, PROMPTS[:6], RaLM(retriever=bm25, stride=2, query_tokens=16), **kw)
+    greedy = run(model, tok, PROMPTS[:6], RaLM(retriever=bm25, stride=2, query_tokens=16))
+    assert base.token_ids != greedy.token_ids  # it does sample
+    for s in (1, 5):
+        spec = run(model, tok, PROMPTS[:6], RaLMSpec(retriever=bm25, stride=2, query_tokens=16,
+                                                    speculation_stride=s), **kw)
+        assert_same(spec, base)
+        wrong = run(model, tok, PROMPTS[:6], RaLMSpec(retriever=Forced(bm25, "wrong"), stride=2,
+                                                     query_tokens=16, speculation_stride=s), **kw)
+        assert_same(wrong, base)
+        assert wrong.stats["rollbacks"] > 0
+
+
+def test_ralmspec_equals_ralm_dense(model, tok, dense):
+    base = run(model, tok, PROMPTS, RaLM(retriever=dense, stride=1, query_tokens=8))
+    assert sum(len(h) - 1 for h in base.stats["passages"]) >= 2 * len(PROMPTS)
+    for s in (2, "auto"):
+        spec = run(model, tok, PROMPTS, RaLMSpec(retriever=dense, stride=1, query_tokens=8, speculation_stride=s,
+                                                 prefetch=5))
+        assert_same(spec, base)
+
+
+@pytest.mark.parametrize("s", [1, 2, 5])
+def test_every_speculation_wrong(model, tok, bm25, s):
+    """retrieve_from always answers a wrong passage: every speculation is rolled back, the
+    output is still RaLM's (rows that ended on a wrong speculation are revived)."""
+    base = run(model, tok, PROMPTS, RaLM(retriever=bm25, stride=2, query_tokens=16))
+    forced = Forced(bm25, "wrong")
+    spec = run(model, tok, PROMPTS, RaLMSpec(retriever=forced, stride=2, query_tokens=16, speculation_stride=s))
+    assert_same(spec, base)
+    st = spec.stats
+    assert st["rollbacks"] == st["speculation_checks"] > 0 and st["speculation_accuracy"] == 0
+    assert st["rollback_tokens"] >= st["rollbacks"]
+    assert forced.spec_calls > 0
+
+
+def test_every_speculation_right(model, tok, bm25):
+    base = run(model, tok, PROMPTS, RaLM(retriever=bm25, stride=2, query_tokens=16))
+    for s in (1, 5):
+        spec = run(model, tok, PROMPTS, RaLMSpec(retriever=Forced(bm25, "right"), stride=2, query_tokens=16,
+                                                 speculation_stride=s))
+        assert_same(spec, base)
+        assert spec.stats["rollbacks"] == 0 and spec.stats["speculation_accuracy"] == 1.0
+        if s == 5:  # 5 speculated boundaries + 1 real per verification call: 11 boundaries, 2 calls
+            assert spec.stats["verify_calls"] * 3 <= base.stats["retrieval_calls"]
+
+
+def test_rows_ending_mid_batch(model, tok, bm25):
+    """A stop token ends some rows early; rows ending with unverified (wrong) boundaries are
+    verified and revived; every row equals RaLM's."""
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    free = run(model, tok, PROMPTS, RaLM(**kw))
+    ends = [t for t in free.token_ids[0][2:8] if t not in free.token_ids[1]]
+    assert ends
+    base = run(model, tok, PROMPTS, RaLM(**kw), stop_token_ids=[ends[0]])
+    reasons = [r.finish_reason for r in base.rows]
+    assert "eos" in reasons and "length" in reasons
+    for strat in (RaLMSpec(speculation_stride=3, **kw),
+                  RaLMSpec(speculation_stride=3, **{**kw, "retriever": Forced(bm25, "wrong")})):
+        assert_same(run(model, tok, PROMPTS, strat, stop_token_ids=[ends[0]]), base)
+
+
+def test_lookahead_drafts_cross_boundaries(model, tok, bm25):
+    """With n-gram trie drafts a step can pass a boundary: the same tokens as without."""
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    base = run(model, tok, PROMPTS[:6], RaLM(**kw))
+    la = run(model, tok, PROMPTS[:6], RaLM(lookahead=7, **kw))
+    assert_same(la, base)
+    assert la.stats["forward_steps"] < base.stats["forward_steps"]  # drafts were accepted
+    spec = run(model, tok, PROMPTS[:6], RaLMSpec(lookahead=7, speculation_stride=2, **kw))
+    assert_same(spec, base)
+    wrong = run(model, tok, PROMPTS[:6], RaLMSpec(lookahead=7, speculation_stride=2,
+                                                 **{**kw, "retriever": Forced(bm25, "wrong")}))
+    assert_same(wrong, base)
+
+
+def test_streaming_sends_only_final_text(model, tok, bm25):
+    """on_text never gets text that a rollback later takes back."""
+    got = {}
+    out = run(model, tok, PROMPTS[:4], RaLMSpec(retriever=Forced(bm25, "wrong"), stride=2, query_tokens=16,
+                                               speculation_stride=3, lookahead=7),
+              on_text=lambda i, t: got.__setitem__(i, got.get(i, "") + t))
+    assert out.stats["rollbacks"] > 0
+    assert [got.get(i, "") for i in range(4)] == out.texts
+
+
+# ------------------------------------------------------------------------- RaLM itself
+def with_passage(tok, corpus, prompt_ids, j, max_passage_tokens=256):
+    p = tok.encode(corpus[j].contents, add_special_tokens=False)[:max_passage_tokens]
+    return prompt_ids[:1] + p + tok.encode("\n\n", add_special_tokens=False) + prompt_ids[1:]
+
+
+def test_fixed_passage_is_greedy_on_the_written_prompt(model, tok, corpus):
+    """A retriever that always answers passage j: RaLM is plain decoding of BOS + passage j
+    + "\\n\\n" + prompt (passage 7 has a title: its own first line), never re-prefilled."""
+    for j in (3, 7):
+        ids = [tok.encode(p) for p in PROMPTS[:3]]
+        out = run(model, tok, PROMPTS[:3], RaLM(retriever=Const(corpus, j), stride=1))
+        plain = G.generate(model, tok, [with_passage(tok, corpus, x, j) for x in ids], max_new_tokens=MAX_NEW)
+        assert out.token_ids == plain.token_ids
+        assert [r.prompt_token_ids for r in out.rows] == [with_passage(tok, corpus, x, j) for x in ids]
+        assert out.stats["reprefills"] == 0 and out.stats["retrievals"] == 3 * MAX_NEW
+        assert out.stats["passages"] == [[[0, j]]] * 3
+    assert corpus[7].contents.startswith("A title\n")
+
+
+def reference_ralm(model, tok, retriever, prompt, stride, query_tokens, max_new, **kw):
+    """RaLM from its definition: at every boundary retrieve with the last query_tokens
+    tokens and generate the next stride tokens with plain `generate` on passage + prompt +
+    output so far (a fresh prefill each time)."""
+    orig = tok.encode(prompt)
+    corpus = retriever.corpus
+    top1 = lambda q: int(retriever.retrieve([q], 1)[0][0, 0])  # noqa: E731
+    j, gen, used = top1(tok.decode(orig, skip_special_tokens=True)), [], []
+    while len(gen) < max_new:
+        if gen:
+            j = top1(tok.decode((orig + gen)[-query_tokens:], skip_special_tokens=True))
+        used.append(j)
+        out = G.generate(model, tok, [with_passage(tok, corpus, orig, j) + gen],
+                         max_new_tokens=min(stride, max_new - len(gen)), **kw)
+        gen += out.token_ids[0]
+        if out.rows[0].finish_reason == "eos":
+            break
+    return gen, used
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.9, seed=5)])
+def test_ralm_matches_its_definition(model, tok, bm25, sampling):
+    for p in PROMPTS[1:3] if not sampling else PROMPTS[2:3]:
+        gen, used = reference_ralm(model, tok, bm25, p, 3, 16, MAX_NEW, **sampling)
+        out = run(model, tok, [p], RaLM(retriever=bm25, stride=3, query_tokens=16), **sampling)
+        assert out.token_ids[0] == gen
+        changes = [[0, used[0]]] + [[3 * i, used[i]] for i in range(1, len(used)) if used[i] != used[i - 1]]
+        assert out.stats["passages"][0] == changes
+        spec = run(model, tok, [p], RaLMSpec(retriever=Forced(bm25, "wrong"), stride=3, query_tokens=16,
+                                             speculation_stride=2), **sampling)
+        assert spec.token_ids[0] == gen
+
+
+def test_retriever_by_kind_and_corpus_path(model, tok, corpus, bm25, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "passages.jsonl"
+    path.write_text(corpus.to_jsonl())
+    with pytest.raises(R.IndexNotBuilt, match="build"):
+        run(model, tok, PROMPTS[:2], "ralm", retriever="bm25", corpus=str(path))
+    R.build_index("bm25", str(path), progress=False)
+    a = run(model, tok, PROMPTS[:2], "ralmspec", retriever="bm25", corpus=str(path), stride=2)
+    b = run(model, tok, PROMPTS[:2], RaLM(retriever=bm25, stride=2))
+    assert a.token_ids == b.token_ids and a.stats["passages"] == b.stats["passages"]
+    assert a.stats["strategy"] == "ralmspec" and a.stats["retrieval_s"] > 0
+
+
+# ------------------------------------------------------------------------- errors
+def test_errors(model, tok, corpus, bm25, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(R.CorpusError, match="empty corpus"):
+        run(model, tok, PROMPTS[:1], "ralm", retriever="bm25", corpus=str(empty))
+    with pytest.raises(R.UnknownRetriever, match="unknown retriever 'nope'"):
+        run(model, tok, PROMPTS[:1], "ralm", retriever="nope", corpus=str(empty))
+    with pytest.raises(ValueError, match="needs a retriever"):
+        run(model, tok, PROMPTS[:1], "ralmspec")
+    with pytest.raises(ValueError, match="needs corpus"):
+        run(model, tok, PROMPTS[:1], "ralm", retriever="bm25")
+    with pytest.raises(ValueError, match="must be a retriever kind or a Retriever"):
+        run(model, tok, PROMPTS[:1], "ralm", retriever=3)
+    for bad in (0, -1, 5000, 2.0, True):
+        with pytest.raises(ValueError, match=r"stride must be an integer in \[1, 4096\]"):
+            run(model, tok, PROMPTS[:1], "ralm", retriever=bm25, stride=bad)
+    for bad in (0, 17, "fast"):
+        with pytest.raises(ValueError, match="speculation_stride must be 'auto' or an integer"):
+            run(model, tok, PROMPTS[:1], "ralmspec", retriever=bm25, speculation_stride=bad)
+    with pytest.raises(ValueError, match="prefetch"):
+        run(model, tok, PROMPTS[:1], "ralmspec", retriever=bm25, prefetch=0)
+    with pytest.raises(ValueError, match="query_tokens"):
+        run(model, tok, PROMPTS[:1], "ralm", retriever=bm25, query_tokens=0)
+    nocorpus = Forced(bm25, "right")
+    nocorpus.corpus = None
+    with pytest.raises(ValueError, match="no corpus"):
+        run(model, tok, PROMPTS[:1], "ralm", retriever=nocorpus)
+    # prompt + a passage of max_passage_tokens cannot fit the cache the caller asked for
+    with pytest.raises(ValueError, match=r"max_passage_tokens=256.*cache holds 256 \(max_cache_len=256\)"):
+        run(model, tok, PROMPTS[:1], "ralm", retriever=bm25, max_cache_len=256)
+    out = run(model, tok, PROMPTS[:1], "ralm", retriever=bm25, max_cache_len=256, max_passage_tokens=64)
+    assert out.stats["cache_len"] == 256
+
+
+def test_os3():
+    """s = argmax (1 - g^(s+1)) / (1 - g) / ((s + 1) a + b) over 1..16."""
+    for g, a, b in [(0.9, 1.0, 2.0), (0.5, 1.0, 10.0), (0.99, 0.1, 10.0), (0.0, 1.0, 1.0), (0.7, 2.0, 0.1)]:
+        rate = [(1 - g ** (s + 1)) / (1 - g) / ((s + 1) * a + b) for s in range(1, 17)]
+        assert os3_stride(g, a, b) == 1 + int(np.argmax(rate))
+    assert os3_stride(0.9, 1.0, 2.0) == 5
+    assert os3_stride(0.0, 1.0, 100.0) == 1  # never right: verify every boundary
+    assert os3_stride(1.0, 1.0, 100.0) == 16  # always right: as far as allowed
+    assert os3_stride(0.95, 1.0, 50.0) > os3_stride(0.95, 1.0, 1.0)  # dearer verification, longer rounds
+
+
+# ------------------------------------------------------------------------- replace_prompt
+def test_replace_prompt_equals_a_fresh_prefill(model, tok):
+    """Row 0 gets a new prompt and keeps 5 generated ids: its K/V and next tokens are those
+    of a fresh prefill of new prompt + the 5 ids; row 1 decodes on untouched."""
+    engine = engine_for(model)
+    a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[4])
+    state = D.prefill(engine, [a, b], tok, max_len=256, max_new_tokens=32)
+    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 9)
+    kept, row1 = state.rows[0].ids[:5], list(state.rows[1].ids)
+    new = tok.encode("a passage put first\n\n") + a[1:]
+    D.replace_prompt(engine, state, [0], [new], [5])
+    fresh = D.prefill(engine, [new + kept, b], tok, max_len=256, max_new_tokens=32)
+    assert state.rows[0].prompt_ids == new and state.rows[0].ids == kept and state.rows[0].finish is None
+    n = int(state.lengths[0])
+    assert n == len(new) + 4 == int(np.asarray(state.cache.length)[0]) and state.root[0] == kept[-1]
+    for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
+        np.testing.assert_allclose(np.asarray(x)[0, :, :n], np.asarray(y)[0, :, :n], atol=1e-5, rtol=1e-5)
+    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 14)
+    # row 0's forward made no token: both rows took the same 9 steps (+1 forward for row 0)
+    assert len(state.rows[1].ids) == len(row1) + 9 and state.rows[0].steps == state.rows[1].steps + 1
+    D.decode(engine, fresh, until=lambda s: len(s.rows[0].ids) >= 9)
+    assert state.rows[0].ids[5:14] == fresh.rows[0].ids[:9]
+    assert state.rows[1].ids[:len(row1)] == row1
+    # errors leave the state as it was
+    before = (list(state.rows[0].ids), state.lengths.copy())
+    with pytest.raises(ValueError, match="can keep"):
+        D.replace_prompt(engine, state, [0], [new], [len(state.rows[0].ids) + 1])
+    with pytest.raises(ValueError, match="can keep"):
+        D.replace_prompt(engine, state, [0], [new], [32])
+    with pytest.raises(ValueError, match="cache slots"):
+        D.replace_prompt(engine, state, [0], [[5] * 260], [0])
+    with pytest.raises(ValueError, match="distinct rows"):
+        D.replace_prompt(engine, state, [0, 0], [new, new], [1, 1])
+    assert state.rows[0].ids == before[0] and (state.lengths == before[1]).all()
