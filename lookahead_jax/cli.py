@@ -45,6 +45,8 @@ class CliConfig:
     max_cache_len: Optional[int] = None
     n: int = 1  # samples per prompt
     stop_token_ids: tuple = ()
+    min_new_tokens: int = 0
+    logprobs: bool = False
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
 
     def strategy_object(self):
@@ -165,6 +167,10 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
                     "its sample_index. Several samples are printed when done, not streamed")
     ap.add_argument("--stop-token-ids", type=_token_ids, action="append", default=[], metavar="ID,ID",
                     help="token ids that end a row as EOS does (comma-separated, repeatable)")
+    ap.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
+                    help="EOS and --stop-token-ids cannot end an answer before N tokens (exact under every strategy)")
+    ap.add_argument("--logprobs", action="store_true",
+                    help="with --json: each row carries the model's log-probability of every generated token")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     ap.add_argument("--json", action="store_true", help="print one JSON object per answer (per sample with --n), then a summary line")
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -192,6 +198,10 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         ap.error(f"--n {a.n} samples per prompt need --temperature > 0 (greedy gives {a.n} identical answers)")
     if a.max_cache_len is not None and a.max_cache_len < 2:
         ap.error("--max-cache-len must be >= 2")
+    if not 0 <= a.min_new_tokens <= a.max_new_tokens:
+        ap.error(f"--min-new-tokens must be in [0, --max-new-tokens={a.max_new_tokens}], got {a.min_new_tokens}")
+    if a.logprobs and not a.json:
+        ap.error("--logprobs needs --json (they are printed in each answer's JSON row)")
     mesh = None
     if a.mesh:
         try:
@@ -228,6 +238,7 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         stop=tuple(a.stop), batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
         mesh=mesh, max_cache_len=a.max_cache_len, n=a.n,
         stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), sources=tuple(sources),
+        min_new_tokens=a.min_new_tokens, logprobs=a.logprobs,
     )
 
 
@@ -340,7 +351,8 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
         mesh=mesh, max_cache_len=cfg.max_cache_len, n=cfg.n,
-        stop_token_ids=list(cfg.stop_token_ids) or None,
+        stop_token_ids=list(cfg.stop_token_ids) or None, min_new_tokens=cfg.min_new_tokens,
+        logprobs=cfg.logprobs,
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)

@@ -9,7 +9,7 @@ every row (its last emitted token, not yet in the cache); the committed cache le
 (host mirror of `cache.length`). Invariant per row: cache slots 0..length-1 hold
 `context[:length]` and `root = context[length]`, where context = prompt + generated.
 
-Two state edits serve outer loops (retrieval-augmented decoding, chunked prefill):
+Three state edits serve outer loops (retrieval-augmented decoding, chunked prefill):
 
 * `rollback(state, rows, to_length)`: set the rows back to `to_length` committed slots;
   the cache just sets `length` back (slots past it are overwritten later), the generated
@@ -17,6 +17,9 @@ Two state edits serve outer loops (retrieval-augmented decoding, chunked prefill
 * `extend(engine, state, rows, tokens)`: forward new tokens at each row's current
   position into the existing cache (a prefill that does not start at 0) and pick the
   next token, as prefill does.
+* `replace_prompt(engine, state, rows, prompts, keep_generated)`: a new prompt for the
+  rows (e.g. another retrieved passage before the question), their first generated ids
+  kept, the context forwarded again from slot 0 (its last token left as the root).
 
 One step of `decode`: the drafter proposes a `DraftBatch` for the active rows; the
 budget policy caps it (`budget.FixedBudget`, `budget.AutoBudget`); the drafts are packed
@@ -89,6 +92,7 @@ class RowState:
         self.index, self.prompt_ids, self.tok = index, list(prompt_ids), tokenizer
         self.eos_ids, self.stop, self.max_new, self.on_text = eos_ids, stop, max_new, on_text
         self.ids: list = []
+        self.logprobs: Optional[list] = None  # per generated id, when asked for (DecodeState.logprobs)
         self.finish: Optional[str] = None
         self.steps = 0
         self.text = ""
@@ -100,9 +104,11 @@ class RowState:
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def accept(self, new: Sequence[int]) -> list:
-        """Append emitted tokens up to EOS / stop / max length; returns those kept."""
+    def accept(self, new: Sequence[int], logprobs: Optional[Sequence[float]] = None) -> list:
+        """Append emitted tokens (and their log-probabilities, when the row keeps them) up
+        to EOS / stop / max length; returns those kept."""
         kept = []
+        n0 = len(self.ids)
         for t in new:
             if self.finish:
                 break
@@ -115,6 +121,8 @@ class RowState:
                 self.finish = "length"
         if not kept:
             return kept
+        if self.logprobs is not None:
+            self.logprobs += [float(x) for x in logprobs[:len(kept)]]
         seen = len(self._buf)
         self._buf += self._det.step(self.ids)
         if self.stop and any(s in self._buf[max(0, seen - len(s) + 1):] for s in self.stop):
@@ -126,6 +134,8 @@ class RowState:
                     break
             del kept[max(0, n - first):]
             del self.ids[n:]
+            if self.logprobs is not None:
+                del self.logprobs[n:]
             self.finish = "stop"
         if self.finish:
             text = self._decode(self.ids)
@@ -156,6 +166,8 @@ class RowState:
     def truncate(self, n_ids: int) -> None:
         """Keep the first n_ids generated tokens (rollback); the row is live again."""
         del self.ids[n_ids:]
+        if self.logprobs is not None:
+            del self.logprobs[n_ids:]
         self.finish = None
         self._buf = self.text = self._decode(self.ids)
         stream = getattr(self.tok, "stream", None)
@@ -189,6 +201,11 @@ class DecodeState:
     rowids: object  # [B] int32 sampling row of each row (device)
     sampling: SamplingParams
     max_len: int  # cache slots S
+    # options every step applies alike (verify.py): min_new_tokens bans `ban` (EOS + stop
+    # ids) until that many tokens are out; logprobs returns each emitted token's
+    min_new: int = 0
+    ban: tuple = ()
+    logprobs: bool = False
     # bookkeeping of the call (wall times exclude compilation)
     steps: int = 0
     tree_sizes: list = dataclasses.field(default_factory=list)
@@ -209,6 +226,18 @@ class DecodeState:
     def context(self, b: int) -> list:
         """Prompt + generated ids of row b (its last token is the root)."""
         return self.rows[b].prompt_ids + self.rows[b].ids
+
+    def step_options(self) -> dict:
+        """Keyword arguments of `Engine.verify` / `Engine.extend` for the options (none
+        when off: the plain executables). suppress[b]: the position below which a token's
+        successor may not be a `ban` id: len(prompt) + min_new - 1."""
+        opts = {}
+        if self.min_new and self.ban:
+            opts.update(suppress=np.array([len(r.prompt_ids) + self.min_new - 1 for r in self.rows], np.int32),
+                        ban=self.ban)
+        if self.logprobs:
+            opts["logprobs"] = True
+        return opts
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start - self.compile_s
@@ -232,9 +261,12 @@ def _timed(engine, state, fn):
 
 def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: int,
             max_new_tokens: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
-            first_index: int = 0, eos_ids=(), stop=(), on_text=None) -> DecodeState:
+            first_index: int = 0, eos_ids=(), stop=(), on_text=None, min_new_tokens: int = 0,
+            logprobs: bool = False) -> DecodeState:
     """A new batch: the prompt forward, each row's first token chosen (as `extend` from an
-    empty cache). Rows are right-padded to a bucketed length."""
+    empty cache). Rows are right-padded to a bucketed length. min_new_tokens: EOS (all of
+    `eos_ids`) is banned until that many tokens are out; logprobs: keep each generated
+    token's log-probability (`RowState.logprobs`)."""
     B = len(prompt_ids)
     rows = [RowState(i, x, tokenizer, set(eos_ids), tuple(stop), max_new_tokens, on_text)
             for i, x in enumerate(prompt_ids)]
@@ -242,8 +274,12 @@ def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: 
         rows=rows, cache=engine.init_cache(B, max_len), lengths=np.zeros(B, np.int64),
         root=np.zeros(B, np.int32), seeds=engine.put(np.full(B, seed, np.uint32)),
         rowids=engine.put(np.arange(first_index, first_index + B, dtype=np.int32)),
-        sampling=sampling, max_len=max_len,
+        sampling=sampling, max_len=max_len, min_new=int(min_new_tokens), ban=tuple(sorted(set(eos_ids))),
+        logprobs=bool(logprobs),
     )
+    if logprobs:
+        for r in rows:
+            r.logprobs = []
     state.t_start = time.perf_counter()
     _forward_rows(engine, state, list(range(B)))
     state.prefill_s = state.elapsed()  # time to the first token
@@ -279,9 +315,10 @@ def extend(engine, state: DecodeState, rows: Sequence[int], tokens: Sequence[Seq
     return _forward_rows(engine, state, rows)
 
 
-def _forward_rows(engine, state: DecodeState, rows: list) -> np.ndarray:
+def _forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> np.ndarray:
     """Forward every row's uncommitted context (context[length:]) in one right-padded
-    block, commit it, and append each row's next token."""
+    block, commit it, and append each row's next token. emit=False: the context's last
+    token stays uncommitted as the row's root (the next step forwards it), none appended."""
     B, S = state.batch, state.max_len
     n_new = np.zeros(B, np.int32)
     blocks = {b: state.context(b)[int(state.lengths[b]):] for b in rows}
@@ -297,14 +334,21 @@ def _forward_rows(engine, state: DecodeState, rows: list) -> np.ndarray:
         block[b, :len(blk)] = blk
     # a fresh prefill reads only its own P slots; later blocks read the prefix too
     window = P if not start.any() else window_for(need, S)
-    (nxt, state.cache), _, _ = _timed(engine, state, lambda: engine.extend(
-        state.cache, block, n_new, state.seeds, state.rowids, sampling=state.sampling, window=window))
-    state.lengths = state.lengths + n_new
+    opts = state.step_options() if emit else {}
+    out, _, _ = _timed(engine, state, lambda: engine.extend(
+        state.cache, block, n_new, state.seeds, state.rowids, sampling=state.sampling, window=window,
+        emit=emit, **opts))
+    nxt, state.cache = out[0], out[-1]
+    lps = out[1] if opts.get("logprobs") else None
+    state.lengths = state.lengths + (n_new if emit else np.maximum(n_new - 1, 0))
     state.steps += 1
     for b in rows:
         r = state.rows[b]
         r.steps += 1
-        r.accept([nxt[b]])
+        if not emit:
+            state.root[b] = state.context(b)[-1]
+            continue
+        r.accept([nxt[b]], None if lps is None else [lps[b]])
         state.root[b] = nxt[b]
     state._mark_finished()
     return nxt[rows]
@@ -331,6 +375,49 @@ def rollback(state: DecodeState, rows: Sequence[int], to_length: int, drafter=No
     state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].set(to_length))
     if drafter is not None:
         drafter.rollback(rows, to_length)
+
+
+def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+                   keep_generated: Sequence[int], drafter=None) -> None:
+    """Give row `rows[i]` the prompt `prompts[i]` and keep its first `keep_generated[i]`
+    generated ids; its new context but the last token is forwarded from slot 0 (one
+    right-padded block, as prefill) and the last token becomes the root: the row is live
+    again, where decoding the new prompt had left it after those ids, and the next step
+    picks its next token (so rows edited here stay in step with the others). For
+    retrieval-augmented decoding, whose passage sits before the question and changes while
+    decoding. The drafter is told (`rollback(rows, 0)`).
+
+    A kept id must not end the row (EOS), and keep_generated[i] < the row's max_new_tokens;
+    the context + 1 slot must fit the cache (an error before anything changes)."""
+    rows = [int(b) for b in rows]
+    if not len(prompts) == len(keep_generated) == len(rows) or len(set(rows)) != len(rows):
+        raise ValueError(f"replace_prompt: {len(rows)} distinct rows need as many prompts and keep counts "
+                         f"(got {len(prompts)} and {len(keep_generated)})")
+    for b, p, g in zip(rows, prompts, keep_generated):
+        r = state.rows[b]
+        if not len(p):
+            raise ValueError(f"replace_prompt: empty prompt for row {b}")
+        if not 0 <= g <= len(r.ids) or g >= r.max_new:
+            raise ValueError(f"replace_prompt: row {b} can keep 0..{min(len(r.ids), r.max_new - 1)} generated "
+                             f"ids, not {g}")
+        if any(t in r.eos_ids for t in r.ids[:g]):
+            raise ValueError(f"replace_prompt: row {b}'s first {g} generated ids hold an EOS")
+        if len(p) + g + 1 > state.max_len:
+            raise ValueError(f"replace_prompt: row {b} needs {len(p) + g + 1} cache slots (prompt {len(p)} + "
+                             f"{g} generated + 1) but the cache holds {state.max_len}")
+    for b, p, g in zip(rows, prompts, keep_generated):
+        state.rows[b].prompt_ids = [int(t) for t in p]
+        state.rows[b].truncate(g)
+        state.finish_s.pop(b, None)
+    lengths = state.lengths.copy()
+    lengths[rows] = 0
+    state.lengths = lengths
+    state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].set(0))
+    if drafter is not None:
+        drafter.rollback(rows, 0)
+    _forward_rows(engine, state, rows, emit=False)
+    for b in rows:  # the invariant: slots hold context[:length], root = context[length]
+        assert state.lengths[b] == len(state.context(b)) - 1 and state.root[b] == state.context(b)[-1]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -370,9 +457,12 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
         probs = _fit_probs(drafts.probs, T)
         state.host_s += time.perf_counter() - h0
         state.tree_sizes.append(T)
-        (emitted, n_emit, path, state.cache), seconds, compiled = _timed(engine, state, lambda: engine.verify(
+        opts = state.step_options()
+        out, seconds, compiled = _timed(engine, state, lambda: engine.verify(
             state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
-            draft_probs=probs))
+            draft_probs=probs, **opts))
+        (emitted, n_emit, path), state.cache = out[:3], out[-1]
+        lps = out[3] if state.logprobs else None
         h0 = time.perf_counter()
         if not compiled:  # real step times correct the calibration
             budget.record(T, window, seconds)
@@ -383,7 +473,7 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
             r = state.rows[b]
             n = int(n_emit[b])
             r.steps += 1
-            kept[b] = r.accept(emitted[b, :n])
+            kept[b] = r.accept(emitted[b, :n], None if lps is None else lps[b, :n])
             state.root[b] = emitted[b, n - 1]
         step = StepResult(emitted, n_emit, path, kept, T, window)
         if drafter is not None:

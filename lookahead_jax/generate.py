@@ -39,6 +39,7 @@ class RowOutput:
     forward_steps: int  # model forwards that produced this row's tokens (prefill included)
     wall_s: float
     sample_index: int = 0  # which of the n samples of its prompt (generate's n)
+    logprobs: Optional[list] = None  # per token id: the model's log-probability (generate's logprobs=True)
 
     @property
     def new_tokens(self) -> int:
@@ -56,7 +57,7 @@ class RowOutput:
     def to_json(self) -> dict:
         return dict(
             prompt_index=self.prompt_index, **({"sample_index": self.sample_index} if self.sample_index else {}),
-            text=self.text, token_ids=self.token_ids,
+            text=self.text, token_ids=self.token_ids, **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
             new_tokens=self.new_tokens, finish_reason=self.finish_reason,
             forward_steps=self.forward_steps,
             mean_accepted_tokens=round(self.mean_accepted_tokens, 4),
@@ -153,7 +154,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              on_text: Optional[Callable[[int, str], None]] = None,
              max_cache_len: Optional[int] = None, ignore_eos: bool = False,
              first_index: int = 0, mesh=None, stop_token_ids=None, n: int = 1,
-             **strategy_options) -> GenerateOutput:
+             min_new_tokens: int = 0, logprobs: bool = False, **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -165,7 +166,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         name, with its options given flat (`strategy="lookahead", decoding_length=7,
         branch_length=12, mode="hierarchical"`; see `strategies.py`). "greedy" is plain
         decoding (with temperature > 0 it samples); "lookahead" drafts from an n-gram trie
-        and verifies token trees, with output identical to "greedy".
+        and verifies token trees, with output identical to "greedy". "ralm" / "ralmspec":
+        retrieval-augmented decoding (`ralm.py`; ralmspec gives ralm's tokens, faster).
     temperature/top_k/top_p/seed: sampling; the random key of each token is a function of
         (seed, row index, absolute position), so every strategy samples the same tokens.
     stop: strings that end a row (excluded from `text`; token_ids end with the token that
@@ -182,6 +184,12 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     n: samples per prompt (temperature > 0): each prompt becomes n consecutive rows, each
         with its own sampling row (so its own tokens); `rows[i * n + j]` is sample j of
         prompt i (its `prompt_index` is the prompt's, `sample_index` is j).
+    min_new_tokens: EOS and stop_token_ids cannot end a row before it has this many tokens
+        (their probability is 0 there, in plain decoding and inside every verify step, so
+        each strategy stays exact); stop strings still apply.
+    logprobs: each row's `logprobs` holds the model's log-probability of each generated
+        token (log_softmax of the raw logits: before temperature, top-k/p and the
+        min_new_tokens ban), the same values under every strategy.
     first_index: index of the first prompt (for prompt_index, error messages and the
         sampling key's row), so a long list decoded in batches samples as one batch.
     mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): params
@@ -196,6 +204,10 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         raise ValueError("stop strings must be non-empty")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n (samples per prompt) must be a positive integer, got {n!r}")
+    if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) or \
+            not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new_tokens}], "
+                         f"got {min_new_tokens!r}")
     if n > 1 and sampling.greedy:
         raise ValueError(f"n={n} samples per prompt need temperature > 0 (greedy gives n identical rows)")
     engine = engine_for(model, mesh)
@@ -216,9 +228,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     elif drafter is None:
         drafter = strat.drafter(engine)
     max_T = strat.max_nodes(drafter)
+    # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm.py)
+    run = strat.start(tokenizer, ids) if hasattr(strat, "start") else None
 
     # ---- shapes
-    lens = [len(x) for x in ids]
+    lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]
     need = max(lens) + max_new_tokens + max_T + 1
     S = max_cache_len or max(CACHE_ROUND, 1 << (need - 1).bit_length())  # few distinct S
     if max_cache_len is None:
@@ -238,7 +252,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
                else "Shorten the prompt, lower max_new_tokens (--max-new-tokens), or raise max_cache_len "
                     "(--max-cache-len)")
         raise ValueError(
-            f"prompt {first_index + longest // n} has {lens[longest]} tokens and "
+            f"prompt {first_index + longest // n} has {lens[longest]} tokens "
+            + (f"({run.extra_note}) " if run is not None else "") + "and "
             f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + f". {fix}."
         )
     eos = () if ignore_eos else tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -248,9 +263,15 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     eos = tuple(sorted(set(eos) | {int(t) for t in stop_token_ids or ()}))
 
     c_before = compiled.compile_s
+    t_run = time.perf_counter()
+    if run is not None:
+        ids = run.prompts()  # e.g. the first retrieval: passages before the prompts
+    t_run = time.perf_counter() - t_run
     state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=max_new_tokens,
                     sampling=sampling, seed=seed, first_index=first_row, eos_ids=eos,
-                    stop=stop, on_text=on_text)
+                    stop=stop, on_text=on_text, min_new_tokens=min_new_tokens, logprobs=logprobs)
+    state.t_start -= t_run  # decode time (and time to the first token)
+    state.prefill_s += t_run
     refs = None
     if drafter is not None:
         refs = [[tokenizer.encode(t, add_special_tokens=False) for t in r]
@@ -263,14 +284,14 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     state.t_start += time.perf_counter() - t_setup - dc
     calibrate_s = getattr(budget, "calibrate_s", 0.0)
     try:
-        decode(engine, state, drafter, rule, budget)
+        (run.decode if run is not None else decode)(engine, state, drafter, rule, budget)
     finally:
         if drafter is not None:
             drafter.end()
     wall = state.elapsed()
     outs = [
         RowOutput(first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
-                  state.finish_s.get(r.index, wall), r.index % n)
+                  state.finish_s.get(r.index, wall), r.index % n, r.logprobs)
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)
@@ -284,6 +305,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         mean_tree_size=float(np.mean(state.tree_sizes)) if state.tree_sizes else 0.0,
     )
     stats.update(budget.summary())
+    if run is not None:
+        stats.update(run.summary())
     if drafter is not None and hasattr(drafter, "summary"):
         stats.update(drafter.summary())
         if getattr(drafter, "engine", engine) is not engine:  # a draft model's own compilations

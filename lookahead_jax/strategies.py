@@ -321,5 +321,12 @@ def strategy_options() -> dict:
     return {f.name: f.default for c in REGISTRY.values() for f in dataclasses.fields(c)}
 
 
+# retrieval-augmented decoding (ralm.py: the strategies that drive the loop themselves)
+from .ralm import RaLM, RaLMSpec  # noqa: E402
+
+register(RaLM)
+register(RaLMSpec)
+
+
 __all__ = ["Greedy", "Lookahead", "SpecInfer", "REGISTRY", "register", "resolve", "strategy_options"]
 

@@ -240,6 +240,27 @@ def test_stop_token_ids(fake_load, tiny, capsys):
     assert rc == 2 and out == "" and "stop_token_ids: 100000 is not a token id" in err
 
 
+def test_min_new_tokens_and_logprobs(fake_load, tiny, capsys):
+    """--min-new-tokens keeps a stop id from ending the answer early; --logprobs puts the
+    model's log-probabilities in the JSON rows (generate's values); both checked flags."""
+    full = generate(tiny, ByteTokenizer(), PROMPTS[2], max_new_tokens=12).token_ids[0]
+    k = next(i for i in range(2, len(full)) if full[i] not in full[:i])
+    args = ("--prompt", PROMPTS[2], "--max-new-tokens", "12", "--json", "--stop-token-ids", str(full[k]))
+    rc, out, err = run_main(capsys, *args, "--min-new-tokens", str(k + 2), "--logprobs")
+    assert rc == 0, err
+    row = parse_json_lines(out)[0][0]
+    want = generate(tiny, ByteTokenizer(), PROMPTS[2], max_new_tokens=12, stop_token_ids=[full[k]],
+                    min_new_tokens=k + 2, logprobs=True).rows[0]
+    assert row["token_ids"] == want.token_ids and len(row["token_ids"]) > k + 1  # not stopped at k
+    assert row["logprobs"] == want.logprobs and len(want.logprobs) == len(want.token_ids)
+    rc, out, err = run_main(capsys, *args)
+    assert rc == 0 and "logprobs" not in parse_json_lines(out)[0][0]
+    rc, out, err = run_main(capsys, "--prompt", "x", "--logprobs")
+    assert rc == 2 and "--logprobs needs --json" in err
+    rc, out, err = run_main(capsys, "--prompt", "x", "--max-new-tokens", "4", "--min-new-tokens", "5")
+    assert rc == 2 and "--min-new-tokens must be in [0, --max-new-tokens=4]" in err
+
+
 class Latin1Tokenizer(ByteTokenizer):
     """Bytes as latin-1 characters: any output text encodes back to the same tokens, so a
     continuation can be written into a JSONL passage (UTF-8 would garble random bytes)."""

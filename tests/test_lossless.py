@@ -215,3 +215,65 @@ def test_n_samples_and_stop_token_ids_under_lookahead(model, tok):
     assert out.token_ids == ref.token_ids
     with pytest.raises(ValueError, match="stop_token_ids"):
         G.generate(model, tok, TEXTS[:1], stop_token_ids=[10**6])
+
+
+def teacher_forced_logprobs(model, prompt_ids, out_ids):
+    """log p(out_ids[i] | prompt, out_ids[:i]) from one causal forward of the whole text."""
+    import jax
+    import jax.numpy as jnp
+
+    from lookahead_jax.models import forward, init_cache
+
+    ids = list(prompt_ids) + list(out_ids)
+    L = len(ids)
+    pos = jnp.arange(L)[None]
+    mask = pos[:, :, None] >= jnp.arange(L)[None, None, :]
+    logits, _ = forward(model.params, jnp.asarray([ids]), pos, init_cache(model.config, 1, L), mask, model.config)
+    lp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+    return [float(lp[len(prompt_ids) - 1 + i, t]) for i, t in enumerate(out_ids)]
+
+
+def test_min_new_tokens_and_logprobs_are_exact_under_speculation(model, greedy):
+    """min_new_tokens bans EOS (and stop ids) until that many tokens are out, in plain
+    decoding and inside every verify step alike; logprobs are the model's log-probability
+    of each emitted token (checked against one teacher-forced forward). Lookahead and
+    SpecInfer give plain decoding's tokens and logprobs with both, batch 4, EOS mid-batch."""
+    eos = greedy[4][1][10]  # row 1 emits it at step 10
+    tok = ByteTokenizer()
+    tok.eos_token_ids = {eos}
+    batch = TEXTS[:4]
+    kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE, logprobs=True)
+    plain = G.generate(model, tok, batch, **kw)
+    r1 = plain.rows[1]
+    assert r1.finish_reason == "eos" and len(r1.token_ids) <= 11
+    for r in plain.rows:
+        assert len(r.logprobs) == len(r.token_ids)
+        np.testing.assert_allclose(r.logprobs, teacher_forced_logprobs(model, r.prompt_token_ids, r.token_ids),
+                                   rtol=0, atol=2e-4)
+    assert G.generate(model, tok, batch, max_new_tokens=MAX_NEW, max_cache_len=CACHE).rows[0].logprobs is None
+    low = G.generate(model, tok, batch, min_new_tokens=20, **kw)
+    m1 = low.rows[1]
+    assert m1.token_ids[:len(r1.token_ids) - 1] == r1.token_ids[:-1]  # the same until the banned EOS
+    assert eos not in m1.token_ids[:20] and len(m1.token_ids) > 20
+    np.testing.assert_allclose(m1.logprobs, teacher_forced_logprobs(model, m1.prompt_token_ids, m1.token_ids),
+                               rtol=0, atol=2e-4)  # the model's own log-probabilities (no ban)
+    fast = [dict(strategy="lookahead", decoding_length=16, references=REFS[:4]),
+            dict(strategy="specinfer", draft_model=model, draft_weights="float32", expansion=(2, 2, 1))]
+    for strat in fast:
+        for min_new, want in ((0, plain), (20, low)):
+            out = G.generate(model, tok, batch, min_new_tokens=min_new, **kw, **strat)
+            assert out.token_ids == want.token_ids, (strat["strategy"], min_new)
+            assert out.stats["forward_steps"] < want.stats["forward_steps"]  # drafts were accepted
+            for a, b in zip(out.rows, want.rows):
+                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    # sampling: the ban and the logprobs are the same under lookahead's verification
+    skw = dict(kw, temperature=1.0, seed=5, min_new_tokens=20)
+    ref = G.generate(model, tok, batch, **skw)
+    out = G.generate(model, tok, batch, strategy="lookahead", decoding_length=16, references=REFS[:4], **skw)
+    assert out.token_ids == ref.token_ids
+    assert all(eos not in r.token_ids[:20] for r in ref.rows)
+    for a, b in zip(out.rows, ref.rows):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        G.generate(model, tok, batch, min_new_tokens=-1)
+
