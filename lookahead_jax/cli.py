@@ -99,13 +99,13 @@ def _read_prompts_file(path: str, references_field: Optional[str]):
 
 
 def _strategy_flags(ap) -> dict:
-    """One flag per strategy field: {flag: (strategy class, field, parse)}."""
-    flags = {}
+    """One flag per strategy field name: {flag: [(strategy class, field, parse), ...]}.
+    Strategies with a field of the same name (RaLMSpec inherits RaLM's) share its flag;
+    the value goes to the strategy chosen with --strategy."""
+    flags, docs = {}, {}
     for cls in REGISTRY.values():
         for field in dataclasses.fields(cls):
             flag = cls.cli_names.get(field.name, field.name.replace("_", "-"))
-            doc = f"{cls.name}: " + getattr(cls, "field_help", {}).get(
-                field.name, f"{field.name} (default {field.default!r})")
             if field.name in getattr(cls, "parsers", {}):
                 parse = cls.parsers[field.name]
             elif isinstance(field.default, str) and field.default == "auto":
@@ -114,10 +114,15 @@ def _strategy_flags(ap) -> dict:
                 parse = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731
             else:
                 parse = type(field.default)
-            choices = getattr(cls, "choices", {}).get(field.name)
-            ap.add_argument(f"--{flag}", default=None, help=doc, choices=choices,
-                            metavar=getattr(cls, "metavars", {}).get(field.name))
-            flags[flag] = (cls, field, parse)
+            flags.setdefault(flag, []).append((cls, field, parse))
+            docs.setdefault(flag, getattr(cls, "field_help", {}).get(
+                field.name, f"{field.name} (default {field.default!r})"))
+    for flag, entries in flags.items():
+        cls, field, _ = entries[0]
+        names = ", ".join(c.name for c, _, _ in entries)
+        ap.add_argument(f"--{flag}", default=None, help=f"{names}: {docs[flag]}",
+                        choices=getattr(cls, "choices", {}).get(field.name),
+                        metavar=getattr(cls, "metavars", {}).get(field.name))
     return flags
 
 
@@ -211,18 +216,21 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         if not {k for k, _ in mesh} <= {"data", "model"}:
             ap.error(f"--mesh axes are 'data' and 'model', got {a.mesh!r}")
     options = []
-    for flag, (cls, field, parse) in flags.items():
+    for flag, entries in flags.items():
         value = getattr(a, flag.replace("-", "_"))
         if value is None:
             continue
-        try:
+        mine = [(field, parse) for cls, field, parse in entries if cls.name == a.strategy]
+        field, parse = mine[0] if mine else entries[0][1:]
+        try:  # checked even when ignored: a typo is an error whatever the strategy
             value = parse(value)
         except ValueError as e:
             ap.error(f"--{flag} {e}")
-        if a.strategy == cls.name:
-            options.append((field.name, value))
-        else:
-            print(f"warning: --{flag} is an option of --strategy {cls.name}: ignored", file=sys.stderr)
+        if not mine:
+            owners = "|".join(cls.name for cls, _, _ in entries)
+            print(f"warning: --{flag} is an option of --strategy {owners}: ignored", file=sys.stderr)
+            continue
+        options.append((field.name, value))
     if a.prompt is not None:
         if not a.prompt.strip():
             ap.error("--prompt is empty")
@@ -367,7 +375,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         try:
             out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None,
                            first_index=start, **kw)
-        except ValueError as e:
+        except (ValueError, *_retrieval_errors()) as e:  # bad input, a missing or stale index
             print(f"error: {e}", file=sys.stderr)
             return 2
         for r in out.rows:
@@ -406,6 +414,14 @@ def main(argv=None, prog: Optional[str] = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _retrieval_errors() -> tuple:
+    """The retrieval package's errors a user fixes (an index not built or stale, an encoder
+    not installed): printed as errors, not tracebacks."""
+    from .retrieval import EncoderUnavailable, IndexUnavailable
+
+    return IndexUnavailable, EncoderUnavailable
 
 
 def console_main() -> int:

@@ -201,10 +201,7 @@ class RaLMSpec(RaLM):
 
     name = "ralmspec"
     help = "ralm's tokens with speculative retrieval from a per-request cache, verified in batches"
-    # one flag per field: RaLM's fields are --retriever, --stride, ... (the CLI does not
-    # share a flag between two strategies yet)
-    cli_names = {f: "ralmspec-" + f.replace("_", "-") for f in
-                 ("retriever", "corpus", "stride", "query_tokens", "max_passage_tokens", "lookahead")}
+    cli_names = {}  # RaLM's fields share their flags (--retriever, --stride, ...) with ralm
     field_help = dict(RaLM.field_help,
                       speculation_stride="speculated boundaries per verification: auto (OS3) or 1..16",
                       prefetch="top-k of each real retrieval added to the speculation cache (default 20)")

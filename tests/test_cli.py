@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import lookahead_jax.loading as loading
@@ -259,6 +260,37 @@ def test_min_new_tokens_and_logprobs(fake_load, tiny, capsys):
     assert rc == 2 and "--logprobs needs --json" in err
     rc, out, err = run_main(capsys, "--prompt", "x", "--max-new-tokens", "4", "--min-new-tokens", "5")
     assert rc == 2 and "--min-new-tokens must be in [0, --max-new-tokens=4]" in err
+
+
+def test_ralm_and_ralmspec_from_the_command_line(fake_load, tiny, capsys, tmp_path, monkeypatch):
+    """--strategy ralm|ralmspec share --retriever/--corpus/--stride; the BM25 index built
+    by the retrieval command is found in the cache; ralmspec prints ralm's tokens; a
+    missing index is an error naming the build command."""
+    pytest.importorskip("bm25s")
+    pytest.importorskip("Stemmer")
+    from lookahead_jax.retrieval import build_index
+
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
+    words = "the a river city war king music paris france capital language science art".split()
+    rng = np.random.default_rng(0)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": f"p{i}", "text": " ".join(rng.choice(words, 6))}
+                                                for i in range(40)])
+    args = ("--prompt", PROMPTS[0][:60], "--max-new-tokens", "12", "--json", "--retriever", "bm25",
+            "--corpus", corpus, "--stride", "2")
+    rc, out, err = run_main(capsys, *args, "--strategy", "ralm")
+    assert rc != 0 and "python -m lookahead_jax.retrieval build" in err
+    build_index("bm25", corpus, progress=False)
+    rows = {}
+    for strat in ("ralm", "ralmspec"):
+        extra = ("--speculation-stride", "3", "--prefetch", "5") if strat == "ralmspec" else ()
+        rc, out, err = run_main(capsys, *args, "--strategy", strat, *extra)
+        assert rc == 0, err
+        assert "is an option of" not in err
+        rows[strat], summary = parse_json_lines(out)
+    assert rows["ralm"][0]["token_ids"] == rows["ralmspec"][0]["token_ids"]
+    assert len(rows["ralm"][0]["token_ids"]) == 12
+    rc, out, err = run_main(capsys, *args, "--strategy", "greedy")
+    assert rc == 0 and "--retriever is an option of --strategy ralm|ralmspec: ignored" in err
 
 
 class Latin1Tokenizer(ByteTokenizer):
