@@ -108,7 +108,6 @@ class RowState:
         """Append emitted tokens (and their log-probabilities, when the row keeps them) up
         to EOS / stop / max length; returns those kept."""
         kept = []
-        n0 = len(self.ids)
         for t in new:
             if self.finish:
                 break
@@ -203,6 +202,7 @@ class DecodeState:
     max_len: int  # cache slots S
     # options every step applies alike (verify.py): min_new_tokens bans `ban` (EOS + stop
     # ids) until that many tokens are out; logprobs returns each emitted token's
+    # log-probability
     min_new: int = 0
     ban: tuple = ()
     logprobs: bool = False

@@ -225,7 +225,7 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     engines = engine.shared.setdefault("draft_engines", {})
     key = (draft_model if by_name else id(draft_model), weights, engine.mesh is None)
     hit = engines.get(key)
-    if hit is not None and (by_name or hit.model is draft_model):
+    if hit is not None and (by_name or _runs(hit, draft_model)):
         return hit
     if weights == "float32" or engine.mesh is not None:
         eng = engine_for(load_draft(engine, draft_model), engine.mesh)
@@ -239,6 +239,15 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
             eng.keep_packed_only()
     engines[key] = eng
     return eng
+
+
+def _runs(engine, model) -> bool:
+    """Whether `engine` (cached under id(model)) still runs `model`: an id can be reused
+    after its model is gone, and `engine_for`'s engines hold their model weakly."""
+    try:
+        return engine.model is model
+    except RuntimeError:  # its model was garbage-collected
+        return False
 
 
 def load_draft(engine, draft_model, pack: bool = True):

@@ -12,6 +12,35 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 HF_KINDS = ("llama", "llama3", "qwen2", "gemma3")
 
 
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    """After each test module, drop JAX's caches of compiled executables (and collect the
+    module's models, whose engines hold theirs). A CPU executable keeps ~6 memory
+    mappings; the whole suite in one process compiles thousands, and past the kernel's
+    vm.max_map_count (65,530 here) LLVM's next mmap fails and XLA's compiler crashes
+    (a segfault in backend_compile_and_load, seen in a full run). Says so on stderr when
+    a module ends with many mappings left."""
+    yield
+    import gc
+    import sys
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    n = _memory_maps()
+    if n > 30000:
+        sys.__stderr__.write(f"\n[conftest] {n} memory mappings after this module (vm.max_map_count ~65k)\n")
+
+
 def make_tiny_hf(kind: str, seed: int = 0, **overrides):
     """A tiny random float32 HF causal LM of `kind`, in eval mode, with eager attention.
 
