@@ -287,10 +287,7 @@ def _packed_dtype(params):
 
 
 def _is_packed(params) -> bool:
-    from .models import cpu_kernels
-
-    layers = params.get("layers") if isinstance(params, dict) else None
-    return bool(layers) and any(isinstance(v, cpu_kernels.PackedWeight) for v in layers[0].values())
+    return _packed_dtype(params) is not None
 
 
 def _packable(leaves) -> bool:

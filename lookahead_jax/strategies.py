@@ -22,6 +22,8 @@ from .acceptance import SpecSampling, TokenMatch
 from .budget import AutoBudget, FixedBudget, StepTimes
 from .drafters.model import SAMPLERS
 
+DRAFT_WEIGHTS = ("bfloat16", "float32")  # storage of a draft model's packed CPU weights
+
 log = logging.getLogger("lookahead_jax")
 REGISTRY: dict = {}
 
@@ -147,7 +149,7 @@ class SpecInfer:
     name = "specinfer"
     help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
     cli_names = {}
-    choices = {"sampler": SAMPLERS, "draft_weights": ("bfloat16", "float32")}
+    choices = {"sampler": SAMPLERS, "draft_weights": DRAFT_WEIGHTS}
     parsers = {"expansion": _expansion, "draft_model": str}
     metavars = {"draft_model": "NAME_OR_PATH", "expansion": "W1,W2,..."}
     field_help = {
@@ -175,7 +177,7 @@ class SpecInfer:
                              "(CLI: --draft-model), e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
-        if self.draft_weights not in self.choices["draft_weights"]:
+        if self.draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be 'bfloat16' or 'float32', got {self.draft_weights!r}")
         from .drafters.model import expansion_tree
 
@@ -219,7 +221,7 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     engine (`engine_for`)."""
     from .engine import Engine, engine_for
 
-    if weights not in ("bfloat16", "float32"):
+    if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft weights must be 'bfloat16' or 'float32', got {weights!r}")
     by_name = isinstance(draft_model, str)
     engines = engine.shared.setdefault("draft_engines", {})
