@@ -42,7 +42,7 @@ from . import tree as tree_lib
 from .acceptance import TokenMatch
 from .budget import FixedBudget
 from .drafts import DraftBatch
-from .sampling import SamplingParams
+from .sampling import Penalties, SamplingParams
 from .verify import window_for
 
 # prompt lengths are padded to these (one prefill compilation each); steps of 1.5x above
@@ -202,10 +202,13 @@ class DecodeState:
     max_len: int  # cache slots S
     # options every step applies alike (verify.py): min_new_tokens bans `ban` (EOS + stop
     # ids) until that many tokens are out; logprobs returns each emitted token's
-    # log-probability
+    # log-probability; penalties (repetition / presence / frequency) over a vocabulary of
+    # `vocab` ids
     min_new: int = 0
     ban: tuple = ()
     logprobs: bool = False
+    penalties: Penalties = Penalties()
+    vocab: int = 0
     # bookkeeping of the call (wall times exclude compilation)
     steps: int = 0
     tree_sizes: list = dataclasses.field(default_factory=list)
@@ -230,11 +233,27 @@ class DecodeState:
     def step_options(self) -> dict:
         """Keyword arguments of `Engine.verify` / `Engine.extend` for the options (none
         when off: the plain executables). suppress[b]: the position below which a token's
-        successor may not be a `ban` id: len(prompt) + min_new - 1."""
+        successor may not be a `ban` id: len(prompt) + min_new - 1. With penalties, each
+        row's context as it stands (prompt + generated, its last token the root or the last
+        token an extend forwards), recounted every step, so rollback / replace_prompt /
+        extend need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t
+        occurs in the generated ids."""
         opts = {}
         if self.min_new and self.ban:
             opts.update(suppress=np.array([len(r.prompt_ids) + self.min_new - 1 for r in self.rows], np.int32),
                         ban=self.ban)
+        pen = self.penalties
+        if pen.on:
+            B, V = self.batch, self.vocab
+            opts["penalties"] = pen
+            if pen.uses_context:
+                seen = np.zeros((B, V), bool)
+                for b in range(B):
+                    seen[b, np.asarray(self.context(b), np.int64)] = True
+                opts["seen"] = seen
+            if pen.uses_counts:
+                opts["counts"] = np.stack([np.bincount(np.asarray(r.ids, np.int64), minlength=V)[:V]
+                                           for r in self.rows]).astype(np.int32)
         if self.logprobs:
             opts["logprobs"] = True
         return opts
@@ -262,11 +281,12 @@ def _timed(engine, state, fn):
 def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: int,
             max_new_tokens: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
             first_index: int = 0, eos_ids=(), stop=(), on_text=None, min_new_tokens: int = 0,
-            logprobs: bool = False) -> DecodeState:
+            logprobs: bool = False, penalties: Penalties = Penalties()) -> DecodeState:
     """A new batch: the prompt forward, each row's first token chosen (as `extend` from an
     empty cache). Rows are right-padded to a bucketed length. min_new_tokens: EOS (all of
     `eos_ids`) is banned until that many tokens are out; logprobs: keep each generated
-    token's log-probability (`RowState.logprobs`)."""
+    token's log-probability (`RowState.logprobs`); penalties: `sampling.Penalties`, applied
+    at every step (this one included)."""
     B = len(prompt_ids)
     rows = [RowState(i, x, tokenizer, set(eos_ids), tuple(stop), max_new_tokens, on_text)
             for i, x in enumerate(prompt_ids)]
@@ -275,7 +295,7 @@ def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: 
         root=np.zeros(B, np.int32), seeds=engine.put(np.full(B, seed, np.uint32)),
         rowids=engine.put(np.arange(first_index, first_index + B, dtype=np.int32)),
         sampling=sampling, max_len=max_len, min_new=int(min_new_tokens), ban=tuple(sorted(set(eos_ids))),
-        logprobs=bool(logprobs),
+        logprobs=bool(logprobs), penalties=penalties, vocab=int(engine.config.vocab_size),
     )
     if logprobs:
         for r in rows:

@@ -188,18 +188,35 @@ class Engine:
             self._mesh_steps[jkey] = fn
         return fn, {}
 
+    def _options(self, args: tuple, static: dict, optional: list, suppress, ban, penalties, seen, counts):
+        """Append the optional step arguments (`optional`: those before suppress, e.g.
+        draft_probs) and their static companions; trailing absent ones are left out, so
+        with every option off the call is exactly the plain one."""
+        optional = list(optional)
+        if suppress is not None and ban:
+            optional.append(self.arg(np.asarray(suppress, np.int32)))
+            static["ban"] = tuple(int(t) for t in ban)
+        else:
+            optional.append(None)
+        if penalties is not None and penalties.on:
+            optional += [self.arg(np.asarray(seen, bool)) if penalties.uses_context else None,
+                         self.arg(np.asarray(counts, np.int32)) if penalties.uses_counts else None]
+            static["penalties"] = penalties
+        while optional and optional[-1] is None:
+            optional.pop()
+        return args + tuple(optional)
+
     def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
-               suppress=None, ban: tuple = (), logprobs: bool = False):
+               suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
+               counts=None):
         """`verify.extend_step` through the compiled-function table (name "prefill").
-        suppress [B] / ban (min_new_tokens) and logprobs: see `verify.py`; off by default
-        (the same executable as without them)."""
+        suppress [B] / ban (min_new_tokens), penalties with seen [B,V] / counts [B,V], and
+        logprobs: see `verify.py`; off by default (the same executable as without them)."""
         from .verify import jitted_extend
 
         args = (self.params, cache, self.arg(tokens), self.arg(n_new), seeds, rows)
         static = dict(window=window, emit=emit)
-        if suppress is not None and ban:
-            args += (self.arg(np.asarray(suppress, np.int32)),)
-            static["ban"] = tuple(int(t) for t in ban)
+        args = self._options(args, static, [], suppress, ban, penalties, seen, counts)
         if logprobs:
             static["logprobs"] = True
         fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling),
@@ -207,21 +224,19 @@ class Engine:
         return self.compiled("prefill", fn, *args, **static)
 
     def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
-               suppress=None, ban: tuple = (), logprobs: bool = False):
-        """`verify.verify_step` on a packed `tree.VerifyBlock` (suppress / ban / logprobs:
-        see `verify.py`; off by default)."""
+               suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
+               counts=None):
+        """`verify.verify_step` on a packed `tree.VerifyBlock` (suppress / ban, penalties /
+        seen / counts, logprobs: see `verify.py`; off by default)."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
                 self.arg(block.depth), self.arg(block.mask), self.arg(active), seeds, rows)
         static = dict(window=window)
+        probs = None
         if draft_probs is not None:
-            args += (draft_probs if isinstance(draft_probs, jax.Array) else self.arg(draft_probs),)
-        if suppress is not None and ban:
-            if draft_probs is None:
-                args += (None,)
-            args += (self.arg(np.asarray(suppress, np.int32)),)
-            static["ban"] = tuple(int(t) for t in ban)
+            probs = draft_probs if isinstance(draft_probs, jax.Array) else self.arg(draft_probs)
+        args = self._options(args, static, [probs], suppress, ban, penalties, seen, counts)
         if logprobs:
             static["logprobs"] = True
         fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule),

@@ -20,7 +20,7 @@ from . import tree as tree_lib
 from .decode import CACHE_ROUND, PROMPT_BUCKETS, decode, prefill, prompt_bucket  # noqa: F401
 from .engine import engine_for
 from .models.config import ModelConfig
-from .sampling import SamplingParams
+from .sampling import Penalties, SamplingParams
 from .strategies import REGISTRY, Greedy, resolve
 
 log = logging.getLogger("lookahead_jax")
@@ -154,7 +154,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              on_text: Optional[Callable[[int, str], None]] = None,
              max_cache_len: Optional[int] = None, ignore_eos: bool = False,
              first_index: int = 0, mesh=None, stop_token_ids=None, n: int = 1,
-             min_new_tokens: int = 0, logprobs: bool = False, **strategy_options) -> GenerateOutput:
+             min_new_tokens: int = 0, logprobs: bool = False, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -188,8 +190,18 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         (their probability is 0 there, in plain decoding and inside every verify step, so
         each strategy stays exact); stop strings still apply.
     logprobs: each row's `logprobs` holds the model's log-probability of each generated
-        token (log_softmax of the raw logits: before temperature, top-k/p and the
-        min_new_tokens ban), the same values under every strategy.
+        token (log_softmax of the raw logits: before penalties, temperature, top-k/p and
+        the min_new_tokens ban), the same values under every strategy.
+    repetition_penalty: > 0, 1 = off (HF's `repetition_penalty`): every id that occurs in
+        the row's context (prompt + generated so far) has its logit divided by it where the
+        logit is > 0 and multiplied by it otherwise (> 1 discourages repeats).
+    presence_penalty, frequency_penalty: in [-2, 2], 0 = off (vLLM / OpenAI): over the
+        row's generated ids only, logit -= presence_penalty * (count > 0) +
+        frequency_penalty * count. The penalties apply to the raw logits in that order,
+        before temperature, top-k/p and the min_new_tokens ban, at every position; inside a
+        verify step each tree node is penalized by its own path (the context plain
+        decoding would have there), so every strategy stays exact. For ralm / ralmspec the
+        context includes the retrieved passage (it is part of the row's prompt).
     first_index: index of the first prompt (for prompt_index, error messages and the
         sampling key's row), so a long list decoded in batches samples as one batch.
     mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): params
@@ -208,6 +220,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
             not 0 <= min_new_tokens <= max_new_tokens:
         raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new_tokens}], "
                          f"got {min_new_tokens!r}")
+    penalties = _penalties(repetition_penalty, presence_penalty, frequency_penalty)
     if n > 1 and sampling.greedy:
         raise ValueError(f"n={n} samples per prompt need temperature > 0 (greedy gives n identical rows)")
     engine = engine_for(model, mesh)
@@ -269,7 +282,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     t_run = time.perf_counter() - t_run
     state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=max_new_tokens,
                     sampling=sampling, seed=seed, first_index=first_row, eos_ids=eos,
-                    stop=stop, on_text=on_text, min_new_tokens=min_new_tokens, logprobs=logprobs)
+                    stop=stop, on_text=on_text, min_new_tokens=min_new_tokens, logprobs=logprobs,
+                    penalties=penalties)
     state.t_start -= t_run  # decode time (and time to the first token)
     state.prefill_s += t_run
     refs = None
@@ -312,6 +326,17 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         if getattr(drafter, "engine", engine) is not engine:  # a draft model's own compilations
             stats["compile_s"] += stats.get("draft_compile_s", 0.0)
     return GenerateOutput(outs, stats)
+
+
+def _penalties(repetition, presence, frequency) -> Penalties:
+    """`sampling.Penalties` from generate's arguments, or a ValueError naming the bad one."""
+    values = {}
+    for name, v in (("repetition_penalty", repetition), ("presence_penalty", presence),
+                    ("frequency_penalty", frequency)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise ValueError(f"{name} must be a number, got {v!r}")
+        values[name] = float(v)
+    return Penalties(values["repetition_penalty"], values["presence_penalty"], values["frequency_penalty"])
 
 
 def _norm_references(references, B):

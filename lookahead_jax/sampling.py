@@ -44,6 +44,64 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """Static repetition / presence / frequency penalties (hashable: a static jit argument).
+
+    repetition (HF `repetition_penalty`, > 0; 1 = off): every id that occurs in the context
+    (prompt + generated) has its logit divided by it where positive, multiplied where not.
+    presence / frequency (vLLM / OpenAI, in [-2, 2]; 0 = off): over the *generated* ids
+    only, logit -= presence * (count > 0) + frequency * count. Applied in that order, to
+    the raw logits (before temperature, top-k/p and the min_new_tokens ban)."""
+
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 < self.repetition < float("inf"):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition!r}")
+        for name in ("presence", "frequency"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name}_penalty must be a number in [-2, 2] (0 = off), got {v!r}")
+
+    @property
+    def on(self) -> bool:
+        return self.uses_context or self.uses_counts
+
+    @property
+    def uses_context(self) -> bool:
+        """Needs `seen` (the ids of the context)."""
+        return self.repetition != 1.0
+
+    @property
+    def uses_counts(self) -> bool:
+        """Needs `counts` (how often each id was generated)."""
+        return self.presence != 0.0 or self.frequency != 0.0
+
+
+def penalize(logits, pen, seen=None, counts=None, path=None):
+    """logits [B,T,V] with the penalties `pen` applied (unchanged when pen is None / off).
+
+    seen [B,V] bool: the ids of each row's context up to the block's root (root included);
+    counts [B,V] int32: each id's count among the row's generated ids up to the root;
+    path [B,T,V] int32 or None: each id's count among the nodes below the root on node t's
+    own path (t included), which are all generated tokens. So node t is penalized by
+    exactly the context plain decoding would have at its position."""
+    if pen is None or not pen.on:
+        return logits
+    if pen.uses_context:
+        hit = seen[:, None, :] if path is None else seen[:, None, :] | (path > 0)  # [B,T,V]
+        r = jnp.asarray(pen.repetition, logits.dtype)
+        logits = jnp.where(hit, jnp.where(logits > 0, logits / r, logits * r), logits)
+    if pen.uses_counts:
+        c = counts[:, None, :] if path is None else counts[:, None, :] + path  # [B,T,V]
+        sub = pen.frequency * c.astype(jnp.float32) + pen.presence * (c > 0).astype(jnp.float32)
+        logits = logits - sub.astype(logits.dtype)
+    return logits
+
+
 def position_keys(seed, row, position):
     """Keys [..., 2] for seed [B], row [B] (uint32/int32) and position [B, ...] (int32)."""
 

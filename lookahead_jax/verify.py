@@ -31,8 +31,13 @@ Algorithm (one forward, no shape depends on the outcome):
 
 With T = 0 (no drafts) the step is plain decoding: one token per forward.
 
-Two options change a step the same way in plain decoding and in verification, so every
-strategy stays exact with them (both off by default: the step is then unchanged):
+Options that change a step the same way in plain decoding and in verification, so every
+strategy stays exact with them (all off by default: the step is then unchanged):
+* static `penalties` (`sampling.Penalties`: repetition / presence / frequency) with the
+  row's `seen` [B,V] (ids in the context up to the root) and `counts` [B,V] (generated
+  ids up to the root): node i's logits are penalized by its own context, the base plus
+  the drafted tokens on its path root -> i (`path_counts`), i.e. by exactly the context
+  plain decoding has at that position. Applied to the raw logits, before the ban below.
 * `suppress` [B] with static `ban` ids (min_new_tokens): the logits at a position below
   suppress[b] give the `ban` tokens (EOS, stop ids) probability 0 before the rule sees
   them, so a node is checked against exactly what plain decoding would pick there.
@@ -51,7 +56,7 @@ import jax.numpy as jnp
 from .acceptance import TokenMatch
 from .models import KVCache, advance, commit, forward, hidden_states, logits_from_hidden
 from .models.config import ModelConfig
-from .sampling import SamplingParams, select_tokens
+from .sampling import Penalties, SamplingParams, penalize, select_tokens
 
 
 def tree_mask(length, anc, n_slots):
@@ -78,6 +83,21 @@ def banned(logits, positions, suppress, ban: tuple):
     return logits.at[..., ids].set(jnp.where(early, -jnp.inf, cur))
 
 
+def path_counts(tokens, anc, V: int):
+    """[B,1+T,V] int32: how often each id occurs on node i's path below the root (i
+    included; the root is in the host's base counts). Padding counts only itself.
+
+    # tokens [r, a, b, a], parents [-1, 0, 0, 1]: node 3 counts a twice, node 2 counts b,
+    # node 0 (the root) nothing
+    """
+    B, T1 = tokens.shape
+    below = anc.at[:, :, 0].set(False).astype(jnp.int32)  # [B,1+T,1+T] (node i, ancestor j)
+    bi = jnp.arange(B)[:, None, None]
+    ii = jnp.arange(T1)[None, :, None]
+    ids = jnp.where(tokens < 0, V, tokens)[:, None, :]  # [B,1,1+T]; invalid ids are dropped
+    return jnp.zeros((B, T1, V), jnp.int32).at[bi, ii, ids].add(below, mode="drop")
+
+
 def token_logprobs(logits, picks):
     """log_softmax(logits [B,T,V])[picks [B,T]] -> [B,T] f32."""
     lf = logits.astype(jnp.float32)
@@ -86,15 +106,15 @@ def token_logprobs(logits, picks):
 
 
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
-                draft_probs=None, suppress=None, *, config: ModelConfig, rule, window: int = 0,
-                ban: tuple = (), logprobs: bool = False):
+                draft_probs=None, suppress=None, seen=None, counts=None, *, config: ModelConfig, rule,
+                window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None):
     """Returns (emitted [B,1+T] int32 (-1 past n), n_emitted [B] int32, path [B,1+T] int32
     (block indices of the accepted nodes root..best, then 0), cache); with `logprobs`,
     (emitted, n_emitted, path, logprobs [B,1+T] f32 of the emitted tokens, cache).
 
     rule: the acceptance rule (`acceptance.TokenMatch`, ...), static. draft_probs: the
     drafts' distributions for rules that need them (None: deterministic drafts).
-    suppress/ban: see the module docstring (min_new_tokens). window: static number of
+    suppress/ban (min_new_tokens), penalties/seen/counts: see the module docstring. window: static number of
     cache slots attention reads (0: all). Every active row needs length + 1 + T <= window;
     the decode loop picks it with `window_for`."""
     B, T1 = tokens.shape
@@ -102,7 +122,12 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     positions = length[:, None] + depth  # [B,1+T]
     mask = tree_mask(length, anc, window or cache.max_len)
     raw, cache = forward(params, tokens, positions, cache, mask, config)
-    logits = banned(raw, positions, suppress, ban)
+    if penalties is not None and penalties.on:
+        path = path_counts(tokens, anc, raw.shape[-1]) if T1 > 1 else None
+        logits = penalize(raw, penalties, seen, counts, path)
+    else:
+        logits = raw
+    logits = banned(logits, positions, suppress, ban)
     best, bonus = rule(logits, tokens, parent, depth, anc, positions, seed, row, draft_probs)
     active = active.astype(bool)
     n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
@@ -131,9 +156,9 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     return emitted, n_emit, path, cache
 
 
-def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, *, config: ModelConfig,
-                sampling: SamplingParams, window: int, emit: bool = True, ban: tuple = (),
-                logprobs: bool = False):
+def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None, *,
+                config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True, ban: tuple = (),
+                logprobs: bool = False, penalties: Penalties = None):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
@@ -144,8 +169,10 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     root). With emit=False the last token stays uncommitted (length += n - 1): it is the
     root the next step forwards, as after any decode step. Rows with n_new = 0 are left
     as they are. window: static slots attention reads (>= max(length) + P; a fresh
-    prefill reads only its own P slots). suppress/ban, logprobs: as in `verify_step`
-    (with logprobs: (next token, its log-probability [B], cache))."""
+    prefill reads only its own P slots). suppress/ban, logprobs, penalties: as in
+    `verify_step` (with logprobs: (next token, its log-probability [B], cache)); seen /
+    counts cover the whole context up to the last forwarded token (the token picked here
+    follows it)."""
     B, P = tokens.shape
     length = cache.length
     positions = length[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]  # [B,P]
@@ -154,7 +181,8 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)
     last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)  # [B,1,D]
     raw = logits_from_hidden(params, last, config)  # [B,1,V]
-    logits = banned(raw, (length + n_new - 1)[:, None], suppress, ban)
+    logits = penalize(raw, penalties, seen, counts)
+    logits = banned(logits, (length + n_new - 1)[:, None], suppress, ban)
     nxt = select_tokens(logits, sampling, seed, row, (length + n_new)[:, None])[:, 0]
     keep = n_new if emit else jnp.maximum(n_new - 1, 0)
     if logprobs:
@@ -166,7 +194,7 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
 def jitted_extend(config: ModelConfig, sampling: SamplingParams):
     """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
     return jax.jit(functools.partial(extend_step, config=config, sampling=sampling),
-                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs"))
+                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs", "penalties"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +205,7 @@ def jitted_verify_step(config: ModelConfig, rule):
         rule = TokenMatch(rule)
     return jax.jit(
         functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
-        static_argnames=("window", "ban", "logprobs"),
+        static_argnames=("window", "ban", "logprobs", "penalties"),
     )
 
 

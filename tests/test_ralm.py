@@ -286,6 +286,25 @@ def test_ralm_matches_its_definition(model, tok, bm25, sampling):
         assert spec.token_ids[0] == gen
 
 
+def test_ralmspec_equals_ralm_with_penalties(model, tok, bm25, corpus):
+    """Repetition / presence / frequency penalties: RaLMSpec (speculation right and always
+    wrong: rollbacks and re-prefills) gives RaLM's tokens; the passage is part of the
+    context (a fixed passage: RaLM is plain decoding of the written prompt)."""
+    pen = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.8)
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    base = run(model, tok, PROMPTS[:4], RaLM(**kw), **pen)
+    assert base.token_ids != run(model, tok, PROMPTS[:4], RaLM(**kw)).token_ids
+    assert sum(len(h) - 1 for h in base.stats["passages"]) > 0  # passages change: re-prefills
+    for retriever in (bm25, Forced(bm25, "wrong")):
+        spec = run(model, tok, PROMPTS[:4], RaLMSpec(**{**kw, "retriever": retriever}, speculation_stride=2), **pen)
+        assert_same(spec, base)
+    assert spec.stats["rollbacks"] > 0
+    ids = [tok.encode(p) for p in PROMPTS[:2]]
+    fixed = run(model, tok, PROMPTS[:2], RaLM(retriever=Const(corpus, 3), stride=1), **pen)
+    plain = G.generate(model, tok, [with_passage(tok, corpus, x, 3) for x in ids], max_new_tokens=MAX_NEW, **pen)
+    assert fixed.token_ids == plain.token_ids
+
+
 def test_retriever_by_kind_and_corpus_path(model, tok, corpus, bm25, tmp_path, monkeypatch):
     monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "passages.jsonl"
