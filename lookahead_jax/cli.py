@@ -47,6 +47,9 @@ class CliConfig:
     stop_token_ids: tuple = ()
     min_new_tokens: int = 0
     logprobs: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
 
     def strategy_object(self):
@@ -174,6 +177,15 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
                     help="token ids that end a row as EOS does (comma-separated, repeatable)")
     ap.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
                     help="EOS and --stop-token-ids cannot end an answer before N tokens (exact under every strategy)")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                    help="> 0, 1 = off (HF): logits of ids already in the prompt or the answer are divided "
+                    "by P where positive, multiplied where negative (exact under every strategy)")
+    ap.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                    help="in [-2, 2], 0 = off (OpenAI/vLLM): X is subtracted from the logit of every id the "
+                    "answer already holds")
+    ap.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                    help="in [-2, 2], 0 = off (OpenAI/vLLM): X times its count in the answer so far is "
+                    "subtracted from each id's logit")
     ap.add_argument("--logprobs", action="store_true",
                     help="with --json: each row carries the model's log-probability of every generated token")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
@@ -246,7 +258,8 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         stop=tuple(a.stop), batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
         mesh=mesh, max_cache_len=a.max_cache_len, n=a.n,
         stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), sources=tuple(sources),
-        min_new_tokens=a.min_new_tokens, logprobs=a.logprobs,
+        min_new_tokens=a.min_new_tokens, logprobs=a.logprobs, repetition_penalty=a.repetition_penalty,
+        presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
     )
 
 
@@ -360,7 +373,8 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
         mesh=mesh, max_cache_len=cfg.max_cache_len, n=cfg.n,
         stop_token_ids=list(cfg.stop_token_ids) or None, min_new_tokens=cfg.min_new_tokens,
-        logprobs=cfg.logprobs,
+        logprobs=cfg.logprobs, repetition_penalty=cfg.repetition_penalty,
+        presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)

@@ -262,6 +262,21 @@ def test_min_new_tokens_and_logprobs(fake_load, tiny, capsys):
     assert rc == 2 and "--min-new-tokens must be in [0, --max-new-tokens=4]" in err
 
 
+def test_penalty_flags(fake_load, tiny, capsys):
+    """--repetition-penalty / --presence-penalty / --frequency-penalty reach generate (its
+    tokens, which differ from the unpenalized ones), also under lookahead."""
+    pen = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=1.0)
+    kw = dict(max_new_tokens=16)  # unpenalized, it repeats 216, 161, 115
+    want = generate(tiny, ByteTokenizer(), PROMPTS[0], **kw, **pen).token_ids[0]
+    assert want != generate(tiny, ByteTokenizer(), PROMPTS[0], **kw).token_ids[0]
+    flags = ["--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--frequency-penalty", "1"]
+    for strategy in ("greedy", "lookahead"):
+        rc, out, err = run_main(capsys, "--prompt", PROMPTS[0], "--max-new-tokens", "16", "--json",
+                                "--strategy", strategy, *flags)
+        assert rc == 0, err
+        assert parse_json_lines(out)[0][0]["token_ids"] == want
+
+
 def test_ralm_and_ralmspec_from_the_command_line(fake_load, tiny, capsys, tmp_path, monkeypatch):
     """--strategy ralm|ralmspec share --retriever/--corpus/--stride; the BM25 index built
     by the retrieval command is found in the cache; ralmspec prints ralm's tokens; a
@@ -363,6 +378,9 @@ def test_argument_errors(fake_load, capsys, argv, msg):
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--top-k", "-3"], "top_k must be >= 0"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be a number > 0"),
+    (["--presence-penalty", "2.5"], "presence_penalty must be a number in [-2, 2]"),
+    (["--frequency-penalty", "-3"], "frequency_penalty must be a number in [-2, 2]"),
 ])
 def test_generation_errors(fake_load, capsys, argv, msg):
     rc, out, err = run_main(capsys, "--prompt", "hi", "--max-new-tokens", "4", *argv)
