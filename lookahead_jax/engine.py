@@ -173,14 +173,14 @@ class Engine:
             return make(), static
         from .sharding import batch_spec, cache_shardings, param_shardings
 
-        B = int(args[1].length.shape[0])
-        jkey = (kind, key, B, len(args), tuple(sorted(static.items())))
+        B = int(args[2].shape[0])  # rows of the step (the cache's, or a `sel` subset's)
+        jkey = (kind, key, B, int(args[1].length.shape[0]), len(args), tuple(sorted(static.items())))
         fn = self._mesh_steps.get(jkey)
         if fn is None:
             from jax.sharding import NamedSharding
 
             rows = NamedSharding(self.mesh, batch_spec(1, B, self.mesh))
-            cache = cache_shardings(self.config, self.mesh, B)
+            cache = cache_shardings(self.config, self.mesh, int(args[1].length.shape[0]))
             fn = jax.jit(functools.partial(make().__wrapped__, **static), donate_argnums=(1,),
                          in_shardings=(param_shardings(self.config, self.mesh), cache)
                          + (rows,) * (len(args) - 2),
@@ -189,10 +189,11 @@ class Engine:
         return fn, {}
 
     def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
-               suppress=None, ban: tuple = (), logprobs: bool = False):
+               suppress=None, ban: tuple = (), logprobs: bool = False, sel=None):
         """`verify.extend_step` through the compiled-function table (name "prefill").
         suppress [B] / ban (min_new_tokens) and logprobs: see `verify.py`; off by default
-        (the same executable as without them)."""
+        (the same executable as without them). sel [G]: only these cache rows (tokens,
+        n_new, seeds, rows, suppress then have G rows; see `verify.extend_step`)."""
         from .verify import jitted_extend
 
         args = (self.params, cache, self.arg(tokens), self.arg(n_new), seeds, rows)
@@ -200,6 +201,10 @@ class Engine:
         if suppress is not None and ban:
             args += (self.arg(np.asarray(suppress, np.int32)),)
             static["ban"] = tuple(int(t) for t in ban)
+        if sel is not None:
+            if len(args) == 6:
+                args += (None,)
+            args += (self.arg(np.asarray(sel, np.int32)),)
         if logprobs:
             static["logprobs"] = True
         fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling),

@@ -131,9 +131,9 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     return emitted, n_emit, path, cache
 
 
-def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, *, config: ModelConfig,
-                sampling: SamplingParams, window: int, emit: bool = True, ban: tuple = (),
-                logprobs: bool = False):
+def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, sel=None, *,
+                config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True,
+                ban: tuple = (), logprobs: bool = False):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
@@ -145,7 +145,17 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     root the next step forwards, as after any decode step. Rows with n_new = 0 are left
     as they are. window: static slots attention reads (>= max(length) + P; a fresh
     prefill reads only its own P slots). suppress/ban, logprobs: as in `verify_step`
-    (with logprobs: (next token, its log-probability [B], cache))."""
+    (with logprobs: (next token, its log-probability [B], cache)).
+
+    sel [G] (optional): the block is for cache rows `sel` only; every per-row argument
+    (tokens, n_new, seed, row, suppress) and output then has G rows. The step works on a
+    copy of those rows' first `window` slots and writes it back, so it costs G rows, not
+    the cache's B: a mixed-length batch prefills each group of similar lengths apart."""
+    full = None
+    if sel is not None:
+        full = cache
+        cache = KVCache(k=tuple(b[sel, :, :window] for b in full.k),
+                        v=tuple(b[sel, :, :window] for b in full.v), length=full.length[sel])
     B, P = tokens.shape
     length = cache.length
     positions = length[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]  # [B,P]
@@ -157,9 +167,14 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     logits = banned(raw, (length + n_new - 1)[:, None], suppress, ban)
     nxt = select_tokens(logits, sampling, seed, row, (length + n_new)[:, None])[:, 0]
     keep = n_new if emit else jnp.maximum(n_new - 1, 0)
+    cache = advance(cache, keep)
+    if full is not None:  # the rows' slots back into the (donated) whole cache
+        cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
+                        v=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.v, cache.v)),
+                        length=full.length.at[sel].set(cache.length))
     if logprobs:
-        return nxt, token_logprobs(raw, nxt[:, None])[:, 0], advance(cache, keep)
-    return nxt, advance(cache, keep)
+        return nxt, token_logprobs(raw, nxt[:, None])[:, 0], cache
+    return nxt, cache
 
 
 @functools.lru_cache(maxsize=None)
