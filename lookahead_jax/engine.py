@@ -65,6 +65,13 @@ class Engine:
                                "or build Engine(model) yourself")
         return m
 
+    @property
+    def platform(self) -> str:
+        """Where the steps run: "cpu", "gpu", "tpu" (the mesh's devices, else JAX's default)."""
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0].platform
+        return jax.devices()[0].platform
+
     def __repr__(self) -> str:
         mesh = dict(self.mesh.shape) if self.mesh is not None else None
         return f"Engine({self.name or type(self.model).__name__}, mesh={mesh})"
