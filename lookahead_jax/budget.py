@@ -123,6 +123,27 @@ class AcceptanceStats:
         return len(q) if q else 0
 
 
+# Typical verify-step cost ratios t(T) / t(0) per platform: the starting costs of
+# `AutoBudget` when nothing was calibrated (real steps correct them, `StepTimes`). CPU:
+# measured with SmolLM2-135M (packed f32 kernels, 2 cores; a 1.5B model is as compute-bound
+# per token); GPU: SmolLM2-135M on an H100, where up to ~16 nodes ride along almost free.
+# T = 127 (beyond `auto`'s default drafter) is extrapolated.
+PRIOR_COST_RATIOS = {
+    "cpu": {0: 1.0, 1: 1.08, 3: 1.13, 7: 1.33, 15: 1.95, 31: 3.8, 63: 6.8, 127: 13.0},
+    "gpu": {0: 1.0, 1: 1.32, 3: 1.32, 7: 1.32, 15: 1.35, 31: 2.4, 63: 2.4, 127: 4.5},
+}
+
+
+def prior_costs(platform: str, buckets: Sequence[int]) -> dict:
+    """{T: t(T)/t(0)} for `platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu": as gpu) and the
+    buckets asked: the `AutoBudget` costs of a run that does not calibrate."""
+    table = PRIOR_COST_RATIOS["cpu" if platform == "cpu" else "gpu"]
+    missing = [b for b in buckets if b not in table]
+    if missing:
+        raise ValueError(f"no prior cost for buckets {missing}")
+    return {b: table[b] for b in buckets}
+
+
 class StepTimes:
     """Verify step times observed while decoding, as ratios to a plain decoding step.
 

@@ -337,7 +337,16 @@ def _row_json(r, n: int) -> dict:
 
 def main(argv=None, prog: Optional[str] = None) -> int:
     cfg = parse_args(argv, prog)
-    logging.basicConfig(level=logging.INFO if cfg.verbose else logging.WARNING, format="%(message)s")
+    # the library's own logger (a dependency imported earlier may have configured the root
+    # logger already, which makes logging.basicConfig a no-op)
+    lg = logging.getLogger("lookahead_jax")
+    lg.setLevel(logging.INFO if cfg.verbose else logging.WARNING)
+    if not any(getattr(h, "_lookahead_cli", False) for h in lg.handlers):
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(message)s"))
+        h._lookahead_cli = True
+        lg.addHandler(h)
+        lg.propagate = False
     from .loading import load
 
     mesh = None

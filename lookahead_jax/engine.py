@@ -65,6 +65,13 @@ class Engine:
                                "or build Engine(model) yourself")
         return m
 
+    @property
+    def platform(self) -> str:
+        """Where the steps run: "cpu", "gpu", "tpu" (the mesh's devices, else JAX's default)."""
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0].platform
+        return jax.devices()[0].platform
+
     def __repr__(self) -> str:
         mesh = dict(self.mesh.shape) if self.mesh is not None else None
         return f"Engine({self.name or type(self.model).__name__}, mesh={mesh})"
@@ -173,14 +180,14 @@ class Engine:
             return make(), static
         from .sharding import batch_spec, cache_shardings, param_shardings
 
-        B = int(args[1].length.shape[0])
-        jkey = (kind, key, B, len(args), tuple(sorted(static.items())))
+        B = int(args[2].shape[0])  # rows of the step (the cache's, or a `sel` subset's)
+        jkey = (kind, key, B, int(args[1].length.shape[0]), len(args), tuple(sorted(static.items())))
         fn = self._mesh_steps.get(jkey)
         if fn is None:
             from jax.sharding import NamedSharding
 
             rows = NamedSharding(self.mesh, batch_spec(1, B, self.mesh))
-            cache = cache_shardings(self.config, self.mesh, B)
+            cache = cache_shardings(self.config, self.mesh, int(args[1].length.shape[0]))
             fn = jax.jit(functools.partial(make().__wrapped__, **static), donate_argnums=(1,),
                          in_shardings=(param_shardings(self.config, self.mesh), cache)
                          + (rows,) * (len(args) - 2),
@@ -208,15 +215,19 @@ class Engine:
 
     def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None):
+               counts=None, sel=None):
         """`verify.extend_step` through the compiled-function table (name "prefill").
         suppress [B] / ban (min_new_tokens), penalties with seen [B,V] / counts [B,V], and
-        logprobs: see `verify.py`; off by default (the same executable as without them)."""
+        logprobs: see `verify.py`; off by default (the same executable as without them).
+        sel [G]: only these cache rows (the per-row arguments then have G rows; see
+        `verify.extend_step`)."""
         from .verify import jitted_extend
 
         args = (self.params, cache, self.arg(tokens), self.arg(n_new), seeds, rows)
         static = dict(window=window, emit=emit)
         args = self._options(args, static, [], suppress, ban, penalties, seen, counts)
+        if sel is not None:  # after suppress, seen, counts (absent ones as None)
+            args += (None,) * (9 - len(args)) + (self.arg(np.asarray(sel, np.int32)),)
         if logprobs:
             static["logprobs"] = True
         fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling),

@@ -156,9 +156,9 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     return emitted, n_emit, path, cache
 
 
-def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None, *,
-                config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True, ban: tuple = (),
-                logprobs: bool = False, penalties: Penalties = None):
+def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None,
+                sel=None, *, config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True,
+                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
@@ -172,7 +172,18 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     prefill reads only its own P slots). suppress/ban, logprobs, penalties: as in
     `verify_step` (with logprobs: (next token, its log-probability [B], cache)); seen /
     counts cover the whole context up to the last forwarded token (the token picked here
-    follows it)."""
+    follows it).
+
+    sel [G] (optional): the block is for cache rows `sel` only; every per-row argument
+    (tokens, n_new, seed, row, suppress, seen, counts) and output then has G rows. The
+    step works on a copy of those rows' first `window` slots and writes it back, so it
+    costs G rows, not the cache's B: a mixed-length batch prefills each group of similar
+    lengths apart."""
+    full = None
+    if sel is not None:
+        full = cache
+        cache = KVCache(k=tuple(b[sel, :, :window] for b in full.k),
+                        v=tuple(b[sel, :, :window] for b in full.v), length=full.length[sel])
     B, P = tokens.shape
     length = cache.length
     positions = length[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]  # [B,P]
@@ -185,9 +196,14 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     logits = banned(logits, (length + n_new - 1)[:, None], suppress, ban)
     nxt = select_tokens(logits, sampling, seed, row, (length + n_new)[:, None])[:, 0]
     keep = n_new if emit else jnp.maximum(n_new - 1, 0)
+    cache = advance(cache, keep)
+    if full is not None:  # the rows' slots back into the (donated) whole cache
+        cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
+                        v=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.v, cache.v)),
+                        length=full.length.at[sel].set(cache.length))
     if logprobs:
-        return nxt, token_logprobs(raw, nxt[:, None])[:, 0], advance(cache, keep)
-    return nxt, advance(cache, keep)
+        return nxt, token_logprobs(raw, nxt[:, None])[:, 0], cache
+    return nxt, cache
 
 
 @functools.lru_cache(maxsize=None)

@@ -251,3 +251,21 @@ def test_observed_step_times_correct_the_calibrated_costs():
         c.record(0, 128, 0.02)
         c.record(3, 128, 0.02)
     assert c.cost_ratios()[3] >= c.cost_ratios()[1]
+
+
+def test_prior_costs_start_auto_without_calibration():
+    """Without calibration `auto` starts from the platform's typical cost ratios: trees
+    grow dearer with T on CPU; on accelerators small trees cost about the same; real
+    steps then correct them like calibrated costs."""
+    from lookahead_jax.budget import PRIOR_COST_RATIOS, prior_costs
+
+    for table in PRIOR_COST_RATIOS.values():
+        ts = sorted(table)
+        assert ts == list(BUCKETS) and table[0] == 1.0
+        assert all(table[a] <= table[b] for a, b in zip(ts, ts[1:]))
+    cpu, gpu = prior_costs("cpu", BUCKETS), prior_costs("tpu", BUCKETS)
+    assert cpu[63] > 2 * gpu[63] and gpu[15] / gpu[1] < 1.1
+    b = AutoBudget(BUCKETS, cpu)
+    assert b.choose(["unseen"]) == 0  # no evidence yet: plain decoding
+    with pytest.raises(ValueError, match="no prior cost"):
+        prior_costs("cpu", (0, 5))

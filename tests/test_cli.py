@@ -125,22 +125,28 @@ def test_streaming_prints_the_text(fake_load, tiny, capsys):
 
 
 def test_lookahead_auto_summary_shows_steps_and_calibration(fake_load, capsys):
-    """The summary line puts forward steps, tokens per step, compile and calibration time
-    beside tok/s; `auto` calibrates on a model it has not measured yet (a fresh model, so
-    no earlier test's costs are reused) and the line and --json's summary report it."""
+    """The summary line puts forward steps, tokens per step and compile time beside tok/s;
+    `auto` starts from typical costs (no calibration) unless `--calibrate true`, which
+    times the tree sizes on a model it has not measured yet (a fresh model, so no earlier
+    test's costs are reused): the line and --json's summary report that time."""
     fake_load.model = tiny_model("llama", seed=5)
     args = ("--prompt", PROMPTS[1], "--max-new-tokens", "8", "--strategy", "lookahead")
     rc, _, err = run_main(capsys, *args)
     assert rc == 0, err
     line = err.strip().splitlines()[-1]
     assert "tok/s" in line and "forward steps" in line and "tokens/step" in line, line
-    assert "compile" in line and "calibration" in line, line
+    assert "compile" in line and "calibration" not in line, line
+    rc, _, err = run_main(capsys, *args, "--calibrate", "true")
+    line = err.strip().splitlines()[-1]
+    assert rc == 0 and "calibration" in line, line
     fake_load.model = tiny_model("llama", seed=6)
-    rc, out, err = run_main(capsys, *args, "--json")
+    rc, out, err = run_main(capsys, *args, "--json", "--calibrate", "true")
     rows, summary = parse_json_lines(out)
     assert rc == 0 and summary["calibrate_s"] > 0 and summary["compile_s"] > 0
     assert summary["forward_steps"] == rows[0]["forward_steps"]
     assert summary["tokens_per_step"] == round(rows[0]["new_tokens"] / rows[0]["forward_steps"], 3)
+    rc, out, err = run_main(capsys, *args, "--json")
+    assert rc == 0 and parse_json_lines(out)[1]["calibrate_s"] == 0
 
 
 def test_max_cache_len_flag(fake_load, tiny, capsys):

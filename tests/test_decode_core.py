@@ -257,3 +257,43 @@ def test_streaming_decodes_only_new_tokens(model):
                      max_cache_len=CACHE)
     assert "".join(deltas) == out.texts[0] and len(deltas) > 1
     assert tok.decoded < 20 * N < N * N / 2
+
+
+def test_prefill_groups_cut_rows_by_length():
+    # rows of one bucket share a block; a long row goes apart from short ones
+    assert D.prefill_groups({0: 10, 1: 12, 2: 15}, 1024) == [[0, 1, 2]]
+    assert D.prefill_groups({0: 1504, 1: 20, 2: 18}, 4096) == [[2, 1], [0]]
+    groups = D.prefill_groups({b: n for b, n in enumerate([300, 5, 290, 7, 40])}, 1024)
+    assert sorted(sum(groups, [])) == [0, 1, 2, 3, 4] and len(groups) > 1
+    assert {0, 2} <= set(next(g for g in groups if 0 in g))
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20, "seed": 3}], ids=["greedy", "sampling"])
+def test_mixed_length_batch_prefills_rows_apart_with_the_same_tokens(model, tok, sampling, monkeypatch):
+    """A batch of one long and two short prompts prefills in two blocks (the long row
+    alone, the short rows together) with the tokens, log-probabilities and min_new_tokens
+    behaviour of one padded block for all rows (and, greedy, of each row alone); so does
+    lookahead."""
+    long = " ".join(TEXTS)[:900] + " In short:"
+    texts = [TEXTS[0][:30], long, TEXTS[2][:25]]
+    kw = dict(max_new_tokens=12, max_cache_len=CACHE, logprobs=True, min_new_tokens=3, **sampling)
+    out = G.generate(model, tok, texts, **kw)
+    lens = [len(r.prompt_token_ids) for r in out.rows]
+    assert lens[1] > 4 * max(lens[0], lens[2])  # the rows really differ
+    la = G.generate(model, tok, texts, strategy="lookahead", decoding_length=8, **kw)
+    engine = Engine(model)  # a fresh one: its compilation log holds exactly this prefill's blocks
+    state = D.prefill(engine, [r.prompt_token_ids for r in out.rows], tok, max_len=CACHE, max_new_tokens=4,
+                      sampling=G.SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"}),
+                      seed=sampling.get("seed", 0))
+    short = D.prompt_bucket(max(lens[0], lens[2]), CACHE)
+    assert [c.split(",")[0] for c in engine.compiled.compilations] == [
+        f"prefill(2x{short}", f"prefill(1x{D.prompt_bucket(lens[1], CACHE)}"]
+    assert [r.ids[0] for r in state.rows] == [x[0] for x in out.token_ids]
+
+    monkeypatch.setattr(D, "prefill_groups", lambda lengths, S: [sorted(lengths)])  # one block, as before
+    one = G.generate(model, tok, texts, **kw)
+    assert out.token_ids == one.token_ids == la.token_ids
+    for r, o in zip(out.rows, one.rows):
+        np.testing.assert_allclose(r.logprobs, o.logprobs, rtol=1e-5, atol=1e-5)
+    if not sampling:  # rows alone (sampling is keyed by the row's index in its batch)
+        assert out.token_ids == [G.generate(model, tok, [t], **kw).token_ids[0] for t in texts]
