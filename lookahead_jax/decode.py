@@ -420,7 +420,7 @@ def _forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> 
         for b in group:
             lengths[b] += n_new[at[b]] if emit else max(int(n_new[at[b]]) - 1, 0)
         state.lengths = lengths
-        state.steps += 1
+    state.steps += 1  # one step of the batch, whatever its blocks (each row forwarded once)
     for b in rows:
         r = state.rows[b]
         r.steps += 1
