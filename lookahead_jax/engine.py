@@ -345,11 +345,24 @@ def engine_for(model, mesh=None) -> Engine:
         ref, engine = hit
         if (ref() if isinstance(ref, weakref.ref) else ref) is model:
             return engine
+    own = getattr(model, "__dict__", {}).get(_ENGINE_ATTR)
+    if own is not None and key[1] in own:
+        return own[key[1]]
     engine = Engine(model, mesh)
     try:  # the registry must not keep the model alive: its engine holds it weakly too
         ref: Any = weakref.ref(model, lambda _, k=key, reg=_ENGINES: reg.pop(k, None))
         engine._model = ref
-    except TypeError:  # not weak-referenceable: kept for the life of the process
-        ref = model
+    except TypeError:
+        # not weak-referenceable (e.g. a SimpleNamespace): the engine lives on the model
+        # itself, so both go together (a registry entry would keep the model, its engine
+        # and every executable compiled for it for the life of the process)
+        try:
+            vars(model).setdefault(_ENGINE_ATTR, {})[key[1]] = engine
+            return engine
+        except TypeError:  # no __dict__ either: kept for the life of the process
+            ref = model
     _ENGINES[key] = (ref, engine)
     return engine
+
+
+_ENGINE_ATTR = "_lookahead_jax_engines"  # {mesh id: Engine} on models without weakrefs

@@ -169,6 +169,30 @@ def test_the_engine_registry_does_not_keep_models_alive(tok):
         e.params
 
 
+def test_engines_of_models_without_weakrefs_die_with_them(tok):
+    """A model object that takes no weak reference (tiny_model's SimpleNamespace) keeps its
+    engine on itself: model, engine and the executables compiled for it go together (held
+    by a registry instead, every such model's executables stayed alive; a test run in one
+    process ran past the kernel's limit of memory mappings and XLA's compiler crashed)."""
+    import gc
+    import weakref
+
+    from lookahead_jax import engine as E
+
+    t = tiny_model("llama", seed=3)
+    with pytest.raises(TypeError):
+        weakref.ref(t)
+    n = len(E._ENGINES)
+    e = engine_for(t)
+    assert engine_for(t) is e and len(E._ENGINES) == n
+    G.generate(t, tok, TEXTS[0], max_new_tokens=2, max_cache_len=CACHE)
+    exe = weakref.ref(e.compiled.executables("prefill")[0])
+    e = weakref.ref(e)
+    del t
+    gc.collect()
+    assert e() is None and exe() is None
+
+
 def _state(model, tok, prompts, S=256):
     ids = [tok.encode(p) for p in prompts]
     return D.prefill(engine_for(model), ids, tok, max_len=S, max_new_tokens=64)

@@ -47,9 +47,17 @@ def test_batched_greedy_equals_unbatched(greedy):
     assert greedy[1] == greedy[4]
 
 
-@pytest.mark.parametrize("mode", ["hierarchical", "parallel", "single"])
-@pytest.mark.parametrize("budget", [1, 8, 32, 128])
-@pytest.mark.parametrize("branch", [1, 4, 12])
+def _grid(combos, fast):
+    """pytest params of `combos`; those not in `fast` are marked slow (CI runs them all,
+    `python -m pytest` a spread: every mode, budget and branch length at least once)."""
+    return [pytest.param(*c, marks=() if c in fast else pytest.mark.slow) for c in combos]
+
+
+BATCH4 = [(m, b, br) for br in (1, 4, 12) for b in (1, 8, 32, 128) for m in ("hierarchical", "parallel", "single")]
+BATCH4_FAST = {("hierarchical", 1, 12), ("hierarchical", 128, 4), ("parallel", 8, 12), ("single", 32, 1)}
+
+
+@pytest.mark.parametrize("mode,budget,branch", _grid(BATCH4, BATCH4_FAST))
 def test_lookahead_equals_greedy_batch4(model, tok, greedy, mode, budget, branch):
     drafter = TrieDrafter(branch_length=branch, mode=mode, max_nodes=budget)  # cold trie
     ids, steps, rows = run(model, tok, 4, strategy="lookahead", decoding_length=budget,
@@ -59,8 +67,12 @@ def test_lookahead_equals_greedy_batch4(model, tok, greedy, mode, budget, branch
     assert steps < sum(len(x) for x in ids)
 
 
-@pytest.mark.parametrize("mode", ["hierarchical", "parallel", "single"])
-@pytest.mark.parametrize("budget,branch", [(1, 12), (8, 4), (32, 12), (128, 1), ("auto", 12)])
+BATCH1 = [(m, b, br) for b, br in ((1, 12), (8, 4), (32, 12), (128, 1), ("auto", 12))
+          for m in ("hierarchical", "parallel", "single")]
+BATCH1_FAST = {("hierarchical", "auto", 12), ("parallel", 8, 4), ("single", 128, 1)}
+
+
+@pytest.mark.parametrize("mode,budget,branch", _grid(BATCH1, BATCH1_FAST))
 def test_lookahead_equals_greedy_batch1(model, tok, greedy, mode, budget, branch):
     ids, _, _ = run(model, tok, 1, strategy="lookahead", decoding_length=budget,
                     branch_length=branch, mode=mode,
@@ -176,7 +188,7 @@ def test_stop_strings(model, tok, greedy):
     assert out.token_ids == ref.token_ids and out.texts == ref.texts
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+@pytest.mark.parametrize("temperature,top_k,top_p", _grid([(1.0, 0, 1.0), (0.7, 20, 0.9)], {(0.7, 20, 0.9)}))
 def test_lookahead_sampling_equals_plain_sampling(model, tok, temperature, top_k, top_p):
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234)
     ref, _, _ = run(model, tok, 4, **kw)

@@ -141,8 +141,10 @@ def test_forced_output_tokens_count_as_generated(model, tok):
 
 
 # ----------------------------------------------------------------------------- lossless
-@pytest.mark.parametrize("name,pen", [("rep", REP), ("pf", PF), ("all", ALL)])
-@pytest.mark.parametrize("budget", [1, 8, 32])
+# one combination in the default run, all of them in CI's (`slow`)
+@pytest.mark.parametrize("name,pen,budget", [
+    pytest.param(n, p, b, marks=() if (n, b) == ("all", 8) else pytest.mark.slow)
+    for b in (1, 8, 32) for n, p in (("rep", REP), ("pf", PF), ("all", ALL))])
 def test_lookahead_equals_greedy(model, tok, plain, name, pen, budget):
     """A trie warmed with the penalized output and the unpenalized one (which parts from it:
     trees with wrong branches and partial acceptance) drafts deep accepted paths, where a

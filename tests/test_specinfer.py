@@ -83,8 +83,13 @@ def test_expansion_tree_shape():
 
 
 # ----------------------------------------------------------------------------- greedy
-@pytest.mark.parametrize("draft", ["same", "close", "random"])
-@pytest.mark.parametrize("batch,expansion", [(4, (1, 1, 3, 1, 1, 1, 1, 1)), (1, (2, 2, 1)), (4, (4,))])
+SHAPES = [(4, (1, 1, 3, 1, 1, 1, 1, 1)), (1, (2, 2, 1)), (4, (4,))]
+FAST = {("same", 0), ("close", 1), ("random", 2)}  # the default run; CI runs all (`slow`)
+
+
+@pytest.mark.parametrize("draft,batch,expansion", [
+    pytest.param(d, *SHAPES[i], marks=() if (d, i) in FAST else pytest.mark.slow)
+    for i in range(len(SHAPES)) for d in ("same", "close", "random")])
 def test_specinfer_greedy_equals_greedy(model, tok, greedy, drafts, draft, batch, expansion):
     # "same" keeps the draft's weights f32 (the target itself: always right); the others
     # run the default bf16 draft weights
@@ -173,7 +178,8 @@ def test_draft_model_merged_with_the_trie_equals_greedy(model, tok, greedy, draf
 
 
 # ----------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [pytest.param(1.0, 0, 1.0, marks=pytest.mark.slow),
+                                                     (0.7, 20, 0.9)])
 def test_invariant_sampling_equals_plain_sampling(model, tok, drafts, temperature, top_k, top_p):
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234, max_new_tokens=MAX_NEW,
               max_cache_len=CACHE)
@@ -346,7 +352,8 @@ def _exact_two_tokens(model, prompt, sp):
     return p[0, -2][:, None] * p[:, -1]  # [t1, t2]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [pytest.param(1.0, 0, 1.0, marks=pytest.mark.slow),
+                                                     (0.7, 4, 0.9)])
 def test_specinfer_sampling_distribution_end_to_end(small, temperature, top_k, top_p):
     """1e5 continuations through generate (ModelDrafter + SpecSampling on the verify step):
     the first two tokens follow plain sampling's exact distribution."""
