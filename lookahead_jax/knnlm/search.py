@@ -27,7 +27,11 @@ Every search returns the top-k of its candidates under that rule:
   ("flat", exact brute force on the host) proposes 2k + 8 ids; `subset_search` ranks them.
   A faiss search of one query does not depend on the other queries of the call.
 
-Distribution (`knn_scores`, one jitted call per decode step, always of shape [B,...]):
+The model step (`forward_fn`) forwards each row's root over the whole cache (attention
+window S) and returns the final hidden state with the logits.
+
+Distribution (`knn_scores`, in `choose`: one jitted call per decode step, always of shape
+[B,...]):
 
     w_j     = softmax_j(-d_j / temperature)               over the k neighbours
     p_kNN   = sum_j w_j [value_j = v]                     (per distinct value: a k x k sum)
@@ -231,18 +235,17 @@ class KnnIndex:
         C = min(chunk, 1 << max(0, (N - 1).bit_length()))
         nC = -(-N // C)
         pad = np.zeros((nC * C, D), keys.dtype)
-        pad[:N] = keys
-        norms = np.full(nC * C, np.inf, np.float32)
-        k64 = pad[:N].astype(np.float64)
-        sq = (k64 * k64).sum(1)
-        norms[:N] = sq
+        norms = np.full(nC * C, np.inf, np.float32)  # |x|^2, in float64 then rounded
+        for s in range(0, N, 65536):  # bounded float64 temporaries
+            pad[s:s + 65536] = part = keys[s:s + 65536]
+            norms[s:s + len(part)] = np.square(part, dtype=np.float64).sum(1)
         self.datastore = datastore
         self.size, self.dim, self.chunk = N, D, C
         self.keys = jax.device_put(pad.reshape(nC, C, D))
         self.norms = jax.device_put(norms.reshape(nC, C))
         self.values = jax.device_put(np.asarray(datastore.values, np.int32))
         self.n_valid = jnp.int32(N)
-        self.xmax = jnp.float32(np.sqrt(sq.max()) * (1 + 1e-6))
+        self.xmax = jnp.float32(np.sqrt(float(norms[:N].max())) * (1 + 1e-6))  # max |x|, rounded up
         self._faiss = {}
         self.fallbacks = 0  # queries the exact search redid by brute force
 
