@@ -50,6 +50,7 @@ k neighbours, kp shortlist, M candidates.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
@@ -237,7 +238,8 @@ class KnnIndex:
         pad = np.zeros((nC * C, D), keys.dtype)
         norms = np.full(nC * C, np.inf, np.float32)  # |x|^2, in float64 then rounded
         for s in range(0, N, 65536):  # bounded float64 temporaries
-            pad[s:s + 65536] = part = keys[s:s + 65536]
+            part = keys[s:s + 65536]
+            pad[s:s + len(part)] = part
             norms[s:s + len(part)] = np.square(part, dtype=np.float64).sum(1)
         self.datastore = datastore
         self.size, self.dim, self.chunk = N, D, C
@@ -257,6 +259,10 @@ class KnnIndex:
             from .datastore import build_hnsw
 
             if kind == "hnsw":
+                if not (self.datastore.path / "hnsw.faiss").exists():
+                    logging.getLogger("lookahead_jax").warning(
+                        "building the faiss HNSW index over %d keys (once: saved in %s; `python -m "
+                        "lookahead_jax.knnlm build ... --hnsw` builds it ahead)", self.size, self.datastore.path)
                 self._faiss[kind] = build_hnsw(self.datastore, progress=True)
             elif kind == "flat":
                 index = faiss.IndexFlatL2(self.dim)

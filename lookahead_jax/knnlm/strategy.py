@@ -260,6 +260,7 @@ class KnnRun:
         eng = self.engine
         h, logits, state.cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
                                             state.cache, eng.arg(state.root), eng.arg(active))
+        h.block_until_ready()  # the search timers below time the search, not this forward
         state.lengths = state.lengths + active
         state.steps += 1
         return h, logits
