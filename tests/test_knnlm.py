@@ -4,7 +4,7 @@ The datastore: build / load round trip (keys are the model's hidden states, valu
 tokens, entries of a passage consecutive), up to date on a second build, and the errors
 (missing, another model, a changed corpus, an empty corpus, no entries). The search: device
 exact search (several chunks) == numpy brute force, ties ranked by id, the brute-force
-fallback, faiss flat == exact. The distribution: exp(scores) == lam p_kNN + (1 - lam) p_LM
+fallback, the subset and cache searches, faiss flat == exact. The distribution: exp(scores) == lam p_kNN + (1 - lam) p_LM
 computed in numpy. Decoding: lambda = 0 gives plain decoding's tokens; speculative ==
 plain KNN-LM token for token and log-probability for log-probability (greedy and sampling,
 batch 6, strides 1/2/5/auto, rows ending mid-batch, min_new_tokens, a cache that predicts
@@ -195,6 +195,8 @@ def test_exact_search_is_brute_force_and_ranks_ties_by_id(model, tok, ds):
         cand[q, :len(c)] = rng.permutation(c)
     sub = S.subset_search(index.keys, jnp.asarray(h), jnp.asarray(cand), index.n_valid, k=8)
     np.testing.assert_array_equal(np.asarray(sub), np.asarray(ids))
+    spec = S.cache_search(index.keys, jnp.asarray(h), jnp.asarray(cand), index.norms, index.n_valid, k=8)
+    np.testing.assert_array_equal(np.asarray(spec), np.asarray(ids))  # speculation's search agrees here
 
 
 def test_faiss_flat_matches_exact_search(ds):

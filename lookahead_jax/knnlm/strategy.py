@@ -10,8 +10,8 @@ Speculative KNN-LM (`speculative=True`; RaLMSpec, Zhang et al. ICML'24): each ro
 cache of datastore ids: for every neighbour a real search returned, the entries after it,
 id+1 .. id+n (n = knn_cache_next), since the text that follows a neighbour is likely to
 follow here too (entries of a passage are consecutive). The newest `SPEC_CACHE` ids are
-kept. A speculative step searches only the cache (`subset_search`: the same canonical
-distances and (d, id) order) and picks its token with those neighbours. After s
+kept. A speculative step searches only the cache (`cache_search`: ranked by the same
+canonical distances and (d, id) order) and picks its token with those neighbours. After s
 speculative steps (`speculation_stride`, or "auto": OS3 below), one batched real search
 over the s stored hidden states gives the true neighbours of each position; per row, in
 order: where the speculated list equals the true one the token stands; at the first
@@ -406,13 +406,14 @@ class KnnSpecRun(KnnRun):
 
     # ---- steps
     def _spec_step(self, state, active, cand) -> _Step:
-        from .search import subset_search
+        from .search import cache_search
 
         t0 = self._clock()
         pos = state.lengths.copy()
         nids = [len(r.ids) for r in state.rows]
         h, logits = self._forward(state, active)
-        spec = self._call(state, "knn_subset", subset_search, self.index.keys, h, cand, self.index.n_valid, k=self.k)
+        spec = self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
+                          self.index.n_valid, k=self.k)
         tok, lp = self._choose(state, h, logits, spec, pos)
         for b in np.flatnonzero(active):
             if self._pending[b] is None:
