@@ -152,6 +152,9 @@ def test_datastore_errors(model, tok, corpus, ds, tmp_path, monkeypatch):
         build_datastore(model, tok, empty, progress=False)
     with pytest.raises(ValueError, match="no datastore entries"):
         build_datastore(model, tok, Corpus.from_passages(["", ""]), path=tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match="is not a KNN-LM datastore"):  # never replaces other files
+        build_datastore(model, tok, f, path=tmp_path, progress=False)
+    assert f.exists()
 
 
 # ----------------------------------------------------------------------------- search

@@ -313,6 +313,9 @@ def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_p
             build_hnsw(_open(path, meta), progress=progress)
         return path
 
+    if path.exists() and (not path.is_dir() or (meta is None and any(path.iterdir()))):
+        raise ValueError(f"{path} exists and is not a KNN-LM datastore: give a new or empty directory "
+                         "(it would be replaced)")
     t0 = time.perf_counter()
     toks = passage_tokens(tokenizer, corpus, n_pass, max_tokens)
     counts = np.array([max(len(t) - 1, 0) for t in toks], np.int64)
