@@ -13,9 +13,9 @@ lazily so that `python -m` runs it once, without runpy's double-import warning.
 from .engine import Engine, engine_for
 from .loading import Model, load, save_pretrained
 from .sampling import SamplingParams
-from .strategies import Greedy, Lookahead, RaLM, RaLMSpec, SpecInfer
+from .strategies import KNNLM, Greedy, Lookahead, RaLM, RaLMSpec, SpecInfer
 
-__all__ = ["Engine", "GenerateOutput", "Greedy", "Lookahead", "Model", "RaLM", "RaLMSpec", "RowOutput", "SamplingParams",
+__all__ = ["Engine", "GenerateOutput", "Greedy", "KNNLM", "Lookahead", "Model", "RaLM", "RaLMSpec", "RowOutput", "SamplingParams",
            "SpecInfer",
            "engine_for", "generate", "load", "save_pretrained"]
 __version__ = "0.1.0"

@@ -123,9 +123,11 @@ def _strategy_flags(ap) -> dict:
     for flag, entries in flags.items():
         cls, field, _ = entries[0]
         names = ", ".join(c.name for c, _, _ in entries)
+        # a switch (--speculative) for a boolean field; --speculative false also parses
+        switch = dict(nargs="?", const="true") if isinstance(field.default, bool) else {}
         ap.add_argument(f"--{flag}", default=None, help=f"{names}: {docs[flag]}",
                         choices=getattr(cls, "choices", {}).get(field.name),
-                        metavar=getattr(cls, "metavars", {}).get(field.name))
+                        metavar=getattr(cls, "metavars", {}).get(field.name), **switch)
     return flags
 
 
@@ -388,6 +390,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)
     row_tokens = row_steps = 0  # tokens per step is per row: a batched forward of 4 greedy rows is 1.0, not 4
+    retrieval = []  # per batch, the strategy's retrieval counters (knnlm)
     # one answer at a time streams; several samples of a prompt would interleave
     streaming = not cfg.json and cfg.batch_size == 1 and cfg.n == 1
     for start in range(0, len(cfg.prompts), cfg.batch_size):
@@ -411,6 +414,8 @@ def main(argv=None, prog: Optional[str] = None) -> int:
                 print(f"--- prompt {r.prompt_index}{sample}\n{r.text}", flush=True)
         for k in totals:
             totals[k] += out.stats[k]
+        if "retrieval" in out.stats:
+            retrieval.append(out.stats["retrieval"])
         row_tokens += sum(r.new_tokens for r in out.rows)
         row_steps += sum(r.forward_steps for r in out.rows)
     summary = dict(
@@ -423,6 +428,8 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         host_s=round(totals["host_s"], 4),
         compilations=len(engine_for(model, mesh).compiled.compilations),
     )
+    if retrieval:
+        summary["retrieval"] = _merge_counters(retrieval)
     if cfg.json:
         print(json.dumps({"summary": summary}), flush=True)
     else:
@@ -437,6 +444,20 @@ def main(argv=None, prog: Optional[str] = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _merge_counters(parts: list) -> dict:
+    """Per-batch counters as one: numbers summed (bools and text from the first batch), the
+    speculation accuracy recomputed from its sums; per-batch means (mean_*) averaged."""
+    out = dict(parts[0])
+    for k, v in out.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            vals = [p.get(k) or 0 for p in parts]
+            out[k] = round(sum(vals) / len(vals), 4) if k.startswith("mean_") else \
+                (round(sum(vals), 4) if isinstance(v, float) else sum(vals))
+    if out.get("speculation_checks"):
+        out["speculation_accuracy"] = round(out.get("speculation_hits", 0) / out["speculation_checks"], 4)
+    return out
 
 
 def _retrieval_errors() -> tuple:

@@ -311,12 +311,14 @@ def _timed(engine, state, fn):
 def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: int,
             max_new_tokens: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
             first_index: int = 0, eos_ids=(), stop=(), on_text=None, min_new_tokens: int = 0,
-            logprobs: bool = False, penalties: Penalties = Penalties()) -> DecodeState:
+            logprobs: bool = False, penalties: Penalties = Penalties(), emit: bool = True) -> DecodeState:
     """A new batch: the prompt forward, each row's first token chosen (as `extend` from an
     empty cache). Rows are right-padded to a bucketed length. min_new_tokens: EOS (all of
     `eos_ids`) is banned until that many tokens are out; logprobs: keep each generated
     token's log-probability (`RowState.logprobs`); penalties: `sampling.Penalties`, applied
-    at every step (this one included)."""
+    at every step (this one included). emit=False: no token is chosen; each prompt's last
+    token stays uncommitted as the row's root (for a strategy that picks every token
+    itself, e.g. knnlm, whose first step forwards it)."""
     B = len(prompt_ids)
     rows = [RowState(i, x, tokenizer, set(eos_ids), tuple(stop), max_new_tokens, on_text)
             for i, x in enumerate(prompt_ids)]
@@ -331,8 +333,8 @@ def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: 
         for r in rows:
             r.logprobs = []
     state.t_start = time.perf_counter()
-    _forward_rows(engine, state, list(range(B)))
-    state.prefill_s = state.elapsed()  # time to the first token
+    _forward_rows(engine, state, list(range(B)), emit=emit)
+    state.prefill_s = state.elapsed()  # time to the first token (emit=False: to the prompt's end)
     return state
 
 

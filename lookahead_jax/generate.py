@@ -40,6 +40,7 @@ class RowOutput:
     wall_s: float
     sample_index: int = 0  # which of the n samples of its prompt (generate's n)
     logprobs: Optional[list] = None  # per token id: the model's log-probability (generate's logprobs=True)
+    retrieval: Optional[dict] = None  # the row's retrieval counters (knnlm)
 
     @property
     def new_tokens(self) -> int:
@@ -62,6 +63,7 @@ class RowOutput:
             forward_steps=self.forward_steps,
             mean_accepted_tokens=round(self.mean_accepted_tokens, 4),
             wall_s=round(self.wall_s, 4), tokens_per_s=round(self.tokens_per_s, 3),
+            **({"retrieval": self.retrieval} if self.retrieval is not None else {}),
         )
 
 
@@ -241,8 +243,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     elif drafter is None:
         drafter = strat.drafter(engine)
     max_T = strat.max_nodes(drafter)
-    # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm.py)
-    run = strat.start(tokenizer, ids) if hasattr(strat, "start") else None
+    # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm.py,
+    # knnlm/strategy.py)
+    run = strat.start(tokenizer, ids, engine=engine) if hasattr(strat, "start") else None
 
     # ---- shapes
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]
@@ -283,7 +286,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=max_new_tokens,
                     sampling=sampling, seed=seed, first_index=first_row, eos_ids=eos,
                     stop=stop, on_text=on_text, min_new_tokens=min_new_tokens, logprobs=logprobs,
-                    penalties=penalties)
+                    penalties=penalties, emit=not getattr(run, "picks_first_token", False))
     state.t_start -= t_run  # decode time (and time to the first token)
     state.prefill_s += t_run
     refs = None
@@ -303,9 +306,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         if drafter is not None:
             drafter.end()
     wall = state.elapsed()
+    row_stats = getattr(run, "row_stats", None)
     outs = [
         RowOutput(first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
-                  state.finish_s.get(r.index, wall), r.index % n, r.logprobs)
+                  state.finish_s.get(r.index, wall), r.index % n, r.logprobs,
+                  row_stats(r.index) if row_stats is not None else None)
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)

@@ -184,7 +184,7 @@ class RaLM:
         drafter.begin(state, references)
         return drafter, TokenMatch(state.sampling), FixedBudget(drafter.max_nodes)
 
-    def start(self, tokenizer, prompt_ids):
+    def start(self, tokenizer, prompt_ids, engine=None):
         """The per-call run (generate's hook): rewrites the prompts, then drives the loop."""
         return RalmRun(self, tokenizer, prompt_ids)
 
@@ -220,7 +220,7 @@ class RaLMSpec(RaLM):
                                  f"[1, {MAX_SPECULATION_STRIDE}], got {self.speculation_stride!r}") from None
         _int_in("prefetch", self.prefetch, 1, 1 << 20)
 
-    def start(self, tokenizer, prompt_ids):
+    def start(self, tokenizer, prompt_ids, engine=None):
         return RalmSpecRun(self, tokenizer, prompt_ids)
 
 

@@ -351,6 +351,11 @@ from .ralm import RaLM, RaLMSpec  # noqa: E402
 register(RaLM)
 register(RaLMSpec)
 
+# KNN-LM (knnlm/): the next-token distribution mixed with the nearest datastore entries'
+from .knnlm import KNNLM  # noqa: E402
+
+register(KNNLM)
+
 
 __all__ = ["Greedy", "Lookahead", "SpecInfer", "REGISTRY", "register", "resolve", "strategy_options"]
 

@@ -1,0 +1,21 @@
+"""KNN-LM (Khandelwal et al. 2020) and speculative KNN-LM (RaLMSpec, Zhang et al. ICML'24).
+
+    python -m lookahead_jax.knnlm build --model smollm2-135m --corpus passages.jsonl --max-passages 200
+    out = lj.generate(model, tok, prompts, strategy="knnlm", corpus="passages.jsonl")
+    out = lj.generate(model, tok, prompts, strategy=lj.KNNLM(corpus="passages.jsonl", speculative=True))
+    out.stats["retrieval"], out.rows[0].retrieval
+
+`datastore.py` the datastore (hidden state -> next token) on disk: build, load, the errors
+naming the build command; `search.py` the device side: canonical distances, exact / subset
+search, faiss candidates, the mixed distribution and the token pick, the model step;
+`strategy.py` the strategy and its runs (plain and speculative); `cli.py` the command line.
+"""
+
+from .datastore import (
+    Datastore, DatastoreNotBuilt, DatastoreUnavailable, StaleDatastore, build_datastore, datastore_dir,
+    load_datastore,
+)
+from .strategy import KNNLM
+
+__all__ = ["KNNLM", "Datastore", "DatastoreNotBuilt", "DatastoreUnavailable", "StaleDatastore",
+           "build_datastore", "datastore_dir", "load_datastore"]

@@ -1,0 +1,410 @@
+"""The KNN-LM datastore: (hidden state before the LM head -> next token) over a corpus.
+
+    python -m lookahead_jax.knnlm build --model smollm2-135m --corpus F.jsonl [--max-passages N]
+    ds = load_datastore(model, corpus="F.jsonl")      # DatastoreNotBuilt names the command above
+
+Entries. Each passage's `contents` (title line + text, as retrieval indexes it) is encoded
+as the model's tokenizer does (`tokenizer.encode(text)`: with BOS when the model adds one),
+cut to `max_tokens`; one forward gives the final hidden states h [P,D] (after the final
+norm: the LM head's input), and entry t is (key h[t], value token[t+1]) for t = 0..P-2.
+Passages are laid out in corpus order and the entries of one passage are consecutive, so
+"entry j+1 follows entry j" (what speculative KNN-LM caches) holds inside a passage.
+
+    # passage tokens [BOS, a, b, c] -> entries (h_BOS -> a), (h_a -> b), (h_b -> c)
+
+Layout of a datastore directory:
+
+    keys.npy     [N,D] float16 (default) or float32   hidden states
+    values.npy   [N] int32                             next tokens
+    offsets.npy  [n_passages + 1] int64                passage i = entries offsets[i]..offsets[i+1]-1
+    meta.json    format, model identity (name, dtype, fingerprint of config + weights),
+                 corpus sha256 / source, n_passages, max_tokens, n_entries, dim, key dtype
+    hnsw.faiss   optional faiss IndexHNSWFlat (L2) over the keys (`build --hnsw`, or made
+                 at first use of knn_search="hnsw")
+
+Default location: `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/knnlm/<model>-<fp12>/
+<corpus sha16>/`, one datastore per (model, corpus); `--out DIR` / `path=` put it anywhere.
+A directory is written to a temporary name and renamed into place. Loading checks the
+model's fingerprint (a datastore of another model, or the same model in another dtype, is
+a StaleDatastore) and, when a corpus is given, its sha256; errors carry the build command
+(`.command`), as the retrieval indexes' do.
+
+Keys are stored in float16 (half the bytes; searches compute in float32); a build whose
+hidden states exceed float16's range stops with an error asking for `--key-dtype float32`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import time
+from pathlib import Path
+from typing import Optional, Union
+
+import numpy as np
+
+from ..presets import cache_root as _project_cache_root
+from ..retrieval.corpus import Corpus, load_corpus
+from ..retrieval.store import IndexUnavailable
+
+__all__ = ["FORMAT", "KEY_DTYPES", "Datastore", "DatastoreUnavailable", "DatastoreNotBuilt",
+           "StaleDatastore", "build_datastore", "build_command", "datastore_dir", "load_datastore",
+           "model_identity"]
+
+FORMAT = 1  # meta.json layout version
+KEY_DTYPES = ("float16", "float32")
+MAX_TOKENS = 512  # tokens per passage (longer passages are cut)
+BATCH_TOKENS = 4096  # padded tokens per forward while building
+F16_MAX = float(np.finfo(np.float16).max)
+
+
+class DatastoreUnavailable(IndexUnavailable):
+    """The datastore cannot be used as it is; `.command` (re)builds it."""
+
+
+class DatastoreNotBuilt(DatastoreUnavailable, FileNotFoundError):
+    """No datastore for this (model, corpus) / at this path yet."""
+
+
+class StaleDatastore(DatastoreUnavailable):
+    """The datastore was built for another model (or dtype), another corpus, or by another
+    format version."""
+
+
+# ----------------------------------------------------------------------------- identity
+def model_identity(model) -> dict:
+    """{name, dtype, fingerprint}: the fingerprint is the sha256 of the config and of a few
+    weights (the final norm and the first embedding rows), so another checkpoint with the
+    same config, or the same one in another dtype, is another model."""
+    import jax.numpy as jnp
+
+    params = model.params
+    h = hashlib.sha256(repr(model.config).encode())
+    dtype = jnp.dtype(getattr(model, "dtype", jnp.float32)).name
+    h.update(dtype.encode())
+    for leaf in (params["final_norm"], params["embed"][:4]):
+        h.update(np.ascontiguousarray(np.asarray(leaf, np.float32)).tobytes())
+    return {"name": getattr(model, "name", "") or "", "dtype": dtype, "fingerprint": h.hexdigest()}
+
+
+def _model_key(ident: dict) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", ident["name"]).strip("_") or "model"
+    return f"{name}-{ident['dtype']}-{ident['fingerprint'][:12]}"
+
+
+def cache_root() -> Path:
+    """<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/knnlm (not created here)."""
+    return _project_cache_root() / "knnlm"
+
+
+def datastore_dir(model, corpus: Union[Corpus, str, Path]) -> Path:
+    """The default directory of the datastore of (model, corpus)."""
+    corpus = load_corpus(corpus)
+    return cache_root() / _model_key(model_identity(model)) / corpus.fingerprint[:16]
+
+
+def build_command(model, corpus=None, path: Union[str, Path, None] = None) -> str:
+    """The command that builds the datastore (the Python call for a model or corpus that has
+    no name / file to give the command line)."""
+    ident = model_identity(model)
+    source = getattr(corpus, "source", None) if isinstance(corpus, Corpus) else corpus
+    if not ident["name"] or (corpus is not None and source is None):
+        out = f", path={str(path)!r}" if path is not None else ""
+        return f"lookahead_jax.knnlm.build_datastore(model, tokenizer, corpus{out})"
+    cmd = ["python", "-m", "lookahead_jax.knnlm", "build", "--model", ident["name"],
+           "--corpus", str(source) if source is not None else "CORPUS.jsonl"]
+    if ident["dtype"] != "float32":
+        cmd += ["--dtype", ident["dtype"]]
+    if path is not None:
+        cmd += ["--out", str(path)]
+    return shlex.join(cmd)
+
+
+# ----------------------------------------------------------------------------- loading
+@dataclasses.dataclass
+class Datastore:
+    """A datastore on disk, opened: keys [N,D] (memory-mapped), values [N], offsets, meta."""
+
+    path: Path
+    meta: dict
+    keys: np.ndarray  # [N,D] float16 / float32
+    values: np.ndarray  # [N] int32
+    offsets: np.ndarray  # [n_passages + 1] int64
+
+    @property
+    def size(self) -> int:
+        return len(self.values)
+
+    @property
+    def dim(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes + self.offsets.nbytes
+
+    def passage_of(self, entry: int) -> int:
+        """The corpus position of the passage holding `entry`."""
+        return int(np.searchsorted(self.offsets, entry, side="right") - 1)
+
+    def __repr__(self) -> str:
+        m = self.meta
+        return (f"Datastore({self.size:,} entries x {self.dim} ({m['key_dtype']}), "
+                f"{m['n_passages']:,} passages, model {m['model']['name'] or '?'}, {self.path})")
+
+
+def _read_meta(path: Path) -> Optional[dict]:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _open(path: Path, meta: dict) -> Datastore:
+    keys = np.load(path / "keys.npy", mmap_mode="r")
+    values = np.load(path / "values.npy")
+    offsets = np.load(path / "offsets.npy")
+    if keys.shape != (meta["n_entries"], meta["dim"]) or values.shape != (meta["n_entries"],):
+        raise StaleDatastore(f"the datastore at {path} is damaged: keys {keys.shape}, values {values.shape}, "
+                             f"meta.json says {meta['n_entries']} entries of dim {meta['dim']}", "")
+    return Datastore(path, meta, keys, values, offsets)
+
+
+def _mismatch(meta: dict, ident: dict, corpus: Optional[Corpus]) -> Optional[str]:
+    if meta.get("format") != FORMAT:
+        return f"it has format {meta.get('format')}, this version reads {FORMAT}"
+    m = meta.get("model", {})
+    if m.get("fingerprint") != ident["fingerprint"]:
+        same_name = m.get("name") == ident["name"] and m.get("dtype") != ident["dtype"]
+        return (f"it was built for model {m.get('name') or '?'} ({m.get('dtype')}, fingerprint "
+                f"{str(m.get('fingerprint'))[:12]}), not this one ({ident['name'] or '?'}, {ident['dtype']}, "
+                f"fingerprint {ident['fingerprint'][:12]})" + ("; the dtypes differ" if same_name else ""))
+    if corpus is not None and meta.get("corpus_sha256") != corpus.fingerprint:
+        return (f"it was built from another corpus ({meta.get('corpus_source') or 'in memory'}, sha256 "
+                f"{str(meta.get('corpus_sha256'))[:16]}), not this one ({corpus.source or 'in memory'}, "
+                f"sha256 {corpus.fingerprint[:16]})")
+    return None
+
+
+def load_datastore(model, corpus: Union[Corpus, str, Path, None] = None,
+                   path: Union[str, Path, None] = None) -> Datastore:
+    """The datastore of `model`: at `path` if given, else the default one for (model,
+    corpus); without either, the only datastore built for this model (several: an error
+    listing them). Raises DatastoreNotBuilt / StaleDatastore naming the build command."""
+    corpus = load_corpus(corpus) if corpus is not None else None
+    ident = model_identity(model)
+    if path is not None:
+        path = Path(path).expanduser()
+        cmd = build_command(model, corpus, path)
+        meta = _read_meta(path)
+        if meta is None:
+            raise DatastoreNotBuilt(f"no KNN-LM datastore at {path}. Build it with:\n  {cmd}", cmd)
+        why = _mismatch(meta, ident, corpus)
+        if why:
+            raise StaleDatastore(f"the KNN-LM datastore at {path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
+        return _open(path, meta)
+    home = cache_root() / _model_key(ident)
+    if corpus is None:
+        found = sorted(p.parent for p in home.glob("*/meta.json"))
+        cmd = build_command(model, None)
+        if not found:
+            raise DatastoreNotBuilt(f"no KNN-LM datastore built for model {ident['name'] or '?'} under "
+                                    f"{home.parent}. Build one with:\n  {cmd}", cmd)
+        if len(found) > 1:
+            listed = "\n  ".join(f"{p} ({(_read_meta(p) or {}).get('corpus_source')})" for p in found)
+            raise ValueError(f"{len(found)} KNN-LM datastores are built for model {ident['name'] or '?'}:\n  "
+                             f"{listed}\nchoose one with datastore=DIR (--datastore) or corpus=FILE (--corpus)")
+        path = found[0]
+        meta = _read_meta(path)
+        why = _mismatch(meta, ident, None)
+        if why:
+            raise StaleDatastore(f"the KNN-LM datastore at {path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
+        return _open(path, meta)
+    path = home / corpus.fingerprint[:16]
+    cmd = build_command(model, corpus)
+    meta = _read_meta(path)
+    if meta is None:
+        older = [p.parent for p in home.glob("*/meta.json")
+                 if corpus.source and (_read_meta(p.parent) or {}).get("corpus_source") == str(corpus.source)]
+        if older:
+            raise StaleDatastore(f"the KNN-LM datastore of {corpus.source} is stale: the file changed since "
+                                 f"{older[0]} was built (sha256 now {corpus.fingerprint[:16]}). Build it again "
+                                 f"with:\n  {cmd}", cmd)
+        raise DatastoreNotBuilt(f"no KNN-LM datastore for model {ident['name'] or '?'} and {corpus!r} under "
+                                f"{home.parent}. Build it with:\n  {cmd}", cmd)
+    why = _mismatch(meta, ident, corpus)
+    if why:
+        raise StaleDatastore(f"the KNN-LM datastore at {path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
+    return _open(path, meta)
+
+
+# ----------------------------------------------------------------------------- building
+def _bucket(n: int) -> int:
+    """Padded passage length: the decode loop's prompt buckets (16, 32, .., 128, 192, 256, 384, 512)."""
+    from ..decode import PROMPT_BUCKETS
+
+    return next((b for b in PROMPT_BUCKETS if b >= n), 1 << (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _hidden_fn(config, dtype_name: str):
+    """jit: tokens [B,P] (right-padded passages, positions 0..P-1) -> final hidden states
+    [B,P,D] f32, from an empty cache of P slots (causal mask; padding after a passage does
+    not change its states)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..models import hidden_states, init_cache
+
+    def fn(params, tokens):
+        B, P = tokens.shape
+        cache = init_cache(config, B, P, jnp.dtype(dtype_name))
+        positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+        mask = jnp.arange(P)[None, None, :] <= positions[:, :, None]  # [B,P,P]
+        h, _ = hidden_states(params, tokens, positions, cache, mask, config)
+        return h.astype(jnp.float32)
+
+    return jax.jit(fn)
+
+
+def passage_tokens(tokenizer, corpus: Corpus, max_passages: Optional[int] = None,
+                   max_tokens: int = MAX_TOKENS) -> list:
+    """Token ids of the first `max_passages` passages (`tokenizer.encode(contents)`, cut to
+    max_tokens): the datastore's passages, in corpus order."""
+    n = len(corpus) if max_passages is None else min(max_passages, len(corpus))
+    return [list(tokenizer.encode(corpus[i].contents))[:max_tokens] for i in range(n)]
+
+
+def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_passages: Optional[int] = None,
+                    max_tokens: int = MAX_TOKENS, key_dtype: str = "float16",
+                    path: Union[str, Path, None] = None, force: bool = False, hnsw: bool = False,
+                    progress: bool = True) -> Path:
+    """Build the datastore of (model, corpus) unless an up-to-date one with these settings
+    exists (`force` rebuilds it); returns its directory (default: `datastore_dir`).
+    `hnsw`: also build the faiss HNSW index. Raises CorpusError for an empty corpus and
+    ValueError when no passage has 2 tokens."""
+    import jax.numpy as jnp
+
+    from ..engine import engine_for
+
+    corpus = load_corpus(corpus)
+    if max_passages is not None and (isinstance(max_passages, bool) or not isinstance(max_passages, int)
+                                     or max_passages < 1):
+        raise ValueError(f"max_passages must be a positive integer, got {max_passages!r}")
+    if key_dtype not in KEY_DTYPES:
+        raise ValueError(f"key_dtype must be one of {KEY_DTYPES}, got {key_dtype!r}")
+    if not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ValueError(f"max_tokens must be an integer >= 2, got {max_tokens!r}")
+    ident = model_identity(model)
+    path = Path(path).expanduser() if path is not None else datastore_dir(model, corpus)
+    n_pass = len(corpus) if max_passages is None else min(max_passages, len(corpus))
+    meta = _read_meta(path)
+    if (not force and meta is not None and _mismatch(meta, ident, corpus) is None
+            and meta.get("n_passages") == n_pass and meta.get("max_tokens") == max_tokens
+            and meta.get("key_dtype") == key_dtype):
+        if hnsw:
+            build_hnsw(_open(path, meta), progress=progress)
+        return path
+
+    if path.exists() and (not path.is_dir() or (meta is None and any(path.iterdir()))):
+        raise ValueError(f"{path} exists and is not a KNN-LM datastore: give a new or empty directory "
+                         "(it would be replaced)")
+    t0 = time.perf_counter()
+    toks = passage_tokens(tokenizer, corpus, n_pass, max_tokens)
+    counts = np.array([max(len(t) - 1, 0) for t in toks], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    N, D = int(offsets[-1]), model.config.d_model
+    if N == 0:
+        raise ValueError(f"no datastore entries: none of the {n_pass} passages encodes to 2 or more tokens")
+    engine = engine_for(model)
+    fn = _hidden_fn(model.config, jnp.dtype(engine.dtype).name)
+    params = engine.params
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.dtype(key_dtype), shape=(N, D))
+        values = np.empty(N, np.int32)
+        order = sorted((i for i in range(n_pass) if counts[i]), key=lambda i: -len(toks[i]))
+        batches, i = [], 0
+        while i < len(order):  # longest first; rows per forward ~ BATCH_TOKENS / bucket
+            P = _bucket(len(toks[order[i]]))
+            rows = max(1, BATCH_TOKENS // P)
+            batches.append((P, order[i:i + rows]))
+            i += rows
+        from tqdm.auto import tqdm
+
+        peak = 0.0
+        with tqdm(total=N, desc="knnlm datastore", unit="entry", disable=not progress,
+                  dynamic_ncols=True) as bar:
+            for P, rows in batches:
+                block = np.zeros((1 << (len(rows) - 1).bit_length(), P), np.int32)  # rows: a power of two
+                for r, j in enumerate(rows):
+                    block[r, :len(toks[j])] = toks[j]
+                h = np.asarray(fn(params, block))  # [R,P,D] f32
+                for r, j in enumerate(rows):
+                    c, o = int(counts[j]), int(offsets[j])
+                    part = h[r, :c]
+                    peak = max(peak, float(np.abs(part).max()))
+                    if key_dtype == "float16" and peak > F16_MAX:
+                        raise ValueError(f"hidden states reach {peak:.3g}, beyond float16's range: "
+                                         "build with --key-dtype float32 (key_dtype='float32')")
+                    keys[o:o + c] = part
+                    values[o:o + c] = toks[j][1:c + 1]
+                    bar.update(c)
+        keys.flush()
+        del keys
+        np.save(tmp / "values.npy", values)
+        np.save(tmp / "offsets.npy", offsets)
+        meta = {"format": FORMAT, "model": ident, "corpus_sha256": corpus.fingerprint,
+                "corpus_source": str(corpus.source) if corpus.source else None,
+                "corpus_passages": len(corpus), "n_passages": n_pass, "max_tokens": max_tokens,
+                "n_entries": N, "dim": D, "key_dtype": key_dtype, "max_abs_key": peak,
+                "bytes": int(N * D * np.dtype(key_dtype).itemsize + values.nbytes + offsets.nbytes),
+                "build_s": round(time.perf_counter() - t0, 2),
+                "created": datetime.datetime.now().isoformat(timespec="seconds")}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        shutil.rmtree(path, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if hnsw:
+        build_hnsw(_open(path, meta), progress=progress)
+    return path
+
+
+# ----------------------------------------------------------------------------- faiss
+HNSW_M = 32
+HNSW_EF_CONSTRUCTION = 128
+
+
+def build_hnsw(ds: Datastore, progress: bool = False, save: bool = True):
+    """The faiss IndexHNSWFlat (L2, M=32, efConstruction=128) over the keys, read from
+    `hnsw.faiss` when there (and matching), else built (and saved into the datastore)."""
+    import faiss
+    from tqdm.auto import tqdm
+
+    f = ds.path / "hnsw.faiss"
+    if f.exists():
+        index = faiss.read_index(str(f))
+        if index.ntotal == ds.size and index.d == ds.dim:
+            return index
+    index = faiss.IndexHNSWFlat(ds.dim, HNSW_M)
+    index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+    step = 8192
+    for s in tqdm(range(0, ds.size, step), desc="faiss hnsw", unit="chunk", disable=not progress):
+        index.add(np.ascontiguousarray(ds.keys[s:s + step], np.float32))
+    if save:
+        tmp = f.with_name(f".hnsw.faiss.tmp-{os.getpid()}")
+        faiss.write_index(index, str(tmp))
+        os.replace(tmp, f)
+    return index

@@ -1,0 +1,312 @@
+"""Neighbour search over a datastore, and the KNN-LM next-token distribution.
+
+Distance. The neighbours of a query h [D] are the k entries with the smallest squared L2
+distance (as KNN-LM) under ONE canonical routine, `sq_distances`: d = h - x, d * d, then a
+pairwise sum over D in a fixed tree (halve the zero-padded power-of-two width until one is
+left), every step an elementwise f32 operation. The value of d(h, x) therefore depends on
+(h, x) alone, never on how many queries or candidates share the call, nor on the program
+it is fused into (an optimization barrier keeps d * d from being contracted into an FMA).
+Ties are broken by the lower entry id: a neighbour list is sorted by (d, id).
+
+Every search returns the top-k of its candidates under that rule:
+
+* exact (`exact_search`, device): the keys in fixed-size chunks [nC,C,D]; a lax.scan keeps a
+  running shortlist of the kp = 2k + 16 entries of smallest matmul distance
+  |x|^2 - 2 h.x (f32, Precision.HIGHEST), then the shortlist is ranked by `sq_distances`.
+  The matmul's rounding depends on shapes and backend, so it only shortlists: with
+  eps = 2 (D + log2 D + 16) u (|h| + max|x|)^2 (u = 2^-24, above the rounding of both
+  forms), an entry outside the shortlist has a canonical distance >= (kp-th matmul
+  distance + |h|^2) - eps; when that exceeds the k-th canonical distance of the shortlist
+  (`ok`), the shortlist's top-k is the exact top-k. Otherwise (near-ties over the whole
+  shortlist, rare) the caller redoes the query by `brute_search`: canonical distances to
+  every key, a running top-k by (d, id). Either way the result is the exact top-k, the
+  same for a query however it is batched.
+* subset (`subset_search`): the top-k of given candidate ids (faiss candidates), same
+  distances, same order.
+* cache (`cache_search`, speculation only): a matmul shortlist of 2k + 16 of the row's
+  cached ids, ranked by (canonical d, id): the true list whenever the true top-k is among
+  the candidates and the shortlist (verification checks it anyway).
+* faiss (`faiss_candidates`, host): IndexHNSWFlat ("hnsw", approximate) or IndexFlatL2
+  ("flat", exact brute force on the host) proposes 2k + 8 ids; `subset_search` ranks them.
+  A faiss search of one query does not depend on the other queries of the call.
+
+The model step (`forward_fn`) forwards each row's root over the whole cache (attention
+window S) and returns the final hidden state with the logits.
+
+Distribution (`knn_scores`, in `choose`: one jitted call per decode step, always of shape
+[B,...]):
+
+    w_j     = softmax_j(-d_j / temperature)               over the k neighbours
+    p_kNN   = sum_j w_j [value_j = v]                     (per distinct value: a k x k sum)
+    p       = lambda * p_kNN + (1 - lambda) * softmax(logits)
+    scores  = log p          (lambda = 0: the raw logits, i.e. plain decoding exactly)
+
+then greedy (argmax) or sampling on `scores` with the library's key (seed, row, position)
+and filters (`sampling.select_tokens`). The mass per value is gathered with a k x k
+comparison and set (not scatter-added: an atomic add's order is not fixed on GPUs). The
+same (h, logits, neighbour ids) give bitwise the same scores in every call.
+
+Axes: B rows, Q queries, N entries (padded to nC * C), C chunk, D model dim, V vocab,
+k neighbours, kp shortlist, M candidates.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..models import advance, hidden_states, logits_from_hidden
+from ..sampling import SamplingParams, select_tokens
+from ..verify import banned, token_logprobs
+
+U = 2.0 ** -24  # float32 unit roundoff
+BIG_ID = np.iinfo(np.int32).max  # sorts after every real id
+CHUNK = 4096  # keys per scan step of the exact search
+
+
+def shortlist_size(k: int) -> int:
+    return 2 * k + 16
+
+
+def tree_sum(x):
+    """Sum over the last axis in a fixed pairwise order: elementwise adds only, so the value
+    of a row never depends on the array's shape. The n - P entries past the largest power
+    of two P <= n are first added onto the first ones (what halving a zero-padded width 2P
+    would do, without adding the zeros: 6x faster on XLA:CPU at D = 576), then the width
+    is halved until one is left."""
+    n = x.shape[-1]
+    P = 1 << (n.bit_length() - 1)
+    if P != n:  # [a b c d e] -> [a+e b c d]
+        x = x[..., :P] + jnp.pad(x[..., P:], [(0, 0)] * (x.ndim - 1) + [(0, 2 * P - n)])
+    while x.shape[-1] > 1:  # [a b c d] -> [a+c b+d] -> [(a+c)+(b+d)]
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def sq_distances(h, x):
+    """Canonical squared L2 distances: h [...,D] f32 against x [...,D] (f16/f32, broadcast)
+    -> [...] f32 (module docstring)."""
+    d = h.astype(jnp.float32) - x.astype(jnp.float32)
+    return tree_sum(jax.lax.optimization_barrier(d * d))
+
+
+def _ranked(d, ids, k: int):
+    """Sort candidates by (d, id); the first k ids, -1 where d is inf (no candidate)."""
+    d, ids = jax.lax.sort((d, ids), dimension=-1, num_keys=2)
+    return jnp.where(jnp.isfinite(d[..., :k]), ids[..., :k], -1), d[..., :k]
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def exact_search(keys, h, norms, n_valid, xmax, *, k: int):
+    """keys [nC,C,D]; h [Q,D] f32; norms [nC,C] f32 (|x|^2, +inf on padding); n_valid, xmax
+    scalars. Returns (ids [Q,k] int32 ranked by (d, id), ok [Q] bool): where ok is false
+    the shortlist could miss a neighbour: redo the query with `brute_search`."""
+    Q, D = h.shape
+    nC, C, _ = keys.shape
+    kp = min(shortlist_size(k), nC * C)
+    h = h.astype(jnp.float32)
+
+    def body(carry, xs):
+        best_d, best_i = carry  # [Q,kp]
+        kc, nc, c = xs
+        dot = jnp.einsum("QD,CD->QC", h, kc.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        d = nc[None, :] - 2.0 * dot  # [Q,C]
+        ids = jnp.broadcast_to(c * C + jnp.arange(C, dtype=jnp.int32), (Q, C))
+        all_d = jnp.concatenate([best_d, d], axis=1)
+        all_i = jnp.concatenate([best_i, ids], axis=1)
+        neg, pos = jax.lax.top_k(-all_d, kp)
+        return (-neg, jnp.take_along_axis(all_i, pos, axis=1)), None
+
+    init = (jnp.full((Q, kp), jnp.inf, jnp.float32), jnp.full((Q, kp), -1, jnp.int32))
+    (md, mi), _ = jax.lax.scan(body, init, (keys, norms, jnp.arange(nC, dtype=jnp.int32)))
+    valid = (mi >= 0) & (mi < n_valid)
+    x = keys.reshape(nC * C, D)[jnp.clip(mi, 0, nC * C - 1)]  # [Q,kp,D]
+    dc = jnp.where(valid, sq_distances(h[:, None, :], x), jnp.inf)
+    ids, dk = _ranked(dc, jnp.where(valid, mi, BIG_ID), k)
+    hh = jnp.sum(h * h, axis=-1)
+    eps = 2.0 * (D + math.log2(D) + 16) * U * (jnp.sqrt(hh) + xmax) ** 2
+    ok = (n_valid <= kp) | (md[:, kp - 1] + hh - eps > dk[:, k - 1])
+    return ids, ok
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def brute_search(keys, h, n_valid, *, k: int):
+    """The exact top-k by canonical distance to every key: keys [nC,C,D], h [Q,D] -> ids [Q,k]."""
+    Q, D = h.shape
+    nC, C, _ = keys.shape
+    h = h.astype(jnp.float32)
+
+    def body(carry, xs):
+        bd, bi = carry  # [Q,k]
+        kc, c = xs
+        ids = c * C + jnp.arange(C, dtype=jnp.int32)
+        d = jnp.where(ids[None, :] < n_valid, sq_distances(h[:, None, :], kc[None]), jnp.inf)  # [Q,C]
+        all_d = jnp.concatenate([bd, d], axis=1)
+        all_i = jnp.concatenate([bi, jnp.broadcast_to(jnp.where(ids < n_valid, ids, BIG_ID), (Q, C))], axis=1)
+        sd, si = jax.lax.sort((all_d, all_i), dimension=-1, num_keys=2)
+        return (sd[:, :k], si[:, :k]), None
+
+    init = (jnp.full((Q, k), jnp.inf, jnp.float32), jnp.full((Q, k), BIG_ID, jnp.int32))
+    (bd, bi), _ = jax.lax.scan(body, init, (keys, jnp.arange(nC, dtype=jnp.int32)))
+    return jnp.where(jnp.isfinite(bd), bi, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def subset_search(keys, h, cand, n_valid, *, k: int):
+    """The top-k of candidate ids cand [Q,M] (int32, -1 = none; distinct) for h [Q,D]:
+    ids [Q,k] ranked by (d, id), -1 past the valid candidates."""
+    nC, C, D = keys.shape
+    valid = (cand >= 0) & (cand < n_valid)
+    x = keys.reshape(nC * C, D)[jnp.clip(cand, 0, nC * C - 1)]  # [Q,M,D]
+    d = jnp.where(valid, sq_distances(h[:, None, :], x), jnp.inf)
+    return _ranked(d, jnp.where(valid, cand, BIG_ID), k)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def cache_search(keys, h, cand, norms, n_valid, *, k: int):
+    """Speculation's search of a row's cache, cand [Q,M] (int32, -1 = none; distinct): the
+    2k + 16 candidates of smallest matmul distance, ranked by (canonical d, id) -> ids
+    [Q,k]. A prediction only (verification decides), so no exactness check; when the true
+    top-k is among the candidates it is almost always this answer."""
+    nC, C, D = keys.shape
+    Q, M = cand.shape
+    kp = min(shortlist_size(k), M)
+    valid = (cand >= 0) & (cand < n_valid)
+    safe = jnp.clip(cand, 0, nC * C - 1)
+    x = keys.reshape(nC * C, D)[safe]  # [Q,M,D]
+    dot = jnp.einsum("QD,QMD->QM", h.astype(jnp.float32), x.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    approx = jnp.where(valid, norms.reshape(-1)[safe] - 2.0 * dot, jnp.inf)
+    _, pos = jax.lax.top_k(-approx, kp)
+    short = jnp.take_along_axis(jnp.where(valid, cand, -1), pos, axis=1)  # [Q,kp]
+    ok = short >= 0
+    d = jnp.where(ok, sq_distances(h[:, None, :], keys.reshape(nC * C, D)[jnp.clip(short, 0)]), jnp.inf)
+    return _ranked(d, jnp.where(ok, short, BIG_ID), k)[0]
+
+
+def knn_probs(h, ids, keys, values, *, temperature: float, vocab: int):
+    """p_kNN [B,V] f32 from neighbour ids [B,k] (-1 = none): softmax(-d / temperature) over
+    the neighbours, each weight on its entry's value."""
+    nC, C, D = keys.shape
+    B, k = ids.shape
+    valid = ids >= 0
+    safe = jnp.clip(ids, 0, nC * C - 1)
+    d = sq_distances(h[:, None, :], keys.reshape(nC * C, D)[safe])  # [B,k]
+    a = jnp.where(valid, -d / temperature, -jnp.inf)
+    m = jnp.max(jnp.where(valid, a, jnp.finfo(jnp.float32).min), axis=-1, keepdims=True)
+    e = jnp.where(valid, jnp.exp(a - m), 0.0)
+    w = e / jnp.maximum(tree_sum(e), jnp.finfo(jnp.float32).tiny)[:, None]  # [B,k]
+    v = values[safe]  # [B,k]
+    same = (v[:, :, None] == v[:, None, :]) & valid[:, None, :]  # [B,k,k]: j' shares j's value
+    mass = tree_sum(jnp.where(same, w[:, None, :], 0.0))  # [B,k] total weight of value v_j
+    cols = jnp.where(valid, v, vocab)  # out of range -> dropped
+    return jnp.zeros((B, vocab), jnp.float32).at[jnp.arange(B)[:, None], cols].set(mass, mode="drop")
+
+
+def knn_scores(h, logits, ids, keys, values, *, lam: float, temperature: float):
+    """log(lam * p_kNN + (1 - lam) * softmax(logits)) [B,V]; lam = 0: the logits as they are."""
+    if lam == 0.0:
+        return logits
+    p_lm = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    p_knn = knn_probs(h, ids, keys, values, temperature=temperature, vocab=logits.shape[-1])
+    return jnp.log(lam * p_knn + (1.0 - lam) * p_lm)
+
+
+@functools.partial(jax.jit, static_argnames=("lam", "temperature", "sampling", "ban", "logprobs"))
+def choose(keys, h, logits, ids, values, seeds, rows, positions, suppress=None, *, lam: float,
+           temperature: float, sampling: SamplingParams, ban: tuple = (), logprobs: bool = False):
+    """The next token of each row from the KNN-LM distribution: h [B,D], logits [B,V] (the
+    model's, at the row's root), neighbour ids [B,k]; positions [B] = the root's position.
+    Returns (tokens [B] int32, log p of each token [B] f32: of the mixed distribution,
+    before the min_new_tokens ban and the sampling filters; with lam = 0 the model's
+    log_softmax, as plain decoding reports it)."""
+    scores = knn_scores(h, logits, ids, keys, values, lam=lam, temperature=temperature)  # [B,V]
+    pos = positions[:, None]
+    masked = banned(scores[:, None, :], pos, suppress, ban)
+    tok = select_tokens(masked, sampling, seeds, rows, pos + 1)[:, 0]
+    lp = token_logprobs(scores[:, None, :], tok[:, None])[:, 0] if lam == 0.0 else \
+        jnp.take_along_axis(scores, tok[:, None], axis=1)[:, 0]
+    return tok, (lp if logprobs else jnp.zeros_like(lp))
+
+
+# ----------------------------------------------------------------------------- model step
+@functools.lru_cache(maxsize=None)
+def forward_fn(config):
+    """jit (cache donated): forward each row's root [B] at its position cache.length over
+    the whole cache (window S, so a row's state never depends on the other rows' lengths)
+    -> (h [B,D] f32 final hidden states, logits [B,V] f32, cache advanced by active [B])."""
+    def fn(params, cache, root, active):
+        S = cache.max_len
+        positions = cache.length[:, None]  # [B,1]
+        mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B,1,S]
+        h, cache = hidden_states(params, root[:, None], positions, cache, mask, config)
+        logits = logits_from_hidden(params, h, config)[:, 0]
+        return h[:, 0].astype(jnp.float32), logits, advance(cache, active.astype(jnp.int32))
+
+    return jax.jit(fn, donate_argnums=(1,))
+
+
+# ----------------------------------------------------------------------------- index
+class KnnIndex:
+    """A datastore on the device (keys in chunks [nC,C,D] in their stored dtype, |x|^2,
+    values) plus its faiss indexes, made on first use; `search` / `subset` / `scores` run
+    the jitted functions above through the engine's compiled-function table when given."""
+
+    def __init__(self, datastore, chunk: int = CHUNK):
+        keys = datastore.keys
+        N, D = keys.shape
+        C = min(chunk, 1 << max(0, (N - 1).bit_length()))
+        nC = -(-N // C)
+        pad = np.zeros((nC * C, D), keys.dtype)
+        norms = np.full(nC * C, np.inf, np.float32)  # |x|^2, in float64 then rounded
+        for s in range(0, N, 65536):  # bounded float64 temporaries
+            part = keys[s:s + 65536]
+            pad[s:s + len(part)] = part
+            norms[s:s + len(part)] = np.square(part, dtype=np.float64).sum(1)
+        self.datastore = datastore
+        self.size, self.dim, self.chunk = N, D, C
+        self.keys = jax.device_put(pad.reshape(nC, C, D))
+        self.norms = jax.device_put(norms.reshape(nC, C))
+        self.values = jax.device_put(np.asarray(datastore.values, np.int32))
+        self.n_valid = jnp.int32(N)
+        self.xmax = jnp.float32(np.sqrt(float(norms[:N].max())) * (1 + 1e-6))  # max |x|, rounded up
+        self._faiss = {}
+        self.fallbacks = 0  # queries the exact search redid by brute force
+
+    # ---- faiss (host)
+    def faiss_index(self, kind: str):
+        if kind not in self._faiss:
+            import faiss
+
+            from .datastore import build_hnsw
+
+            if kind == "hnsw":
+                if not (self.datastore.path / "hnsw.faiss").exists():
+                    logging.getLogger("lookahead_jax").warning(
+                        "building the faiss HNSW index over %d keys (once: saved in %s; `python -m "
+                        "lookahead_jax.knnlm build ... --hnsw` builds it ahead)", self.size, self.datastore.path)
+                self._faiss[kind] = build_hnsw(self.datastore, progress=True)
+            elif kind == "flat":
+                index = faiss.IndexFlatL2(self.dim)
+                index.add(np.ascontiguousarray(self.datastore.keys, np.float32))
+                self._faiss[kind] = index
+            else:
+                raise ValueError(f"unknown faiss index {kind!r}: hnsw or flat")
+        return self._faiss[kind]
+
+    def faiss_candidates(self, h: np.ndarray, kind: str, k: int, ef_search: int = 128) -> np.ndarray:
+        """Candidate ids [Q, 2k+8] int32 (-1 = none) from faiss for queries h [Q,D]."""
+        index = self.faiss_index(kind)
+        fetch = min(self.size, 2 * k + 8)
+        if kind == "hnsw":
+            index.hnsw.efSearch = max(ef_search, fetch)
+        _, found = index.search(np.ascontiguousarray(h, np.float32), fetch)
+        out = np.full((len(h), 2 * k + 8), -1, np.int32)
+        out[:, :fetch] = found
+        return out

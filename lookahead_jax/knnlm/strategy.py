@@ -1,0 +1,541 @@
+"""`strategy="knnlm"`: KNN-LM decoding, plain or speculative (RaLMSpec), on the decode state.
+
+Plain KNN-LM, one token per step for every row:
+
+    h, logits = forward(root)               # final hidden state and logits at the root
+    ids = search(h)                         # k nearest datastore entries (search.py)
+    token = pick(log(lam p_kNN(ids) + (1 - lam) softmax(logits)))   # greedy or sampling
+
+Speculative KNN-LM (`speculative=True`; RaLMSpec, Zhang et al. ICML'24): each row keeps a
+cache of datastore ids: for every neighbour a real search returned, the entries after it,
+id+1 .. id+n (n = knn_cache_next), since the text that follows a neighbour is likely to
+follow here too (entries of a passage are consecutive). The newest `SPEC_CACHE` ids are
+kept. A speculative step searches only the cache (`cache_search`: ranked by the same
+canonical distances and (d, id) order) and picks its token with those neighbours. After s
+speculative steps (`speculation_stride`, or "auto": OS3 below), one batched real search
+over the s stored hidden states gives the true neighbours of each position; per row, in
+order: where the speculated list equals the true one the token stands; at the first
+position where it differs the token is picked again from the stored logits with the true
+neighbours; if that changes the token, the row is cut back there (cache length set back to
+the position + 1: the slot of the position's own input was written from a correct prefix)
+and decodes on from the new token; if it gives the same token, the later positions stand
+and are checked in turn. Every verified position's true neighbours feed the cache. The
+first token of every row is picked with a real search (the caches start empty); a row that
+ends (EOS, stop, length) with unverified positions is verified at once, and revived if a
+token changes.
+
+Why the outputs are plain KNN-LM's, token for token. Induction over a row's positions:
+if its tokens up to position p are plain's, its cache slots 0..p-1 hold the K/V plain
+computed (the same jitted step, the same tokens and positions, the whole cache as the
+attention window, and a row's values not depending on the other rows), so h_p and the
+logits at p are plain's bits; the true search of h_p returns plain's neighbours (exact
+search: the exact top-k under the canonical distance, however it is batched; faiss: its
+answer for one query does not depend on the others); `choose` of (h_p, logits_p, ids) is
+one executable of fixed shape [B,...] whose row values depend on that row alone, so a
+speculated list equal to the true one picks plain's token, and a different one is replaced
+by plain's pick, keyed for sampling by (seed, row, position) like the rest of the library.
+Tokens after p stand only when the token at p is plain's. Log-probabilities are taken from
+the pick with the true neighbours.
+
+OS3 (`speculation_stride="auto"`): a round of s speculative steps and one verification
+resolves E(s) = (1 - g^s) / (1 - g) positions (g: the measured chance that a position keeps
+its token) in s a + b seconds (a: a speculative step, b: a verification), and
+s = argmax_{1..16} E(s) / (s a + b); s = 4 until a and b are measured.
+
+Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+
+SEARCHES = ("exact", "hnsw", "flat")
+SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
+DEFAULT_SPECULATION_STRIDE = 4
+MAX_SPECULATION_STRIDE = 16
+
+
+def _auto_or_int(v):
+    if isinstance(v, str) and v != "auto":
+        try:
+            return int(v)
+        except ValueError:
+            return v
+    return v
+
+
+def _number(name, v, lo, hi, integer=True):
+    ok = not isinstance(v, bool) and isinstance(v, (int, np.integer) if integer else (int, float, np.number))
+    if not ok or not lo <= v <= hi:
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind} in [{lo}, {hi}], got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KNNLM:
+    """KNN-LM (Khandelwal et al. 2020): the next token is drawn from lam * p_kNN + (1 - lam)
+    * p_LM, p_kNN from the k datastore entries nearest (squared L2) to the model's final
+    hidden state (module docstring; search.py).
+
+    datastore: a directory built by `python -m lookahead_jax.knnlm build`, a `Datastore`,
+        or None: the one built for this model (and `corpus`, when given).
+    corpus: the JSON Lines corpus the datastore was built from (picks the default
+        datastore; checked against the datastore's sha256).
+    knn_k: neighbours (default 32; KNN-LM used 1024, too many for a CPU step).
+    knn_lambda: weight of p_kNN (default 0.25, as KNN-LM on Wikitext-103); 0 = the model.
+    knn_temperature: p_kNN = softmax(-d / temperature) (default 1, KNN-LM's).
+    knn_search: "exact" (device matmul over key chunks, exact top-k), "hnsw" (faiss,
+        approximate) or "flat" (faiss brute force on the host).
+    speculative: RaLMSpec's speculative retrieval: the same tokens, fewer real searches.
+    speculation_stride: speculative steps per verification, 1..16 or "auto" (OS3).
+    knn_cache_next: n, the entries after each retrieved neighbour kept in the speculation cache."""
+
+    datastore: object = None
+    corpus: object = None
+    knn_k: int = 32
+    knn_lambda: float = 0.25
+    knn_temperature: float = 1.0
+    knn_search: str = "exact"
+    speculative: bool = False
+    speculation_stride: object = DEFAULT_SPECULATION_STRIDE
+    knn_cache_next: int = 8
+
+    name = "knnlm"
+    help = ("KNN-LM: the model's next-token distribution mixed with its nearest datastore entries' "
+            "(--speculative: the same tokens with speculative, batch-verified searches)")
+    cli_names = {}
+    choices = {"knn_search": SEARCHES}
+    parsers = {"datastore": str, "corpus": str, "speculation_stride": _auto_or_int}
+    metavars = {"datastore": "DIR", "corpus": "JSONL", "speculative": "true|false",
+                "speculation_stride": "N|auto"}
+    field_help = {
+        "datastore": "the KNN-LM datastore directory (python -m lookahead_jax.knnlm build; default: "
+                     "the one built for --model and --corpus)",
+        "knn_k": "neighbours per step (default 32)",
+        "knn_lambda": "weight of the neighbours' distribution (default 0.25)",
+        "knn_temperature": "p_kNN = softmax(-distance / T) (default 1)",
+        "knn_search": "exact (device, exact top-k), hnsw (faiss, approximate) or flat (faiss brute force)",
+        "speculative": "speculative KNN-LM: the same tokens, searches speculated from a cache and "
+                       "verified in batches",
+        "knn_cache_next": "entries after each retrieved neighbour kept in the speculation cache (default 8)",
+    }
+
+    def __post_init__(self):
+        object.__setattr__(self, "speculation_stride", _auto_or_int(self.speculation_stride))
+        if isinstance(self.speculative, str):
+            object.__setattr__(self, "speculative", self.speculative.lower() in ("1", "true", "yes", ""))
+
+    def validate(self) -> None:
+        from ..retrieval.corpus import Corpus
+        from .datastore import Datastore
+
+        if not (self.datastore is None or isinstance(self.datastore, (str, Path, Datastore))):
+            raise ValueError(f"datastore must be a directory or a Datastore, got {type(self.datastore).__name__}")
+        if not (self.corpus is None or isinstance(self.corpus, (str, Path, Corpus))):
+            raise ValueError(f"corpus must be a JSON Lines path or a Corpus, got {type(self.corpus).__name__}")
+        _number("knn_k", self.knn_k, 1, 4096)
+        _number("knn_lambda", self.knn_lambda, 0.0, 1.0, integer=False)
+        if not (isinstance(self.knn_temperature, (int, float)) and self.knn_temperature > 0):
+            raise ValueError(f"knn_temperature must be a number > 0, got {self.knn_temperature!r}")
+        if self.knn_search not in SEARCHES:
+            raise ValueError(f"knn_search must be one of {', '.join(SEARCHES)}, got {self.knn_search!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
+        if self.speculation_stride != "auto":
+            try:
+                _number("speculation_stride", self.speculation_stride, 1, MAX_SPECULATION_STRIDE)
+            except ValueError:
+                raise ValueError(f"speculation_stride must be 'auto' or an integer in [1, {MAX_SPECULATION_STRIDE}], "
+                                 f"got {self.speculation_stride!r}") from None
+        _number("knn_cache_next", self.knn_cache_next, 1, 1024)
+
+    # ---- the strategy protocol (generate.py): no drafter, plain verification
+    def drafter(self, engine):
+        return None
+
+    def max_nodes(self, drafter=None) -> int:
+        return 0
+
+    def setup(self, engine, state, drafter=None, references=None):
+        from ..acceptance import TokenMatch
+        from ..budget import FixedBudget
+
+        return None, TokenMatch(state.sampling), FixedBudget(0)
+
+    def start(self, tokenizer, prompt_ids, engine=None):
+        """The per-call run (generate's hook): loads the datastore (errors before any
+        forward), then drives the loop."""
+        if engine is None:
+            raise ValueError("strategy 'knnlm' needs the engine (generate passes it)")
+        return (KnnSpecRun if self.speculative else KnnRun)(self, tokenizer, prompt_ids, engine)
+
+
+# ----------------------------------------------------------------------------- datastore
+def resolve_index(strat: KNNLM, engine):
+    """The strategy's datastore on the device (`search.KnnIndex`), kept by the engine (one:
+    the last used)."""
+    from .datastore import Datastore, StaleDatastore, _mismatch, build_command, load_datastore, model_identity
+    from .search import KnnIndex
+
+    if engine.mesh is not None:
+        raise ValueError("strategy 'knnlm' runs on one device for now: drop the mesh")
+    ds = strat.datastore
+    if isinstance(ds, Datastore):
+        from ..retrieval.corpus import load_corpus
+
+        corpus = load_corpus(strat.corpus) if strat.corpus is not None else None
+        why = _mismatch(ds.meta, model_identity(engine.model), corpus)
+        if why:
+            cmd = build_command(engine.model, corpus, ds.path)
+            raise StaleDatastore(f"the KNN-LM datastore at {ds.path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
+    else:
+        ds = load_datastore(engine.model, strat.corpus, ds)
+    key = (str(Path(ds.path).resolve()), ds.meta.get("created"), ds.size)
+    hit = engine.shared.get("knnlm_index")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    engine.shared.pop("knnlm_index", None)
+    index = KnnIndex(ds)
+    engine.shared["knnlm_index"] = (key, index)
+    return index
+
+
+# ----------------------------------------------------------------------------- runs
+@dataclasses.dataclass
+class _Step:
+    """One speculative step of a round (device arrays stay on the device)."""
+
+    h: object  # [B,D]
+    logits: object  # [B,V]
+    spec: object  # [B,k] speculated neighbour ids
+    tok: np.ndarray  # [B]
+    active: np.ndarray  # [B] rows that stepped
+    pos: np.ndarray  # [B] position of each row's root (its input)
+    nids: list  # generated ids of each row before this step's token
+
+
+class KnnRun:
+    """One generate call of plain KNN-LM. Hook protocol (generate.py): `picks_first_token`
+    (the prefill leaves every row's last prompt token as its root), `prompts()`,
+    `decode(...)`, `summary()`, `row_stats(b)`."""
+
+    picks_first_token = True
+    extra_tokens = 0
+    extra_note = ""
+
+    def __init__(self, strat: KNNLM, tokenizer, prompt_ids, engine):
+        self.strat, self.tok, self.engine = strat, tokenizer, engine
+        self.orig = [list(x) for x in prompt_ids]
+        self.index = resolve_index(strat, engine)
+        self.k = min(strat.knn_k, self.index.size)
+        B = len(self.orig)
+        self.row_searches = np.zeros(B, np.int64)  # real-search queries per row
+        self.search_s = 0.0
+        self.search_calls = 0
+        self.fallbacks = 0
+
+    def prompts(self) -> list:
+        return self.orig
+
+    # ---- device calls (compilations counted by the engine, kept out of decode time)
+    def _call(self, state, name, fn, *args, **static):
+        c0 = self.engine.compiled.compile_s
+        out = self.engine.compiled(name, fn, *args, **static)
+        state.compile_s += self.engine.compiled.compile_s - c0
+        return out
+
+    def _clock(self) -> float:
+        """Seconds on the host clock less the compilation seen so far (timers exclude it)."""
+        return time.perf_counter() - self.engine.compiled.compile_s
+
+    def _forward(self, state, active):
+        """Forward every row's root; the active rows' lengths advance by one."""
+        from .search import forward_fn
+
+        eng = self.engine
+        h, logits, state.cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
+                                            state.cache, eng.arg(state.root), eng.arg(active))
+        h.block_until_ready()  # the search timers below time the search, not this forward
+        state.lengths = state.lengths + active
+        state.steps += 1
+        return h, logits
+
+    def _search(self, state, h, need=None):
+        """True neighbour ids [Q,k] of the queries h [Q,D] (device or host array); `need`
+        [Q]: the queries whose answer is used (others may be skipped)."""
+        from .search import brute_search, exact_search, subset_search
+
+        idx, k = self.index, self.k
+        t0 = self._clock()
+        if self.strat.knn_search == "exact":
+            ids, ok = self._call(state, "knn_search", exact_search, idx.keys, h, idx.norms, idx.n_valid,
+                                 idx.xmax, k=k)
+            ok = np.asarray(ok) | (False if need is None else ~np.asarray(need))
+            if not ok.all():  # a near-tie over the whole shortlist: redo by brute force
+                ids = np.array(ids)
+                for q in np.flatnonzero(~ok):
+                    ids[q] = np.asarray(self._call(state, "knn_brute", brute_search, idx.keys, h[q:q + 1],
+                                                   idx.n_valid, k=k))[0]
+                self.fallbacks += int((~ok).sum())
+                idx.fallbacks += int((~ok).sum())
+        else:
+            hq = np.asarray(h)
+            cand = np.full((len(hq), 2 * k + 8), -1, np.int32)
+            rows = np.arange(len(hq)) if need is None else np.flatnonzero(need)
+            if len(rows):
+                cand[rows] = idx.faiss_candidates(hq[rows], self.strat.knn_search, k)
+            ids = self._call(state, "knn_subset", subset_search, idx.keys, h, self.engine.arg(cand),
+                             idx.n_valid, k=k)
+        ids = np.asarray(ids)
+        self.search_s += self._clock() - t0
+        self.search_calls += 1
+        return ids
+
+    def _choose(self, state, h, logits, ids, pos):
+        """(tokens [B], log-probabilities [B]) from (h, logits, neighbour ids) (search.choose)."""
+        from .search import choose
+
+        eng, s = self.engine, self.strat
+        opts = state.step_options()
+        args = (self.index.keys, h, logits, eng.arg(np.asarray(ids, np.int32)), self.index.values, state.seeds,
+                state.rowids, eng.arg(np.asarray(pos, np.int32)))
+        static = dict(lam=float(s.knn_lambda), temperature=float(s.knn_temperature), sampling=state.sampling,
+                      logprobs=bool(opts.get("logprobs")))
+        if "suppress" in opts:
+            args += (eng.arg(opts["suppress"]),)
+            static["ban"] = tuple(int(t) for t in opts["ban"])
+        tok, lp = self._call(state, "knn_choose", choose, *args, **static)
+        return np.asarray(tok), np.asarray(lp)
+
+    def _accept(self, state, active, tok, lp) -> None:
+        for b in np.flatnonzero(active):
+            r = state.rows[b]
+            r.steps += 1
+            r.accept([int(tok[b])], [float(lp[b])])
+            state.root[b] = tok[b]
+        state._mark_finished()
+
+    def _real_step(self, state, active):
+        """A step with a real search for every active row: returns its true ids [B,k]."""
+        pos = state.lengths.copy()
+        h, logits = self._forward(state, active)
+        ids = self._search(state, h, need=active)
+        self.row_searches += active
+        tok, lp = self._choose(state, h, logits, ids, pos)
+        self._accept(state, active, tok, lp)
+        return ids
+
+    # ---- hooks
+    def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
+        while True:
+            state._mark_finished()
+            active = state.active
+            if not active.any():
+                return
+            self._real_step(state, active)
+
+    def row_stats(self, b: int) -> dict:
+        return {"searches": int(self.row_searches[b])}
+
+    def summary(self) -> dict:
+        ds = self.index.datastore
+        return {"retrieval": dict(
+            datastore=str(ds.path), entries=ds.size, k=self.k, knn_lambda=self.strat.knn_lambda,
+            knn_temperature=self.strat.knn_temperature, search=self.strat.knn_search,
+            speculative=self.strat.speculative, searches=int(self.row_searches.sum()),
+            search_calls=self.search_calls, search_s=round(self.search_s, 4), brute_force_fallbacks=self.fallbacks,
+        )}
+
+
+class KnnSpecRun(KnnRun):
+    """One generate call of speculative KNN-LM (module docstring): KnnRun plus per row the
+    speculation cache, the round's steps and the counters."""
+
+    def __init__(self, strat: KNNLM, tokenizer, prompt_ids, engine):
+        super().__init__(strat, tokenizer, prompt_ids, engine)
+        B = len(self.orig)
+        self.M = max(SPEC_CACHE, self.k)
+        self.cache = [collections.OrderedDict() for _ in range(B)]
+        self.row_spec = np.zeros(B, np.int64)  # speculative steps per row
+        self.row_checks = np.zeros(B, np.int64)
+        self.row_hits = np.zeros(B, np.int64)  # speculated neighbours == true neighbours
+        self.row_kept = np.zeros(B, np.int64)  # checks whose token stood
+        self.row_rollbacks = np.zeros(B, np.int64)
+        self.row_rollback_tokens = np.zeros(B, np.int64)
+        self.verify_calls = 0
+        self.verify_s = 0.0
+        self.spec_s = 0.0
+        self.spec_steps = 0
+        self.s_used = []
+        self._pending = [None] * B  # generated ids before the row's first unverified token
+
+    # ---- the cache
+    def _insert(self, b: int, ids) -> None:
+        """The entries after each neighbour (id+1 .. id+n) enter row b's cache (newest kept)."""
+        c, N = self.cache[b], self.index.size
+        ids = np.asarray(ids)
+        succ = (ids[ids >= 0][None, :] + np.arange(1, self.strat.knn_cache_next + 1)[:, None]).ravel()
+        for x in succ[succ < N].tolist():
+            c[x] = None
+            c.move_to_end(x)
+        while len(c) > self.M:
+            c.popitem(last=False)
+
+    def _candidates(self) -> np.ndarray:
+        out = np.full((len(self.cache), self.M), -1, np.int32)
+        for b, c in enumerate(self.cache):
+            ids = np.fromiter(c, np.int32, len(c))
+            out[b, :len(ids)] = ids
+        return out
+
+    # ---- OS3
+    def _stride(self) -> int:
+        s = self.strat.speculation_stride
+        if s != "auto":
+            return int(s)
+        if not self.verify_calls or not self.spec_steps:
+            return DEFAULT_SPECULATION_STRIDE
+        checks = int(self.row_checks.sum())
+        g = (int(self.row_kept.sum()) + 1) / (checks + 2)
+        return os3_stride(g, self.spec_s / self.spec_steps, self.verify_s / self.verify_calls)
+
+    # ---- steps
+    def _spec_step(self, state, active, cand) -> _Step:
+        from .search import cache_search
+
+        t0 = self._clock()
+        pos = state.lengths.copy()
+        nids = [len(r.ids) for r in state.rows]
+        h, logits = self._forward(state, active)
+        spec = self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
+                          self.index.n_valid, k=self.k)
+        tok, lp = self._choose(state, h, logits, spec, pos)
+        for b in np.flatnonzero(active):
+            if self._pending[b] is None:
+                self._pending[b] = nids[b]
+        self._accept(state, active, tok, lp)
+        self.row_spec += active
+        self.spec_s += self._clock() - t0
+        self.spec_steps += 1
+        return _Step(h, logits, spec, tok, active.copy(), pos, nids)
+
+    def _verify(self, state, steps: list) -> None:
+        """One batched real search over the round's stored hidden states; per row the first
+        position whose token changes is cut back (module docstring)."""
+        import jax.numpy as jnp
+
+        t0 = self._clock()
+        T, B = len(steps), state.batch
+        Tp = 1 << (T - 1).bit_length()  # queries padded to a power of two of rounds: few shapes
+        hs = [st.h for st in steps] + [jnp.zeros_like(steps[0].h)] * (Tp - T)
+        need = np.concatenate([st.active for st in steps] + [np.zeros(B, bool)] * (Tp - T))
+        true = self._search(state, jnp.concatenate(hs, axis=0), need=need).reshape(Tp, B, self.k)[:T]
+        self.verify_calls += 1
+        spec = np.stack([np.asarray(st.spec) for st in steps])  # [T,B,k]
+        checking = set(np.flatnonzero(np.any([st.active for st in steps], axis=0)).tolist())
+        self.row_searches += np.sum([st.active for st in steps], axis=0)
+        for t, st in enumerate(steps):
+            fix = []
+            for b in sorted(checking):
+                r = state.rows[b]
+                if not st.active[b] or st.nids[b] >= len(r.ids):  # the row had ended before t
+                    checking.discard(b)
+                    continue
+                self.row_checks[b] += 1
+                self._insert(b, true[t, b])
+                if np.array_equal(spec[t, b], true[t, b]):
+                    self.row_hits[b] += 1
+                    self.row_kept[b] += 1
+                else:
+                    fix.append(b)
+            if not fix:
+                continue
+            tok, lp = self._choose(state, st.h, st.logits, true[t], st.pos)
+            for b in fix:
+                r = state.rows[b]
+                if tok[b] == st.tok[b]:  # other neighbours, the same token: later positions stand
+                    self.row_kept[b] += 1
+                    if r.logprobs is not None:
+                        r.logprobs[st.nids[b]] = float(lp[b])
+                    continue
+                self.row_rollbacks[b] += 1
+                self.row_rollback_tokens[b] += len(r.ids) - st.nids[b]
+                r.truncate(st.nids[b])
+                r.accept([int(tok[b])], [float(lp[b])])
+                state.root[b] = tok[b]
+                state.finish_s.pop(b, None)
+                length = int(st.pos[b]) + 1  # slots 0..pos hold the correct prefix
+                lengths = state.lengths.copy()
+                lengths[b] = length
+                state.lengths = lengths
+                state.cache = state.cache.replace(length=state.cache.length.at[b].set(length))
+                checking.discard(b)
+        self._pending = [None] * B
+        state._mark_finished()
+        self.verify_s += self._clock() - t0
+
+    def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
+        from ..ralm import _Stream
+
+        stream = _Stream(state, self.tok)
+        final = lambda st, b: len(st.rows[b].ids) if self._pending[b] is None else self._pending[b]  # noqa: E731
+        state._mark_finished()
+        active = state.active
+        if active.any():  # the first token of every row: a real search (the caches are empty)
+            true = self._real_step(state, active)
+            for b in np.flatnonzero(active):
+                self._insert(b, true[b])
+        while True:
+            stream.flush(state, final)
+            s = self._stride()
+            steps, cand = [], None
+            while len(steps) < s:
+                active = state.active
+                if not active.any():
+                    break
+                if cand is None:
+                    cand = self.engine.arg(self._candidates())
+                steps.append(self._spec_step(state, active, cand))
+                if (active & ~state.active).any():  # a row ended: verify it before it is final
+                    break
+            if not steps:
+                break
+            self.s_used.append(s)
+            self._verify(state, steps)
+        stream.flush(state, final)
+
+    def row_stats(self, b: int) -> dict:
+        out = super().row_stats(b)
+        checks = int(self.row_checks[b])
+        out.update(speculations=int(self.row_spec[b]), speculation_checks=checks,
+                   speculation_accuracy=round(int(self.row_hits[b]) / checks, 4) if checks else None,
+                   rollbacks=int(self.row_rollbacks[b]), rollback_tokens=int(self.row_rollback_tokens[b]))
+        return out
+
+    def summary(self) -> dict:
+        out = super().summary()
+        checks = int(self.row_checks.sum())
+        out["retrieval"].update(
+            speculations=int(self.row_spec.sum()), speculation_checks=checks,
+            speculation_hits=int(self.row_hits.sum()),
+            speculation_accuracy=round(int(self.row_hits.sum()) / checks, 4) if checks else None,
+            tokens_kept=int(self.row_kept.sum()), rollbacks=int(self.row_rollbacks.sum()),
+            rollback_tokens=int(self.row_rollback_tokens.sum()), verify_calls=self.verify_calls,
+            verify_s=round(self.verify_s, 4), speculation_s=round(self.spec_s, 4),
+            mean_speculation_stride=round(float(np.mean(self.s_used)), 3) if self.s_used else 0.0,
+        )
+        return out
+
+
+def os3_stride(g: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
+    """argmax over s in 1..max_s of E(s) / (s a + b), E(s) = (1 - g^s) / (1 - g) (module
+    docstring). # g 0.9, a 1, b 2 -> 6 (rate: s=1 .333, 3 .542, 5 .5850, 6 .5857, 7 .5797)"""
+    g = min(max(g, 0.0), 1.0 - 1e-9)
+    s = np.arange(1, max_s + 1)
+    rate = (1 - g ** s) / (1 - g) / (s * a + b)
+    return int(s[int(np.argmax(rate))])

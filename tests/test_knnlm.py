@@ -1,0 +1,384 @@
+"""KNN-LM and speculative KNN-LM (lookahead_jax/knnlm/) on the tiny llama + a byte tokenizer.
+
+The datastore: build / load round trip (keys are the model's hidden states, values the next
+tokens, entries of a passage consecutive), up to date on a second build, and the errors
+(missing, another model, a changed corpus, an empty corpus, no entries). The search: device
+exact search (several chunks) == numpy brute force, ties ranked by id, the brute-force
+fallback, the subset and cache searches, faiss flat == exact. The distribution: exp(scores) == lam p_kNN + (1 - lam) p_LM
+computed in numpy. Decoding: lambda = 0 gives plain decoding's tokens; speculative ==
+plain KNN-LM token for token and log-probability for log-probability (greedy and sampling,
+batch 6, strides 1/2/5/auto, rows ending mid-batch, min_new_tokens, a cache that predicts
+every neighbour list and one that predicts none, exact and faiss search); the CLI.
+The corpus: each prompt followed by the model's own continuation (text the decoding meets
+again: speculation succeeds) plus shuffled words of it."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lookahead_jax.generate as G
+import lookahead_jax.loading as loading
+from lookahead_jax import knnlm
+from lookahead_jax.engine import engine_for
+from lookahead_jax.knnlm import KNNLM, DatastoreNotBuilt, StaleDatastore, build_datastore, load_datastore
+from lookahead_jax.knnlm import search as S
+from lookahead_jax.knnlm.strategy import KnnSpecRun, os3_stride
+from lookahead_jax.models import hidden_states, init_cache, logits_from_hidden
+from lookahead_jax.retrieval import Corpus, CorpusError
+from tiny import ByteTokenizer, load_prompts, tiny_model
+
+MAX_NEW = 20
+PROMPTS = [r["prompt"][-40:] for r in load_prompts(2)]  # 6 prompts, 3 sources
+
+
+class Latin1Tokenizer(ByteTokenizer):
+    """Bytes as latin-1 characters (others as their UTF-8 bytes): every decoded text encodes
+    back to its tokens, so the model's continuations can be written into passages."""
+
+    def encode(self, text, add_special_tokens=True):
+        raw = b"".join(c.encode("latin-1") if ord(c) < 256 else c.encode("utf-8") for c in text)
+        return ([1] if add_special_tokens else []) + [b + 3 for b in raw]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(int(i) - 3 for i in ids if int(i) >= 3).decode("latin-1")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Latin1Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus(model, tok) -> Corpus:
+    out = G.generate(model, tok, PROMPTS, max_new_tokens=40)
+    passages = [tok.decode(tok.encode(p, False) + t) for p, t in zip(PROMPTS, out.token_ids)]
+    words = " ".join(out.texts).split()
+    rng = np.random.default_rng(0)
+    passages += [" ".join(rng.choice(words, int(rng.integers(3, 10)))) for _ in range(24)]
+    passages[7] = {"id": "titled", "title": "A title", "text": passages[7]}
+    return Corpus.from_passages(passages)
+
+
+@pytest.fixture(scope="module")
+def ds(model, tok, corpus, tmp_path_factory):
+    path = build_datastore(model, tok, corpus, path=tmp_path_factory.mktemp("knn") / "ds", progress=False)
+    return load_datastore(model, corpus, path)
+
+
+def run(model, tok, strat, prompts=PROMPTS, **kw):
+    kw.setdefault("max_new_tokens", MAX_NEW)
+    return G.generate(model, tok, prompts, strategy=strat, **kw)
+
+
+def direct_hidden(model, ids):
+    """Final hidden states [T,D] and logits [T,V] of one token sequence: one forward of the
+    plain (unpacked) params."""
+    cfg = model.config
+
+    @jax.jit
+    def fwd(params, tokens):
+        T = tokens.shape[1]
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        mask = jnp.arange(T)[None, None, :] <= pos[:, :, None]
+        h, _ = hidden_states(params, tokens, pos, init_cache(cfg, 1, T), mask, cfg)
+        return h[0], logits_from_hidden(params, h, cfg)[0]
+
+    return fwd(model.params, jnp.asarray([ids], jnp.int32))
+
+
+def numpy_topk(keys, h, k):
+    """Brute force in float64: ids of the k smallest squared distances, ties by id."""
+    d = ((keys.astype(np.float64) - np.asarray(h, np.float64)[None]) ** 2).sum(1)
+    return np.lexsort((np.arange(len(d)), d))[:k], d
+
+
+# ----------------------------------------------------------------------------- datastore
+def test_datastore_round_trip(model, tok, corpus, ds):
+    toks = [tok.encode(p.contents) for p in corpus]
+    assert ds.size == sum(len(t) - 1 for t in toks)
+    assert ds.meta["n_passages"] == len(corpus) and ds.meta["corpus_sha256"] == corpus.fingerprint
+    assert ds.meta["model"]["name"] == "tiny-llama" and ds.keys.dtype == np.float16
+    assert list(ds.offsets) == list(np.concatenate([[0], np.cumsum([len(t) - 1 for t in toks])]))
+    for i in (0, 7, len(corpus) - 1):  # keys = hidden states before the LM head, values = next tokens
+        a, b = ds.offsets[i], ds.offsets[i + 1]
+        h, _ = direct_hidden(model, toks[i])
+        np.testing.assert_allclose(ds.keys[a:b].astype(np.float32), np.asarray(h)[:-1], rtol=2e-3, atol=2e-3)
+        assert list(ds.values[a:b]) == toks[i][1:]
+        assert ds.passage_of(a) == i and ds.passage_of(b - 1) == i
+    # up to date: a second build does nothing; other settings rebuild
+    created = ds.meta["created"]
+    path = build_datastore(model, tok, corpus, path=ds.path, progress=False)
+    assert load_datastore(model, corpus, path).meta["created"] == created
+    small = build_datastore(model, tok, corpus, path=ds.path.parent / "small", max_passages=3,
+                            key_dtype="float32", progress=False)
+    s = load_datastore(model, None, small)
+    assert s.size == sum(len(t) - 1 for t in toks[:3]) and s.keys.dtype == np.float32
+
+
+def test_datastore_errors(model, tok, corpus, ds, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "c.jsonl"
+    f.write_text(corpus.to_jsonl())
+    with pytest.raises(DatastoreNotBuilt) as e:  # nothing built: the command names the fix
+        load_datastore(model, f)
+    cmd = f"python -m lookahead_jax.knnlm build --model tiny-llama --corpus {f.resolve()}"
+    assert e.value.command == cmd and cmd in str(e.value)
+    with pytest.raises(DatastoreNotBuilt, match="python -m lookahead_jax.knnlm build"):
+        load_datastore(model)
+    with pytest.raises(DatastoreNotBuilt, match="Build it with"):  # generate fails before any forward
+        run(model, tok, KNNLM(corpus=str(f)))
+    path = build_datastore(model, tok, f, progress=False)
+    assert path == knnlm.datastore_dir(model, f) and load_datastore(model).path == path  # the only one
+    assert run(model, tok, KNNLM(corpus=str(f)), max_new_tokens=3).stats["retrieval"]["entries"] == ds.size
+    other = tiny_model("llama", seed=2)
+    with pytest.raises(StaleDatastore, match="built for model tiny-llama") as e:
+        load_datastore(other, f, path)
+    assert "--out" in e.value.command
+    with pytest.raises(StaleDatastore):  # a Datastore object is checked as well
+        run(other, tok, KNNLM(datastore=ds))
+    f.write_text(corpus.to_jsonl() + json.dumps({"id": "new", "text": "one more"}) + "\n")
+    with pytest.raises(StaleDatastore, match="the file changed"):
+        load_datastore(model, f)
+    with pytest.raises(StaleDatastore, match="another corpus"):
+        load_datastore(model, f, path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(CorpusError, match="empty corpus"):
+        build_datastore(model, tok, empty, progress=False)
+    with pytest.raises(ValueError, match="no datastore entries"):
+        build_datastore(model, tok, Corpus.from_passages(["", ""]), path=tmp_path / "x", progress=False)
+    with pytest.raises(ValueError, match="is not a KNN-LM datastore"):  # never replaces other files
+        build_datastore(model, tok, f, path=tmp_path, progress=False)
+    assert f.exists()
+
+
+# ----------------------------------------------------------------------------- search
+def test_exact_search_is_brute_force_and_ranks_ties_by_id(model, tok, ds):
+    index = S.KnnIndex(ds, chunk=512)  # several chunks
+    assert index.keys.shape[0] > 2
+    keys = np.asarray(ds.keys, np.float32)
+    rng = np.random.default_rng(1)
+    h = np.concatenate([keys[rng.integers(0, ds.size, 5)] + 0.05 * rng.standard_normal((5, ds.dim)),
+                        rng.standard_normal((3, ds.dim)) * 3]).astype(np.float32)
+    for k in (1, 8, 32):
+        ids, ok = S.exact_search(index.keys, jnp.asarray(h), index.norms, index.n_valid, index.xmax, k=k)
+        brute = S.brute_search(index.keys, jnp.asarray(h), index.n_valid, k=k)
+        assert np.asarray(ok).all()
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(brute))
+        for q in range(len(h)):
+            want, _ = numpy_topk(keys, h[q], k)
+            assert set(np.asarray(ids)[q]) == set(want)  # f64 vs the canonical f32 sums: no near-ties here
+    # duplicated keys: ties go to the lower id
+    dup = rng.standard_normal((300, 4)).astype(np.float16)
+    dup[[10, 50, 200]] = dup[3]
+    small = S.KnnIndex(knnlm.Datastore(ds.path, ds.meta, dup, np.arange(300, dtype=np.int32), np.array([0, 300])),
+                       chunk=64)
+    q = jnp.asarray(dup[[200]].astype(np.float32))
+    ids, ok = S.exact_search(small.keys, q, small.norms, small.n_valid, small.xmax, k=4)
+    assert np.asarray(ok).all()
+    np.testing.assert_array_equal(np.asarray(ids), [[3, 10, 50, 200]])
+    # all keys equal: the shortlist cannot be proven (ok false) and brute force ranks by id
+    flat = knnlm.Datastore(ds.path, ds.meta, np.ones((300, 4), np.float16), np.arange(300, dtype=np.int32),
+                           np.array([0, 300]))
+    fi = S.KnnIndex(flat, chunk=64)
+    ids, ok = S.exact_search(fi.keys, jnp.zeros((2, 4)), fi.norms, fi.n_valid, fi.xmax, k=5)
+    assert not np.asarray(ok).any()
+    np.testing.assert_array_equal(np.asarray(S.brute_search(fi.keys, jnp.zeros((2, 4)), fi.n_valid, k=5)),
+                                  [[0, 1, 2, 3, 4]] * 2)
+    # a subset search ranks its candidates as the full search does
+    ids, _ = S.exact_search(index.keys, jnp.asarray(h), index.norms, index.n_valid, index.xmax, k=8)
+    cand = np.full((len(h), 64), -1, np.int32)
+    for q, row in enumerate(np.asarray(ids)):
+        c = np.unique(np.concatenate([row, rng.integers(0, ds.size, 40)]))
+        cand[q, :len(c)] = rng.permutation(c)
+    sub = S.subset_search(index.keys, jnp.asarray(h), jnp.asarray(cand), index.n_valid, k=8)
+    np.testing.assert_array_equal(np.asarray(sub), np.asarray(ids))
+    spec = S.cache_search(index.keys, jnp.asarray(h), jnp.asarray(cand), index.norms, index.n_valid, k=8)
+    np.testing.assert_array_equal(np.asarray(spec), np.asarray(ids))  # speculation's search agrees here
+
+
+def test_faiss_flat_matches_exact_search(ds):
+    pytest.importorskip("faiss")
+    index = S.KnnIndex(ds)
+    keys = np.asarray(ds.keys, np.float32)
+    h = keys[::997][:8] + 0.01
+    for kind in ("flat", "hnsw"):
+        cand = index.faiss_candidates(h, kind, 16)
+        got = np.asarray(S.subset_search(index.keys, jnp.asarray(h), jnp.asarray(cand), index.n_valid, k=16))
+        want, _ = S.exact_search(index.keys, jnp.asarray(h), index.norms, index.n_valid, index.xmax, k=16)
+        if kind == "flat":
+            np.testing.assert_array_equal(got, np.asarray(want))
+        else:  # approximate: most neighbours found
+            assert np.mean([len(set(a) & set(b)) for a, b in zip(got, np.asarray(want))]) >= 8
+
+
+@pytest.mark.parametrize("lam", [0.25, 1.0])
+def test_distribution_is_the_knnlm_mixture(model, tok, corpus, ds, lam):
+    """exp(scores) == lam * p_kNN + (1 - lam) * softmax(logits), from numpy brute force."""
+    index = S.KnnIndex(ds)
+    keys = np.asarray(ds.keys, np.float32)
+    k, temp = 16, 3.0
+    for text in (PROMPTS[0], corpus[1].text[:30]):
+        h, logits = direct_hidden(model, tok.encode(text))
+        h, logits = h[-1:], logits[-1:]
+        ids, _ = S.exact_search(index.keys, h, index.norms, index.n_valid, index.xmax, k=k)
+        want, d = numpy_topk(keys, np.asarray(h[0]), k)
+        assert set(np.asarray(ids)[0]) == set(want)
+        scores = np.asarray(S.knn_scores(h, logits, ids, index.keys, index.values, lam=lam, temperature=temp))[0]
+        w = np.exp(-(d[want] - d[want].min()) / temp)
+        w /= w.sum()
+        p_knn = np.zeros(model.config.vocab_size)
+        np.add.at(p_knn, ds.values[want], w)
+        z = np.asarray(logits[0], np.float64)
+        p_lm = np.exp(z - z.max())
+        p_lm /= p_lm.sum()
+        p = lam * p_knn + (1 - lam) * p_lm
+        np.testing.assert_allclose(np.exp(scores), p, rtol=1e-4, atol=1e-6)
+        assert abs(np.exp(scores).sum() - 1) < 1e-5
+
+
+# ----------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_k=20, seed=5)])
+def test_lambda_zero_is_plain_decoding(model, tok, ds, sampling):
+    plain = G.generate(model, tok, PROMPTS, max_new_tokens=MAX_NEW, **sampling)
+    out = run(model, tok, KNNLM(datastore=ds, knn_lambda=0.0), **sampling)
+    assert out.token_ids == plain.token_ids
+    assert out.stats["retrieval"]["searches"] == sum(len(t) for t in out.token_ids)
+    assert all(r.forward_steps == r.new_tokens + 1 for r in out.rows)  # prompt + one forward per token
+
+
+def test_knnlm_follows_its_neighbours(model, tok, ds):
+    """lam = 1, k = 1: every token is the value of the entry nearest to the hidden state."""
+    out = run(model, tok, KNNLM(datastore=ds, knn_lambda=1.0, knn_k=1), prompts=PROMPTS[:1], max_new_tokens=6)
+    ids = tok.encode(PROMPTS[0]) + out.token_ids[0]
+    h, _ = direct_hidden(model, ids)
+    keys = np.asarray(ds.keys, np.float32)
+    n = len(tok.encode(PROMPTS[0]))
+    for j, t in enumerate(out.token_ids[0]):
+        nearest, _ = numpy_topk(keys, np.asarray(h[n - 1 + j]), 1)
+        assert ds.values[nearest[0]] == t
+
+
+def assert_same(a, b):
+    assert a.token_ids == b.token_ids
+    assert [r.finish_reason for r in a.rows] == [r.finish_reason for r in b.rows]
+    assert [r.logprobs for r in a.rows] == [r.logprobs for r in b.rows]  # bitwise
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.9, seed=3)])
+def test_speculative_equals_plain(model, tok, ds, sampling):
+    kw = dict(logprobs=True, stop_token_ids=[116, 158], min_new_tokens=2, **sampling)
+    hits = rollbacks = 0
+    ends = set()
+    for k in (2, 16):
+        plain = run(model, tok, KNNLM(datastore=ds, knn_k=k), **kw)
+        ends |= {r.new_tokens for r in plain.rows if r.finish_reason == "eos"}
+        for s in (1, 2, 5, "auto"):
+            spec = run(model, tok, KNNLM(datastore=ds, knn_k=k, speculative=True, speculation_stride=s), **kw)
+            assert_same(spec, plain)
+            st = spec.stats["retrieval"]
+            assert 0 < st["speculation_checks"] <= st["speculations"]
+            assert st["rollbacks"] <= st["speculation_checks"] - st["speculation_hits"]
+            hits += st["speculation_hits"]
+            rollbacks += st["rollbacks"]
+            if s != "auto":
+                assert st["mean_speculation_stride"] == s
+            rows = [r.retrieval for r in spec.rows]
+            assert sum(r["rollbacks"] for r in rows) == st["rollbacks"]
+            print(k, s, {x: st[x] for x in ("speculation_accuracy", "rollbacks", "tokens_kept", "search_calls")})
+    assert len(ends) > 1  # rows end mid-batch, at several lengths
+    assert hits > 0 and (rollbacks > 0 or not sampling)
+
+
+def test_speculative_prediction_forced(model, tok, ds, monkeypatch):
+    """A cache holding every entry (speculation always right: no rollback) and one holding
+    no neighbour (always wrong: every position checked again); the tokens stay plain's."""
+    kw = dict(logprobs=True)
+    plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), **kw)
+    strat = KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride=3)
+    everything = np.arange(ds.size, dtype=np.int32)
+    monkeypatch.setattr(KnnSpecRun, "_candidates", lambda self: np.tile(everything, (len(self.cache), 1)))
+    right = run(model, tok, strat, **kw)
+    assert_same(right, plain)
+    st = right.stats["retrieval"]
+    assert st["speculation_accuracy"] == 1.0 and st["rollbacks"] == 0
+    far = np.full((1, 64), -1, np.int32)
+    far[0, :8] = np.arange(8)  # BOS-side entries only: no real neighbour list fits in them
+    monkeypatch.setattr(KnnSpecRun, "_candidates", lambda self: np.tile(far, (len(self.cache), 1)))
+    wrong = run(model, tok, strat, **kw)
+    assert_same(wrong, plain)
+    st = wrong.stats["retrieval"]
+    assert st["speculation_accuracy"] == 0.0 and st["rollbacks"] > 0
+
+
+def test_speculation_predicts_text_from_the_datastore(model, tok, ds):
+    """Decoding the prompts whose continuations are in the datastore: the entries after
+    each neighbour are the next neighbours, so most speculations are right."""
+    plain = run(model, tok, KNNLM(datastore=ds, knn_k=1))
+    spec = run(model, tok, KNNLM(datastore=ds, knn_k=1, speculative=True, speculation_stride=4))
+    assert_same(spec, plain)
+    st = spec.stats["retrieval"]
+    assert st["speculation_accuracy"] > 0.5
+    assert st["search_calls"] < plain.stats["retrieval"]["search_calls"] / 2  # batched verification
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])
+def test_faiss_search_decoding(model, tok, ds, kind):
+    pytest.importorskip("faiss")
+    exact = run(model, tok, KNNLM(datastore=ds, knn_k=8))
+    plain = run(model, tok, KNNLM(datastore=ds, knn_k=8, knn_search=kind))
+    if kind == "flat":
+        assert plain.token_ids == exact.token_ids
+    spec = run(model, tok, KNNLM(datastore=ds, knn_k=8, knn_search=kind, speculative=True, speculation_stride=3))
+    assert_same(spec, plain)
+
+
+def test_streaming_sends_only_verified_text(model, tok, ds):
+    got = {}
+    spec = run(model, tok, KNNLM(datastore=ds, knn_k=16, speculative=True, speculation_stride=5),
+               prompts=PROMPTS[:1], on_text=lambda i, t: got.setdefault(i, []).append(t))
+    assert "".join(got[0]) == spec.texts[0]
+
+
+def test_options_are_checked(model, tok, ds):
+    for bad, msg in ((dict(knn_k=0), "knn_k"), (dict(knn_lambda=1.5), "knn_lambda"),
+                     (dict(knn_temperature=0), "knn_temperature"), (dict(knn_search="ivf"), "knn_search"),
+                     (dict(speculation_stride=0), "speculation_stride"), (dict(datastore=3), "datastore")):
+        with pytest.raises(ValueError, match=msg):
+            run(model, tok, "knnlm", **bad)
+    assert os3_stride(0.9, 1.0, 2.0) == 6 and os3_stride(0.0, 1.0, 2.0) == 1
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_build_and_generate(model, tok, corpus, tmp_path, monkeypatch, capsys):
+    from lookahead_jax.generate import main
+    from lookahead_jax.knnlm.cli import main as knn_main
+
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "load", lambda name, dtype="float32", **kw: (model, tok))
+    f = tmp_path / "c.jsonl"
+    f.write_text(corpus.to_jsonl())
+    args = ["--prompt", PROMPTS[0], "--max-new-tokens", "8", "--json", "--strategy", "knnlm", "--corpus", str(f),
+            "--knn-k", "4"]
+    assert main(args) == 2
+    assert "python -m lookahead_jax.knnlm build --model tiny-llama --corpus" in capsys.readouterr().err
+    assert knn_main(["build", "--model", "tiny-llama", "--corpus", str(f), "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert "entries" in out.err and out.out.strip() == str(knnlm.datastore_dir(model, f))
+    assert knn_main(["build", "--model", "tiny-llama", "--corpus", str(f), "--quiet"]) == 0
+    assert "up to date" in capsys.readouterr().err
+    rows = {}
+    for extra in ([], ["--speculative", "--speculation-stride", "2"]):
+        assert main(args + extra) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        rows[bool(extra)] = lines[0]
+        assert lines[-1]["summary"]["retrieval"]["searches"] == lines[0]["retrieval"]["searches"]
+    assert rows[True]["token_ids"] == rows[False]["token_ids"] and len(rows[False]["token_ids"]) == 8
+    assert "speculation_accuracy" in rows[True]["retrieval"]
+    assert knn_main(["build", "--corpus", str(tmp_path / "none.jsonl")]) == 2
+    assert "corpus file not found" in capsys.readouterr().err
