@@ -339,16 +339,11 @@ def _row_json(r, n: int) -> dict:
 
 def main(argv=None, prog: Optional[str] = None) -> int:
     cfg = parse_args(argv, prog)
-    # the library's own logger (a dependency imported earlier may have configured the root
-    # logger already, which makes logging.basicConfig a no-op)
-    lg = logging.getLogger("lookahead_jax")
-    lg.setLevel(logging.INFO if cfg.verbose else logging.WARNING)
-    if not any(getattr(h, "_lookahead_cli", False) for h in lg.handlers):
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(message)s"))
-        h._lookahead_cli = True
-        lg.addHandler(h)
-        lg.propagate = False
+    # the root logger may be configured already by a dependency (basicConfig is then a
+    # no-op and the root's WARNING level would drop -v's INFO records): set the level on
+    # the library's own logger, whose records reach the root's handlers
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("lookahead_jax").setLevel(logging.INFO if cfg.verbose else logging.WARNING)
     from .loading import load
 
     mesh = None

@@ -117,7 +117,7 @@ class Lookahead:
             costs = prior_costs(engine.platform, buckets)
         times = engine.step_times.setdefault((rule, B, S), StepTimes())
         policy = AutoBudget(buckets, costs, getattr(drafter, "acceptance", None), times=times)
-        policy.calibrate_s = time.perf_counter() - t0
+        policy.calibrate_s = time.perf_counter() - t0 if self.calibrate else 0.0
         return drafter, rule, policy
 
 

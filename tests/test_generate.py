@@ -471,13 +471,22 @@ def test_lookahead_stats(models, tok):
 
 
 def test_auto_budget_compile_time_is_reported(tok):
-    """decoding_length="auto" compiles (and times) every tree bucket before decoding; that
-    compilation must show up in stats["compile_s"], not vanish from both wall and compile."""
+    """decoding_length="auto" with calibrate=True compiles (and times) every tree bucket
+    before decoding; that compilation must show up in stats["compile_s"], not vanish from
+    both wall and compile. Without calibration a step compiles only when used: a fresh
+    model's first request (no acceptance evidence yet: plain steps) compiles prefill and
+    the plain step only, the executables greedy uses."""
     m = tiny_model("llama", seed=6)  # fresh: every compilation happens in this call
     out = generate(m, tok, "Hello there", max_new_tokens=4, strategy="lookahead",
-                   decoding_length="auto", drafter=TrieDrafter(max_nodes=4))
+                   decoding_length="auto", calibrate=True, drafter=TrieDrafter(max_nodes=4))
     assert out.stats["compilations"] == 4  # prefill + verify for T in 0, 1, 3 (<= max_nodes)
+    assert out.stats["calibrate_s"] > 0
     assert out.stats["compile_s"] == pytest.approx(engine_for(m).compiled.compile_s)
+    m = tiny_model("llama", seed=7)
+    out = generate(m, tok, "Hello there", max_new_tokens=4, strategy="lookahead",
+                   decoding_length="auto", drafter=TrieDrafter(max_nodes=4))
+    assert out.stats["compilations"] == 2 and out.stats["calibrate_s"] == 0
+    assert [c.split("(")[0] for c in engine_for(m).compiled.compilations] == ["prefill", "verify"]
 
 
 # ----------------------------------------------------------------------------- 5. streaming
