@@ -40,8 +40,12 @@ from common import (HFPeer, bar_plot, dataset_prompts, default_out, eos_mode, ho
 
 
 def parse_config(s: str) -> dict:
-    """'auto:12:hierarchical' -> decoding_length, branch_length, mode."""
+    """'auto:12:hierarchical' -> decoding_length, branch_length, mode; a fourth part 'cal'
+    makes auto calibrate every tree size first (Lookahead(calibrate=True)) instead of
+    starting from the platform's typical costs."""
     parts = s.split(":")
+    if len(parts) == 4 and parts[3] == "cal":
+        return dict(parse_config(":".join(parts[:3])), calibrate=True)
     dl, bl, mode = parts + ["auto", "12", "hierarchical"][len(parts):]  # '15:12' -> hierarchical
     return dict(decoding_length=dl if dl == "auto" else int(dl), branch_length=int(bl), mode=mode)
 
@@ -61,7 +65,8 @@ def main(argv=None):
                     help="fixed length: every method generates --max-new-tokens tokens past EOS (a separate, "
                          "labelled result, default output lookahead-fixedlen.json; not the headline)")
     ap.add_argument("--configs", nargs="+", default=["auto:12:hierarchical", "8:8:hierarchical", "16:12:parallel"],
-                    help="lookahead configs decoding_length:branch_length:mode ('auto' = the default)")
+                    help="lookahead configs decoding_length:branch_length:mode[:cal] ('auto' = the default; "
+                         "':cal': auto calibrated before decoding)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-device", default="auto",
