@@ -245,6 +245,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     max_T = strat.max_nodes(drafter)
     # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm.py,
     # knnlm/strategy.py)
+    if penalties.on and not getattr(strat, "supports_penalties", True):
+        raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
+                         "repetition / presence / frequency penalties: leave them at their defaults")
     run = strat.start(tokenizer, ids, engine=engine) if hasattr(strat, "start") else None
 
     # ---- shapes

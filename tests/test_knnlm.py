@@ -382,3 +382,11 @@ def test_cli_build_and_generate(model, tok, corpus, tmp_path, monkeypatch, capsy
     assert "speculation_accuracy" in rows[True]["retrieval"]
     assert knn_main(["build", "--corpus", str(tmp_path / "none.jsonl")]) == 2
     assert "corpus file not found" in capsys.readouterr().err
+
+
+def test_penalties_are_refused(model, tok, ds):
+    """knnlm picks tokens from its own mixture, which the penalties do not reach: asking
+    for them is an error, not silently ignored."""
+    with pytest.raises(ValueError, match="penalties"):
+        G.generate(model, tok, "Hello", max_new_tokens=4, strategy=KNNLM(datastore=ds),
+                   repetition_penalty=1.3)

@@ -106,6 +106,7 @@ class KNNLM:
     knn_cache_next: int = 8
 
     name = "knnlm"
+    supports_penalties = False  # its tokens come from the kNN mixture (`choose`), unpenalized
     help = ("KNN-LM: the model's next-token distribution mixed with its nearest datastore entries' "
             "(--speculative: the same tokens with speculative, batch-verified searches)")
     cli_names = {}
