@@ -206,6 +206,7 @@ def test_sampling_rng_is_keyed_by_row_and_position(model, tok):
     assert a.token_ids[0] == b.token_ids[0]
 
 
+@pytest.mark.slow  # CI's full run (the default run keeps its siblings)
 def test_n_samples_and_stop_token_ids_under_lookahead(model, tok):
     """n samples per prompt are rows of their own (distinct tokens), and lookahead gives
     plain sampling's; stop_token_ids end rows like EOS, identically under lookahead."""
@@ -245,6 +246,7 @@ def teacher_forced_logprobs(model, prompt_ids, out_ids):
     return [float(lp[len(prompt_ids) - 1 + i, t]) for i, t in enumerate(out_ids)]
 
 
+@pytest.mark.slow  # CI's full run (the default run keeps its siblings)
 def test_min_new_tokens_and_logprobs_are_exact_under_speculation(model, greedy):
     """min_new_tokens bans EOS (and stop ids) until that many tokens are out, in plain
     decoding and inside every verify step alike; logprobs are the model's log-probability

@@ -191,6 +191,7 @@ def test_specinfer_greedy_equals_greedy(model, tok, plain):
         assert drafts_accepted(out)
 
 
+@pytest.mark.slow  # CI's full run (the default run keeps its siblings)
 def test_sampling_equals_plain_sampling(model, tok):
     """Lookahead and SpecInfer's drafter-invariant sampler draw plain sampling's tokens."""
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE, temperature=0.8, top_k=40, seed=11)

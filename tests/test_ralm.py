@@ -145,6 +145,7 @@ def test_ralmspec_equals_ralm_batch_one(model, tok, bm25):
         assert_same(spec, one)
 
 
+@pytest.mark.slow  # CI's full run (the default run keeps its siblings)
 def test_ralmspec_equals_ralm_sampling(model, tok, bm25):
     kw = dict(temperature=0.9, top_k=40, seed=7)
     base = run(model, tok, PROMPTS[:6], RaLM(retriever=bm25, stride=2, query_tokens=16), **kw)

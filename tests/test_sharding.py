@@ -456,8 +456,8 @@ def _child_main(family, ckpt_dir=None) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-# qwen2 (its third family) in CI's full run only: each family is a child process of ~1 min
-MESH_FAMILIES = [pytest.param(f, marks=pytest.mark.slow) if f == "qwen2" else f for f in FAMILIES]
+# gemma3 and qwen2 in CI's full run only: each family is a child process of ~1 min
+MESH_FAMILIES = [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 
 
 @pytest.mark.parametrize("family", MESH_FAMILIES)
@@ -524,6 +524,7 @@ def test_generate_with_a_mesh_matches_one_device(mesh_runs, family):
     assert all(x["lookahead_steps"] < 12 for x in f.values())  # the references' drafts accepted
 
 
+@pytest.mark.slow  # gemma3's child (CI's full run)
 def test_restore_checkpoint_into_shards(mesh_runs):
     r = mesh_runs("gemma3")["checkpoint"]
     assert r["config_equal"] and r["structure_equal"]
