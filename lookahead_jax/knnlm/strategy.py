@@ -54,19 +54,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..ralm import _auto_or_int  # "auto" or an int from the CLI's string
+
 SEARCHES = ("exact", "hnsw", "flat")
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
 DEFAULT_SPECULATION_STRIDE = 4
 MAX_SPECULATION_STRIDE = 16
-
-
-def _auto_or_int(v):
-    if isinstance(v, str) and v != "auto":
-        try:
-            return int(v)
-        except ValueError:
-            return v
-    return v
 
 
 def _number(name, v, lo, hi, integer=True):
