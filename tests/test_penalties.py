@@ -243,7 +243,10 @@ def test_off_is_the_plain_executable(model, tok):
     """Defaults pass no extra arrays: the same compiled executables as without the options."""
     engine = engine_for(model)
     kw = dict(max_new_tokens=4, max_cache_len=CACHE, strategy="lookahead", decoding_length=8)
-    G.generate(model, tok, TEXTS[0], **kw)
+    # a cold trie each call: the same drafts, so the same tree sizes (a warm shared trie
+    # could pick a tree size the first call did not compile)
+    G.generate(model, tok, TEXTS[0], drafter=TrieDrafter(max_nodes=8), **kw)
     n = len(engine.compiled.compilations)
-    G.generate(model, tok, TEXTS[0], repetition_penalty=1.0, presence_penalty=0, frequency_penalty=0.0, **kw)
+    G.generate(model, tok, TEXTS[0], repetition_penalty=1.0, presence_penalty=0, frequency_penalty=0.0,
+               drafter=TrieDrafter(max_nodes=8), **kw)
     assert len(engine.compiled.compilations) == n
