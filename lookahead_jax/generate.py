@@ -113,30 +113,37 @@ def check_messages(messages, where: str = "messages") -> None:
                              + (type(content).__name__ if "content" in m else "nothing (no 'content' field)"))
 
 
-def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0) -> list:
+def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0, spans: bool = False):
     """Prompts as token-id lists. A prompt is a str, a list of chat messages, or token ids.
 
-    Errors name prompts by `first_index + position`."""
+    Errors name prompts by `first_index + position`. `spans=True` also returns, per prompt,
+    the token span [start, end) of its question: the text of a plain prompt (after a BOS the
+    tokenizer added), the last user message of a chat prompt (the template's tokens around it
+    excluded; the whole prompt when the template's tokens do not split cleanly there)."""
     if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
     ):
         prompts = [prompts]
     if not prompts:
         raise ValueError("no prompts given")
-    out = []
+    out, where = [], []
     for i, p in enumerate(prompts, first_index):
+        content = None
         if isinstance(p, str):
             if not p.strip():
                 raise ValueError(f"prompt {i} is empty")
             if chat:
                 text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                 ids = tokenizer.encode(text, add_special_tokens=False)
+                content = p
             else:
                 ids = tokenizer.encode(p)
         elif isinstance(p, list) and p and isinstance(p[0], dict):
             check_messages(p, f"prompt {i}")
             text = tokenizer.apply_chat_template(p, add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
+            users = [m["content"] for m in p if m["role"] == "user" and m["content"]]
+            content = users[-1] if users else None
         elif isinstance(p, (list, tuple, np.ndarray)) and len(p) and all(
             isinstance(t, (int, np.integer)) for t in p
         ):
@@ -146,7 +153,33 @@ def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0) -> list
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens")
         out.append(ids)
-    return out
+        if spans:
+            where.append(_question_span(tokenizer, ids, text if content is not None else None, content))
+    return (out, where) if spans else out
+
+
+def _question_span(tokenizer, ids, text, content) -> tuple:
+    """(start, end) of the question in `ids` (encode_prompts)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    start = 0
+    if bos is not None and ids[0] == bos:
+        probe = tokenizer.encode("a")
+        if probe and probe[0] == bos and tokenizer.encode("a", add_special_tokens=False)[:1] != [bos]:
+            start = 1  # the tokenizer's own BOS
+    if start >= len(ids):
+        start = 0
+    if content is None:
+        return start, len(ids)
+    off = text.rfind(content)
+    if off < 0:
+        return start, len(ids)
+    pre = tokenizer.encode(text[:off], add_special_tokens=False) if off else []
+    post = text[off + len(content):]
+    post = tokenizer.encode(post, add_special_tokens=False) if post else []
+    a, b = len(pre), len(ids) - len(post)
+    if ids[:a] == list(pre) and ids[b:] == list(post) and a < b:
+        return a, b
+    return start, len(ids)
 
 
 # ----------------------------------------------------------------------------- generate
@@ -228,11 +261,12 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     engine = engine_for(model, mesh)
     cfg: ModelConfig = engine.config
     compiled = engine.compiled
-    ids = encode_prompts(tokenizer, prompts, chat, first_index)
+    ids, spans = encode_prompts(tokenizer, prompts, chat, first_index, spans=True)
     if references is not None and n > 1 and not isinstance(references, str) \
             and not all(isinstance(r, str) for r in references):
         references = [r for r in references for _ in range(n)]
     ids = [x for x in ids for _ in range(n)]
+    spans = [x for x in spans for _ in range(n)]
     first_row = first_index * n  # sampling rows: prompt i's sample j is row (first_index + i) * n + j
     B = len(ids)
     for i, x in enumerate(ids[::n], first_index):
@@ -248,7 +282,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     if penalties.on and not getattr(strat, "supports_penalties", True):
         raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
                          "repetition / presence / frequency penalties: leave them at their defaults")
-    run = strat.start(tokenizer, ids, engine=engine) if hasattr(strat, "start") else None
+    run = strat.start(tokenizer, ids, engine=engine, spans=spans) if hasattr(strat, "start") else None
 
     # ---- shapes
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]

@@ -2,17 +2,20 @@
 
 RaLM (in-context retrieval-augmented LM, `strategy="ralm"`), per row:
 
-    passage = top-1 of retrieve(prompt text)                 # before the first prefill
-    row prompt = [BOS] + passage tokens + "\\n\\n" + prompt   # passage before the question
+    passage = top-1 of retrieve(question text)               # before the first prefill
+    row prompt = head + passage tokens + "\\n\\n" + question + tail   # passage before the question
     every `stride` generated tokens (boundary g = stride, 2*stride, ...):
-        query = text of the last `query_tokens` tokens of prompt + generated[:g]
+        query = text of the last `query_tokens` tokens of question + generated[:g]
         p = top-1 of retrieve(query)
         p != passage: new row prompt with p, keep generated[:g], re-prefill (`replace_prompt`)
         p == passage: decoding just continues
 
-The passage is `retriever.corpus[i].contents` (its title, when it has one, on its own line,
-then its text), cut to `max_passage_tokens`; the row's BOS (when its prompt starts with
-one) stays first. A boundary g only matters if a token after it is produced: rows that end
+The question is the prompt's text (after the BOS the tokenizer added), or for a chat prompt
+the content of its last user message: head and tail are the chat template's tokens around
+it (generate's `encode_prompts(spans=True)`), so the passage goes inside the user turn and
+the template's own words (system prompt, role names) never enter a query. The passage is
+`retriever.corpus[i].contents` (its title, when it has one, on its own line, then its
+text), cut to `max_passage_tokens`. A boundary g only matters if a token after it is produced: rows that end
 (EOS, stop string, max_new_tokens) at or before g never retrieve at g.
 
 RaLMSpec (`strategy="ralmspec"`): the same outputs, token for token, with fewer calls to
@@ -51,6 +54,20 @@ from measured a (decode seconds per step * steps per stride + seconds per cache 
 (seconds per verification call) and the row's running gamma ((hits + 1) / (checks + 2)).
 Until a and b are measured, s = DEFAULT_SPECULATION_STRIDE.
 
+Asynchronous verification (`async_verify=True`): when a row has s speculated boundaries and
+reaches the next one, its batched verification goes to a worker thread and the row speculates
+that boundary too and decodes on (XLA, numpy, bm25s and faiss release the GIL, so the
+retrieval overlaps decoding). The result is applied at the next pause after it is ready: a
+wrong speculation rolls the row back as above, dropping the speculations made since. One
+verification is in flight at a time; a row that needs the next one, or ends with unverified
+boundaries, waits for it. OS3's async form (the verification of a round overlaps the first
+stride of the next; a miss wastes that stride): E(s) = (1 - gamma^s) / (1 - gamma) boundaries
+(all s right: s; first miss at i: i) in
+T(s) = s * a + gamma^s * max(0, b - a) + (1 - gamma^s) * max(a, b) seconds.
+Stats: `verify_s` is the worker's retrieval time, `verify_wait_s` (counted in `retrieval_s`)
+the time decoding waited for it, `speculations_while_verifying` the boundaries speculated
+while a verification was in flight.
+
 With `lookahead` (n-gram trie drafts, as strategy "lookahead") a step can emit several tokens
 and cross boundaries; they are processed in order, and tokens past a boundary whose passage
 changes are cut. Streamed text (`on_text`) is only text that no later retrieval can change.
@@ -60,6 +77,7 @@ Host logic only: the forwards are decode.py's (`decode`, `replace_prompt`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from pathlib import Path
@@ -184,9 +202,10 @@ class RaLM:
         drafter.begin(state, references)
         return drafter, TokenMatch(state.sampling), FixedBudget(drafter.max_nodes)
 
-    def start(self, tokenizer, prompt_ids, engine=None):
-        """The per-call run (generate's hook): rewrites the prompts, then drives the loop."""
-        return RalmRun(self, tokenizer, prompt_ids)
+    def start(self, tokenizer, prompt_ids, engine=None, spans=None):
+        """The per-call run (generate's hook): rewrites the prompts, then drives the loop.
+        spans: per prompt the [start, end) of its question (module docstring)."""
+        return RalmRun(self, tokenizer, prompt_ids, spans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,17 +213,21 @@ class RaLMSpec(RaLM):
     """RaLM's outputs with speculative retrieval (module docstring).
 
     speculation_stride: speculated boundaries per verification: "auto" (OS3) or 1..16.
-    prefetch: top-k of each real retrieval that enter the row's speculation cache."""
+    prefetch: top-k of each real retrieval that enter the row's speculation cache.
+    async_verify: run each batched verification on a worker thread while the rows decode on
+        (module docstring, "Asynchronous verification")."""
 
     speculation_stride: object = "auto"
     prefetch: int = 20
+    async_verify: bool = False
 
     name = "ralmspec"
     help = "ralm's tokens with speculative retrieval from a per-request cache, verified in batches"
     cli_names = {}  # RaLM's fields share their flags (--retriever, --stride, ...) with ralm
     field_help = dict(RaLM.field_help,
                       speculation_stride="speculated boundaries per verification: auto (OS3) or 1..16",
-                      prefetch="top-k of each real retrieval added to the speculation cache (default 20)")
+                      prefetch="top-k of each real retrieval added to the speculation cache (default 20)",
+                      async_verify="verify on a worker thread while decoding goes on (default off)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -219,9 +242,11 @@ class RaLMSpec(RaLM):
                 raise ValueError(f"speculation_stride must be 'auto' or an integer in "
                                  f"[1, {MAX_SPECULATION_STRIDE}], got {self.speculation_stride!r}") from None
         _int_in("prefetch", self.prefetch, 1, 1 << 20)
+        if not isinstance(self.async_verify, bool):
+            raise ValueError(f"async_verify must be True or False, got {self.async_verify!r}")
 
-    def start(self, tokenizer, prompt_ids, engine=None):
-        return RalmSpecRun(self, tokenizer, prompt_ids)
+    def start(self, tokenizer, prompt_ids, engine=None, spans=None):
+        return RalmSpecRun(self, tokenizer, prompt_ids, spans)
 
 
 # ----------------------------------------------------------------------------- retrievers
@@ -256,7 +281,7 @@ class RalmRun:
     `extra_tokens` (cache sizing), `prompts()` (before prefill), `decode(...)` (instead
     of `decode.decode`), `summary()` (stats)."""
 
-    def __init__(self, strat: RaLM, tokenizer, prompt_ids):
+    def __init__(self, strat: RaLM, tokenizer, prompt_ids, spans=None):
         self.strat, self.tok = strat, tokenizer
         self.retriever = resolve_retriever(strat.retriever, strat.corpus)
         corpus = getattr(self.retriever, "corpus", None)
@@ -267,8 +292,14 @@ class RalmRun:
         self.n_docs = len(corpus)
         self.orig = [list(x) for x in prompt_ids]
         B = len(self.orig)
+        if spans is None:
+            from .generate import _question_span
+
+            spans = [_question_span(tokenizer, x, None, None) for x in self.orig]
+        if len(spans) != B or not all(0 <= a < e <= len(x) for (a, e), x in zip(spans, self.orig)):
+            raise ValueError(f"spans must give one [start, end) inside each of the {B} prompts, got {spans!r}")
+        self.span = [(int(a), int(e)) for a, e in spans]
         self.sep = list(tokenizer.encode(SEPARATOR, add_special_tokens=False))
-        self.bos = getattr(tokenizer, "bos_token_id", None)
         self.extra_tokens = strat.max_passage_tokens + len(self.sep)
         self.extra_note = (f"up to {self.extra_tokens} tokens of retrieved passage "
                            f"(max_passage_tokens={strat.max_passage_tokens})")
@@ -290,13 +321,16 @@ class RalmRun:
         return self._tokens[pid]
 
     def _prompt(self, b: int, pid: int) -> list:
-        """[BOS] + passage + separator + the original prompt (after its BOS)."""
-        orig = self.orig[b]
-        head = orig[:1] if self.bos is not None and orig and orig[0] == self.bos else []
-        return head + self._passage_tokens(pid) + self.sep + orig[len(head):]
+        """head + passage + separator + question + tail (module docstring)."""
+        orig, a = self.orig[b], self.span[b][0]
+        return orig[:a] + self._passage_tokens(pid) + self.sep + orig[a:]
+
+    def _question(self, b: int) -> list:
+        a, e = self.span[b]
+        return self.orig[b][a:e]
 
     def _query(self, state, b: int, g: int) -> str:
-        ctx = self.orig[b] + state.rows[b].ids[:g]
+        ctx = self._question(b) + state.rows[b].ids[:g]
         return self.tok.decode(ctx[-self.strat.query_tokens:], skip_special_tokens=True)
 
     # ---- retrieval (timed)
@@ -313,9 +347,10 @@ class RalmRun:
 
     # ---- hooks
     def prompts(self) -> list:
-        """The initial retrieval (the whole prompt is the query): each row's prompt with its
-        top-1 passage before it."""
-        ids = self._retrieve([self.tok.decode(x, skip_special_tokens=True) for x in self.orig], self._first_k())
+        """The initial retrieval (the whole question is the query): each row's prompt with its
+        top-1 passage before the question."""
+        ids = self._retrieve([self.tok.decode(self._question(b), skip_special_tokens=True)
+                              for b in range(len(self.orig))], self._first_k())
         self._prefetched(range(len(self.orig)), ids)
         out = []
         for b, row in enumerate(ids):
@@ -406,8 +441,8 @@ class RalmSpecRun(RalmRun):
     """One generate call of RaLMSpec: RalmRun plus per row the speculation cache, the
     unverified boundaries, the round's speculation stride and accuracy counters."""
 
-    def __init__(self, strat: RaLMSpec, tokenizer, prompt_ids):
-        super().__init__(strat, tokenizer, prompt_ids)
+    def __init__(self, strat: RaLMSpec, tokenizer, prompt_ids, spans=None):
+        super().__init__(strat, tokenizer, prompt_ids, spans)
         B = len(self.orig)
         self.cache = [set() for _ in range(B)]
         self.records = [[] for _ in range(B)]
@@ -423,6 +458,11 @@ class RalmSpecRun(RalmRun):
         self.verify_calls = 0
         self.s_used = []  # s of every round started
         self._step_s = self._tokens_per_step = None  # OS3 measurements
+        self.inflight = [[] for _ in range(B)]  # async: speculations being verified, per row
+        self._pending = None  # async: (future, rows, spans) of the verification in flight
+        self._pool = None
+        self.verify_wait_s = 0.0
+        self.overlapped = 0  # async: speculations made while a verification was in flight
 
     def _fixed_s(self) -> Optional[int]:
         s = self.strat.speculation_stride
@@ -439,11 +479,21 @@ class RalmSpecRun(RalmRun):
         return any(self._due(state, b) or self._unverified_end(state, b) for b in range(state.batch))
 
     def _unverified_end(self, state, b) -> bool:
-        return bool(self.records[b]) and state.rows[b].finish is not None and not self._due(state, b)
+        return (bool(self.records[b] or self.inflight[b]) and state.rows[b].finish is not None
+                and not self._due(state, b))
 
     def _final_upto(self, state, b: int) -> int:
-        g = self.records[b][0].g if self.records[b] else self.next_g[b]
+        pending = self.inflight[b] or self.records[b]
+        g = pending[0].g if pending else self.next_g[b]
         return min(len(state.rows[b].ids), g)
+
+    def decode(self, engine, state, drafter, rule, budget) -> None:
+        try:
+            super().decode(engine, state, drafter, rule, budget)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
 
     def _timed_decode(self, state, seconds, steps, n0) -> None:
         tokens = sum(max(len(r.ids) - n, 0) for r, (n, _) in zip(state.rows, n0))
@@ -463,9 +513,11 @@ class RalmSpecRun(RalmRun):
         a = self._step_s * self.strat.stride / self._tokens_per_step
         a += self.spec_s / max(self.spec_calls, 1)
         bt = self.verify_s / self.verify_calls
-        return os3_stride((self.hits[b] + 1) / (self.checks[b] + 2), a, bt)
+        return os3_stride((self.hits[b] + 1) / (self.checks[b] + 2), a, bt,
+                          asynchronous=self.strat.async_verify)
 
     def _resolve(self, engine, state, drafter) -> None:
+        asynchronous = self.strat.async_verify
         while True:
             spec, verify = [], []
             for b in range(state.batch):
@@ -473,14 +525,70 @@ class RalmSpecRun(RalmRun):
                     (verify if len(self.records[b]) >= self.s[b] else spec).append(b)
                 elif self._unverified_end(state, b):
                     verify.append(b)
+            if self._pending is not None and (verify or self._pending[0].done()):
+                swaps = []
+                self._collect(state, swaps)
+                self._swap(engine, state, drafter, swaps)
+                continue  # rolled-back rows have new boundaries; verified ones fewer records
             if not spec and not verify:
                 return
             swaps = []
-            if verify:
+            if asynchronous:
+                launch = [b for b in verify if self._due(state, b)]
+                ended = [b for b in verify if not self._due(state, b)]
+                if ended:  # nothing decodes on for a finished row: verify it now
+                    self._verify(state, ended, swaps)
+                if launch:
+                    self._launch(launch)
+                    spec += launch
+            elif verify:
                 self._verify(state, verify, swaps)
             if spec:
-                self._speculate(state, spec, swaps)
+                self._speculate(state, sorted(spec), swaps)
             self._swap(engine, state, drafter, swaps)
+
+    # ---- asynchronous verification
+    def _launch(self, rows) -> None:
+        """Start one batched verification of the listed rows' speculations on the worker;
+        they move to `inflight` (the rows then speculate their current boundary)."""
+        queries, spans = [], []
+        for b in rows:
+            recs, self.records[b] = self.records[b], []
+            self.inflight[b] = recs
+            spans.append((len(queries), len(recs)))
+            queries += [r.query for r in recs]
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ralmspec-verify")
+        k = min(self.strat.prefetch, self.n_docs)
+
+        def work():
+            t0 = time.perf_counter()
+            ids, _ = self.retriever.retrieve(queries, k)
+            return np.asarray(ids), time.perf_counter() - t0
+
+        self._pending = (self._pool.submit(work), list(rows), spans)
+
+    def _collect(self, state, swaps) -> None:
+        """Wait for the verification in flight (if not done) and apply it: a wrong speculation
+        rolls its row back and drops the speculations made since."""
+        future, rows, spans = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        ids, seconds = future.result()
+        wait = time.perf_counter() - t0
+        self.verify_wait_s += wait
+        self.retrieval_s += wait
+        self.verify_s += seconds
+        self.verify_calls += 1
+        self.retrieval_calls += 1
+        self.retrievals += sum(n for _, n in spans)
+        for b, (i0, n) in zip(rows, spans):
+            got = ids[i0:i0 + n]
+            self._prefetched([b] * n, got)
+            recs, self.inflight[b] = self.inflight[b], []
+            if not self._check(state, b, recs, got, False, swaps):
+                self.records[b] = []  # speculated after the rolled-back boundary
+            self.s[b] = self.os3(b)
 
     def _speculate(self, state, rows, swaps) -> None:
         queries = [self._query(state, b, self.next_g[b]) for b in rows]
@@ -497,6 +605,7 @@ class RalmSpecRun(RalmRun):
                 self.s_used.append(self.s[b])
             self.records[b].append(_Spec(g, q, pid, self.passage[b]))
             self.speculations += 1
+            self.overlapped += self._pending is not None
             self.next_g[b] = g + self.strat.stride
             if pid != self.passage[b]:
                 self.passage[b] = pid
@@ -519,11 +628,13 @@ class RalmSpecRun(RalmRun):
         for b, (i0, n, now) in zip(rows, spans):
             got = ids[i0:i0 + n]
             self._prefetched([b] * n, got)
-            self._check(state, b, got, now, swaps)
+            recs, self.records[b] = self.records[b], []
+            self._check(state, b, recs, got, now, swaps)
             self.s[b] = self.os3(b)
 
-    def _check(self, state, b, got, now, swaps) -> None:
-        recs, self.records[b] = self.records[b], []
+    def _check(self, state, b, recs, got, now, swaps) -> bool:
+        """Row b's speculations `recs` against the true top-1s `got` (plus, when `now`, the
+        real retrieval at its current boundary). False: rolled back at the first wrong one."""
         for rec, row in zip(recs, got):
             true = int(row[0])
             self.checks[b] += 1
@@ -539,7 +650,7 @@ class RalmSpecRun(RalmRun):
             self.passage[b] = true
             self.next_g[b] = rec.g + self.strat.stride
             swaps.append((b, rec.g))
-            return
+            return False
         if now:  # all right: the query at the current boundary was a real retrieval
             g, true = self.next_g[b], int(got[-1][0])
             self.next_g[b] = g + self.strat.stride
@@ -547,6 +658,7 @@ class RalmSpecRun(RalmRun):
                 self.passage[b] = true
                 self.history[b].append((g, true))
                 swaps.append((b, g))
+        return True
 
     def summary(self) -> dict:
         out = super().summary()
@@ -558,15 +670,25 @@ class RalmSpecRun(RalmRun):
             rollbacks=self.rollbacks, rollback_tokens=self.rollback_tokens,
             verify_calls=self.verify_calls, verify_s=self.verify_s, speculation_s=self.spec_s,
         )
+        if self.strat.async_verify:
+            out.update(verify_wait_s=self.verify_wait_s, speculations_while_verifying=self.overlapped)
         return out
 
 
-def os3_stride(gamma: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
-    """argmax over s in 1..max_s of E(s) / ((s + 1) a + b), E(s) = (1 - gamma^(s+1)) / (1 - gamma)
-    (module docstring). # gamma 0.9, a 1, b 2 -> 5 (E/t: s=1 .475, 3 .573, 4 .585, 5 .586, 6 .580)"""
+def os3_stride(gamma: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE,
+               asynchronous: bool = False) -> int:
+    """argmax over s in 1..max_s of E(s) / T(s) (module docstring). Synchronous:
+    E(s) = (1 - gamma^(s+1)) / (1 - gamma), T(s) = (s + 1) a + b
+    # gamma 0.9, a 1, b 2 -> 5 (E/T: s=1 .475, 3 .573, 4 .585, 5 .586, 6 .580).
+    Asynchronous: E(s) = (1 - gamma^s) / (1 - gamma),
+    T(s) = s a + gamma^s max(0, b - a) + (1 - gamma^s) max(a, b)."""
     gamma = min(max(gamma, 0.0), 1.0 - 1e-9)
     s = np.arange(1, max_s + 1)
-    rate = (1 - gamma ** (s + 1)) / (1 - gamma) / ((s + 1) * a + b)
+    if asynchronous:
+        g = gamma ** s
+        rate = (1 - g) / (1 - gamma) / (s * a + g * max(0.0, b - a) + (1 - g) * max(a, b))
+    else:
+        rate = (1 - gamma ** (s + 1)) / (1 - gamma) / ((s + 1) * a + b)
     return int(s[int(np.argmax(rate))])
 
 

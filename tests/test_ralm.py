@@ -87,6 +87,26 @@ class Forced:
         return ids, scores
 
 
+class Slow:
+    """`retrieve` takes `delay` seconds longer (an asynchronous verification stays in flight
+    over several pauses); records the threads it ran on."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay, self.corpus = inner, delay, inner.corpus
+        self.threads = set()
+
+    def retrieve(self, queries, k):
+        import threading
+        import time
+
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay)
+        return self.inner.retrieve(queries, k)
+
+    def retrieve_from(self, queries, candidates, k):
+        return self.inner.retrieve_from(queries, candidates, k)
+
+
 class Const:
     """Always the same passage."""
 
@@ -234,7 +254,91 @@ def test_streaming_sends_only_final_text(model, tok, bm25):
     assert [got.get(i, "") for i in range(4)] == out.texts
 
 
+@pytest.mark.parametrize("mode", [pytest.param("bm25", marks=pytest.mark.slow),
+                                  pytest.param("wrong", marks=pytest.mark.slow),
+                                  pytest.param("slow", marks=pytest.mark.slow), "slow-wrong"])
+def test_async_verification_equals_ralm(model, tok, bm25, mode):
+    """Verification on a worker thread: RaLM's tokens, also when the verification is slow
+    (in flight over several boundaries, so rollbacks drop speculations made meanwhile), when
+    every speculation is wrong, and with rows ending (a stop token) while one is in flight."""
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    inner = Forced(bm25, "wrong") if "wrong" in mode else bm25
+    retr = Slow(inner, 0.02) if "slow" in mode else inner
+    base = run(model, tok, PROMPTS, RaLM(**kw))
+    free_ids = base.token_ids
+    ends = [t for t in free_ids[0][2:8] if t not in free_ids[1]]
+    stopped = run(model, tok, PROMPTS, RaLM(**kw), stop_token_ids=[ends[0]])
+    for s in ((2,) if mode == "slow-wrong" else (1, 3, "auto")):  # the default run: one of each
+        strat = RaLMSpec(speculation_stride=s, async_verify=True, **{**kw, "retriever": retr})
+        spec = run(model, tok, PROMPTS, strat)
+        assert_same(spec, base)
+        st = spec.stats
+        assert st["verify_calls"] > 0 and st["speculations_while_verifying"] > 0
+        assert st["verify_wait_s"] <= st["retrieval_s"]
+        if "wrong" in mode:
+            assert st["rollbacks"] > 0 and st["speculation_accuracy"] == 0
+        assert_same(run(model, tok, PROMPTS, strat, stop_token_ids=[ends[0]]), stopped)
+    if "slow" in mode:
+        assert any(t.startswith("ralmspec-verify") for t in retr.threads)  # it ran on the worker
+
+
+@pytest.mark.slow  # CI's full run (the default run keeps async greedy and sync sampling)
+def test_async_verification_sampling_and_lookahead(model, tok, bm25):
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    samp = dict(temperature=0.9, top_k=40, seed=7)
+    base = run(model, tok, PROMPTS[:6], RaLM(**kw), **samp)
+    for retr in (bm25, Slow(Forced(bm25, "wrong"), 0.02)):
+        spec = run(model, tok, PROMPTS[:6], RaLMSpec(speculation_stride=2, async_verify=True,
+                                                    **{**kw, "retriever": retr}), **samp)
+        assert_same(spec, base)
+    la = run(model, tok, PROMPTS[:6], RaLMSpec(speculation_stride=2, async_verify=True, lookahead=7,
+                                              **{**kw, "retriever": Slow(Forced(bm25, "wrong"), 0.02)}))
+    assert_same(la, run(model, tok, PROMPTS[:6], RaLM(**kw)))
+
+
 # ------------------------------------------------------------------------- RaLM itself
+class Recording:
+    """Records every query."""
+
+    def __init__(self, inner):
+        self.inner, self.corpus, self.queries = inner, inner.corpus, []
+
+    def retrieve(self, queries, k):
+        self.queries += list(queries)
+        return self.inner.retrieve(queries, k)
+
+    def retrieve_from(self, queries, candidates, k):
+        return self.inner.retrieve_from(queries, candidates, k)
+
+
+def test_question_spans_and_chat_prompts(model, tok, bm25, corpus):
+    """The passage goes before the question: after the tokenizer's BOS for plain prompts,
+    inside the (last) user turn for chat prompts; queries are the question (+ output), never
+    the chat template's words."""
+    from lookahead_jax.generate import encode_prompts
+
+    q = PROMPTS[0]
+    msgs = [{"role": "system", "content": "sys words"}, {"role": "user", "content": q}]
+    ids, spans = encode_prompts(tok, [q, q, msgs, [1, 50, 60]], chat=False, spans=True)
+    assert spans[0] == (1, len(ids[0])) and spans[3] == (1, 3)  # after the BOS
+    assert tok.decode(ids[2][slice(*spans[2])]) == q
+    (cid,), ((a, e),) = encode_prompts(tok, [q], chat=True, spans=True)
+    assert tok.decode(cid[:a]) == "<user>" and tok.decode(cid[a:e]) == q and tok.decode(cid[e:]) == "\n<assistant>"
+    for chat in (False, True):
+        r = Recording(bm25)
+        out = run(model, tok, [q], RaLM(retriever=r, stride=4, query_tokens=16), chat=chat, max_new_tokens=9)
+        pid = out.stats["passages"][0][-1][1]
+        head = [1] if not chat else cid[:a]
+        rest = tok.encode(q, add_special_tokens=False) + ([] if not chat else cid[e:])
+        assert out.rows[0].prompt_token_ids == head + tok.encode(
+            corpus[pid].contents + "\n\n", add_special_tokens=False) + rest
+        assert r.queries[0] == q  # the question alone, template words excluded
+        assert r.queries[1] == tok.decode((tok.encode(q, add_special_tokens=False) + out.token_ids[0][:4])[-16:])
+    out = run(model, tok, [msgs], RaLM(retriever=bm25, stride=4))
+    assert "sys words" in tok.decode(out.rows[0].prompt_token_ids).split(corpus[out.stats["passages"][0][-1][1]].contents)[0]
+
+
+
 def with_passage(tok, corpus, prompt_ids, j, max_passage_tokens=256):
     p = tok.encode(corpus[j].contents, add_special_tokens=False)[:max_passage_tokens]
     return prompt_ids[:1] + p + tok.encode("\n\n", add_special_tokens=False) + prompt_ids[1:]
@@ -363,6 +467,14 @@ def test_os3():
     assert os3_stride(0.0, 1.0, 100.0) == 1  # never right: verify every boundary
     assert os3_stride(1.0, 1.0, 100.0) == 16  # always right: as far as allowed
     assert os3_stride(0.95, 1.0, 50.0) > os3_stride(0.95, 1.0, 1.0)  # dearer verification, longer rounds
+    # asynchronous: E(s) = (1 - g^s) / (1 - g), T(s) = s a + g^s max(0, b - a) + (1 - g^s) max(a, b)
+    for g, a, b in [(0.9, 1.0, 2.0), (0.5, 1.0, 10.0), (0.99, 0.1, 10.0), (0.3, 1.0, 0.5), (0.7, 2.0, 0.1)]:
+        rate = [(1 - g ** s) / (1 - g) / (s * a + g ** s * max(0, b - a) + (1 - g ** s) * max(a, b))
+                for s in range(1, 17)]
+        assert os3_stride(g, a, b, asynchronous=True) == 1 + int(np.argmax(rate))
+    assert os3_stride(0.9, 1.0, 0.5, asynchronous=True) == 1  # verification hidden: verify every boundary
+    assert os3_stride(0.9, 1.0, 20.0, asynchronous=True) > 3  # dear verification: longer rounds
+    assert os3_stride(0.0, 1.0, 5.0, asynchronous=True) == 1
 
 
 # ------------------------------------------------------------------------- replace_prompt

@@ -245,6 +245,23 @@ def test_smollm_properties(ours_smol, hf_smol):
     assert ours_smol.special_tokens_map == hf_smol.special_tokens_map
 
 
+def test_smollm_question_spans(ours_smol):
+    """generate's question spans (where RaLM puts its passage) on SmolLM2's chat template:
+    the user's text exactly, system prompt and role tokens outside it; plain text whole."""
+    from lookahead_jax.generate import encode_prompts
+
+    q = "Who wrote Pride and Prejudice?"
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": q}]
+    (chat, plain, conv), spans = encode_prompts(ours_smol, [q, q, msgs], chat=False, spans=True)
+    assert spans[1] == (0, len(plain))  # SmolLM2 adds no BOS
+    (chat,), (span,) = encode_prompts(ours_smol, [q], chat=True, spans=True)
+    for ids, (a, e) in ((chat, span), (conv, spans[2])):
+        assert ours_smol.decode(ids[a:e]) == q
+        assert ours_smol.decode(ids[:a]).endswith("<|im_start|>user\n")
+        assert ours_smol.decode(ids[e:]).startswith("<|im_end|>")
+
+
 def test_smollm_encode_matches_transformers(ours_smol, hf_smol, hf_smol_digits):
     no_numeric = 0
     for s in TEXTS:

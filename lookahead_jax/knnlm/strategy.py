@@ -161,7 +161,7 @@ class KNNLM:
 
         return None, TokenMatch(state.sampling), FixedBudget(0)
 
-    def start(self, tokenizer, prompt_ids, engine=None):
+    def start(self, tokenizer, prompt_ids, engine=None, spans=None):
         """The per-call run (generate's hook): loads the datastore (errors before any
         forward), then drives the loop."""
         if engine is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -62,7 +63,7 @@ class BM25Retriever(Retriever):
         self.corpus = corpus
         self.stopwords = stopwords
         self.stemmer_language = stemmer
-        self._stemmer = _stemmer(stemmer)
+        self._local = threading.local()  # a stemmer per thread (RaLMSpec verifies on a worker thread)
         s = index.scores
         self._data = np.asarray(s["data"], np.float32)  # [nnz] summands
         self._docs = np.asarray(s["indices"], np.int64)  # [nnz] document per summand
@@ -125,7 +126,10 @@ class BM25Retriever(Retriever):
 
         if not queries:
             return []
-        tokens = bm25s.tokenize(queries, stopwords=self.stopwords, stemmer=self._stemmer,
+        stemmer = getattr(self._local, "stemmer", None)
+        if stemmer is None:
+            stemmer = self._local.stemmer = _stemmer(self.stemmer_language)
+        tokens = bm25s.tokenize(queries, stopwords=self.stopwords, stemmer=stemmer,
                                 return_ids=False, show_progress=False)
         vocab = self.index.vocab_dict
         return [[vocab[t] for t in toks if t in vocab] for toks in tokens]

@@ -37,6 +37,7 @@ Axes here: Q queries, N corpus passages, C a chunk of the corpus, E embedding di
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Callable, Optional
 
 import jax
@@ -121,6 +122,7 @@ class DenseRetriever(Retriever):
         self._max_norm = float(np.sqrt((e.astype(np.float64) ** 2).sum(1)).max())
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = query_cache
+        self._cache_lock = threading.Lock()  # RaLMSpec may retrieve on a worker thread too
         if kind == "dense":
             self._chunk = min(chunk_size, len(e))
             self._chunks = []  # device arrays [C,E]; the last zero-padded to C rows
@@ -148,19 +150,23 @@ class DenseRetriever(Retriever):
         """Query embeddings float32 [Q,E], each encoded alone (batch-shape invariant), cached."""
         out = np.empty((len(queries), self.dim), np.float32)
         for i, q in enumerate(queries):
-            if q in self._cache:
-                self._cache.move_to_end(q)
-            else:
+            with self._cache_lock:
+                v = self._cache.get(q)
+                if v is not None:
+                    self._cache.move_to_end(q)
+            if v is None:
                 v = np.asarray(self.encoder([q]), np.float32)
                 if v.shape != (1, self.dim):
                     raise ValueError(f"encoder returned shape {v.shape} for one query; the index "
                                      f"holds embeddings of dim {self.dim}")
                 if not np.isfinite(v).all():
                     raise ValueError(f"encoder returned NaN/inf for query {q!r}")
-                self._cache[q] = v[0]
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-            out[i] = self._cache[q]
+                v = v[0]
+                with self._cache_lock:
+                    self._cache[q] = v
+                    if len(self._cache) > self._cache_size:
+                        self._cache.popitem(last=False)
+            out[i] = v
         return out
 
     def _shortlist(self, queries: list, k: int) -> list:
