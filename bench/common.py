@@ -189,28 +189,36 @@ def save(result: dict, out: str) -> None:
     print(f"saved {out}")
 
 
-def bar_plot(result: dict, path: str, title: str, fmt: str = "%.0f") -> None:
-    """Tokens/s per dataset (groups) and method (bars) of a bench result, saved as PNG;
-    the title gets the length mode (stops at EOS / fixed length) and the host CPU."""
+def bar_plot(result: dict, path: str, title: str, fmt: str = "%.0f", key: str = "tokens_per_s",
+             ylabel: str = "tokens / s", ref_line=None) -> None:
+    """`key` (default tokens/s) per dataset (groups) and method (bars) of a bench result,
+    saved as PNG; a method missing from a group leaves its slot empty; `ref_line`: a
+    dashed horizontal line (e.g. 1.0 for speedups). The title gets the prompt count
+    (`prompts_label`, else "N prompts/dataset"), the length mode (stops at EOS / fixed
+    length) and the host CPU."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sets = list(result["datasets"])
-    methods = list(result["datasets"][sets[0]]["methods"])
+    methods = list(dict.fromkeys(m for d in sets for m in result["datasets"][d]["methods"]))
     fig, ax = plt.subplots(figsize=(1.5 + 1.6 * len(sets) * len(methods) / 3, 4.2))
     w = 0.8 / len(methods)
     for j, m in enumerate(methods):
-        vals = [result["datasets"][d]["methods"][m]["tokens_per_s"] for d in sets]
-        bars = ax.bar([i + j * w for i in range(len(sets))], vals, w, label=m)
+        xs = [i + j * w for i, d in enumerate(sets) if m in result["datasets"][d]["methods"]]
+        vals = [result["datasets"][d]["methods"][m][key] for d in sets if m in result["datasets"][d]["methods"]]
+        bars = ax.bar(xs, vals, w, label=m)
         ax.bar_label(bars, fmt=fmt, fontsize=7)
+    if ref_line is not None:
+        ax.axhline(ref_line, color="gray", linestyle="--", linewidth=0.8)
     ax.set_xticks([i + w * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
-    ax.set_ylabel("tokens / s")
+    ax.set_ylabel(ylabel)
     length = (f"fixed length (EOS ignored), {result['max_new_tokens']} new tokens"
               if not result.get("stop_at_eos", True) else f"stops at EOS, <= {result['max_new_tokens']} new tokens")
     cpu = result.get("host", {}).get("cpu_model", "")
-    ax.set_title(f"{title}, {result['prompts_per_dataset']} prompts/dataset\n{length}" + (f"\n{cpu}" if cpu else ""),
+    per = result.get("prompts_label") or f"{result['prompts_per_dataset']} prompts/dataset"
+    ax.set_title(f"{title}, {per}\n{length}" + (f"\n{cpu}" if cpu else ""),
                  fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
