@@ -265,7 +265,7 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     )
 
 
-def enable_compilation_cache() -> Optional[str]:
+def enable_compilation_cache(subdir: str = "xla") -> Optional[str]:
     """Persist compiled steps across CLI runs (decode steps compile per tree bucket and
     attention window, and `auto` calibrates every bucket: ~20-30 s on a 2-core CPU).
 
@@ -273,7 +273,8 @@ def enable_compilation_cache() -> Optional[str]:
     `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/xla/<host>-<arch>-<cpu hash>`, one
     folder per machine and CPU (entries are native code for this CPU), unless the user configured a cache already
     (JAX_COMPILATION_CACHE_DIR) or set LOOKAHEAD_JAX_XLA_CACHE=0. The library itself never
-    changes JAX's global configuration. Returns the directory used, or None."""
+    changes JAX's global configuration. Returns the directory used, or None. (The test
+    suite uses it too, with `subdir="xla-tests"`.)"""
     import os
     import platform
 
@@ -284,7 +285,7 @@ def enable_compilation_cache() -> Optional[str]:
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir or os.environ["JAX_COMPILATION_CACHE_DIR"]
-    path = cache_root() / "xla" / f"{platform.node() or 'host'}-{platform.machine()}-{cpu_id()}"
+    path = cache_root() / subdir / f"{platform.node() or 'host'}-{platform.machine()}-{cpu_id()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -12,6 +12,17 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 HF_KINDS = ("llama", "llama3", "qwen2", "gemma3")
 
 
+def pytest_configure(config):
+    """JAX's persistent compilation cache for the test processes, in its own folder
+    (`<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/xla-tests/<host>-<cpu>`), as the CLI
+    does for itself: the suite compiles thousands of small executables, many of them again
+    after each module's `jax.clear_caches()` and in every later run. Off with
+    LOOKAHEAD_JAX_XLA_CACHE=0 (or a JAX_COMPILATION_CACHE_DIR of your own is used)."""
+    from lookahead_jax.cli import enable_compilation_cache
+
+    enable_compilation_cache("xla-tests")
+
+
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as f:

@@ -54,7 +54,7 @@ def _grid(combos, fast):
 
 
 BATCH4 = [(m, b, br) for br in (1, 4, 12) for b in (1, 8, 32, 128) for m in ("hierarchical", "parallel", "single")]
-BATCH4_FAST = {("hierarchical", 1, 12), ("hierarchical", 128, 4), ("parallel", 8, 12), ("single", 32, 1)}
+BATCH4_FAST = {("hierarchical", 1, 12), ("hierarchical", 32, 4), ("parallel", 8, 12), ("single", 32, 1)}
 
 
 @pytest.mark.parametrize("mode,budget,branch", _grid(BATCH4, BATCH4_FAST))
@@ -194,8 +194,8 @@ def test_lookahead_sampling_equals_plain_sampling(model, tok, temperature, top_k
     ref, _, _ = run(model, tok, 4, **kw)
     ids, steps, _ = run(model, tok, 4, strategy="lookahead", decoding_length=32, **kw)
     assert ids == ref
-    other, _, _ = run(model, tok, 4, **{**kw, "seed": 99})
-    assert other != ref  # the seed matters
+    other = G.generate(model, tok, TEXTS[:8], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **{**kw, "seed": 99})
+    assert other.token_ids != ref[:8]  # the seed matters
 
 
 def test_sampling_rng_is_keyed_by_row_and_position(model, tok):

@@ -237,7 +237,10 @@ def _spec(x) -> str:
 
 
 def _child_setup(family):
+    from lookahead_jax.cli import enable_compilation_cache
     from tiny import tiny_model
+
+    enable_compilation_cache("xla-tests")  # as conftest does for the test processes
 
     assert jax.device_count() == N_DEVICES, jax.devices()
     model = tiny_model(family, seed=1, **CONFIGS[family])
