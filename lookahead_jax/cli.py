@@ -330,6 +330,12 @@ def check_chat_templates(cfg: CliConfig, tokenizer) -> Optional[str]:
     return None
 
 
+RALM_COUNTERS = ("retrieval_s", "retrieval_calls", "retrievals", "reprefills", "speculations",
+                 "speculation_checks", "speculation_hits", "speculation_accuracy", "mean_speculation_stride", "rollbacks",
+                 "rollback_tokens", "verify_calls", "verify_s", "speculation_s", "verify_wait_s",
+                 "speculations_while_verifying")
+
+
 def _row_json(r, n: int) -> dict:
     """A row as JSON; with n > 1 samples per prompt every row names its sample."""
     d = r.to_json()
@@ -386,7 +392,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)
     row_tokens = row_steps = 0  # tokens per step is per row: a batched forward of 4 greedy rows is 1.0, not 4
-    retrieval = []  # per batch, the strategy's retrieval counters (knnlm)
+    retrieval = []  # per batch, the strategy's retrieval counters (knnlm, ralm, ralmspec)
     # one answer at a time streams; several samples of a prompt would interleave
     streaming = not cfg.json and cfg.batch_size == 1 and cfg.n == 1
     for start in range(0, len(cfg.prompts), cfg.batch_size):
@@ -410,8 +416,10 @@ def main(argv=None, prog: Optional[str] = None) -> int:
                 print(f"--- prompt {r.prompt_index}{sample}\n{r.text}", flush=True)
         for k in totals:
             totals[k] += out.stats[k]
-        if "retrieval" in out.stats:
+        if "retrieval" in out.stats:  # knnlm
             retrieval.append(out.stats["retrieval"])
+        elif "retrieval_s" in out.stats:  # ralm / ralmspec: their counters (passages are per row)
+            retrieval.append({k: v for k, v in out.stats.items() if k in RALM_COUNTERS})
         row_tokens += sum(r.new_tokens for r in out.rows)
         row_steps += sum(r.forward_steps for r in out.rows)
     summary = dict(

@@ -311,6 +311,7 @@ class RalmRun:
         self.retrieval_calls = 0
         self.retrievals = 0  # queries answered by the full index
         self.reprefills = 0
+        self.row_reprefills = [0] * B
         self._stream = None
 
     # ---- text
@@ -415,11 +416,20 @@ class RalmRun:
         replace_prompt(engine, state, rows, [self._prompt(b, self.passage[b]) for b in rows],
                        [g for _, g in swaps], drafter=drafter)
         self.reprefills += len(rows)
+        for b in rows:
+            self.row_reprefills[b] += 1
         # lookahead: the new passage's n-grams seed the row's trie (its inputs)
         trie, req = getattr(drafter, "trie", None), getattr(drafter, "_req", None)
         if trie is not None and req is not None:
             for b in rows:
                 trie.insert_input(self._passage_tokens(self.passage[b]), req[b])
+
+    def row_stats(self, b: int) -> dict:
+        """Row b's retrieval record (generate puts it in `rows[b].retrieval`, the CLI in its
+        --json rows): the passages used, from which generated token on, and their ids."""
+        return dict(passages=[dict(from_token=int(g), position=int(p), id=str(self.corpus[int(p)].id))
+                              for g, p in self.history[b]],
+                    reprefills=self.row_reprefills[b])
 
     def summary(self) -> dict:
         return dict(
@@ -463,6 +473,9 @@ class RalmSpecRun(RalmRun):
         self._pool = None
         self.verify_wait_s = 0.0
         self.overlapped = 0  # async: speculations made while a verification was in flight
+        self.row_spec = [0] * B
+        self.row_rollbacks = [0] * B
+        self.row_rollback_tokens = [0] * B
 
     def _fixed_s(self) -> Optional[int]:
         s = self.strat.speculation_stride
@@ -605,6 +618,7 @@ class RalmSpecRun(RalmRun):
                 self.s_used.append(self.s[b])
             self.records[b].append(_Spec(g, q, pid, self.passage[b]))
             self.speculations += 1
+            self.row_spec[b] += 1
             self.overlapped += self._pending is not None
             self.next_g[b] = g + self.strat.stride
             if pid != self.passage[b]:
@@ -644,6 +658,8 @@ class RalmSpecRun(RalmRun):
             # first wrong speculation: back to its boundary with the true passage
             self.rollbacks += 1
             self.rollback_tokens += len(state.rows[b].ids) - rec.g
+            self.row_rollbacks[b] += 1
+            self.row_rollback_tokens[b] += len(state.rows[b].ids) - rec.g
             self.history[b] = [h for h in self.history[b] if h[0] < rec.g]
             if true != rec.before:
                 self.history[b].append((rec.g, true))
@@ -660,11 +676,19 @@ class RalmSpecRun(RalmRun):
                 swaps.append((b, g))
         return True
 
+    def row_stats(self, b: int) -> dict:
+        out = super().row_stats(b)
+        checks = self.checks[b]
+        out.update(speculations=self.row_spec[b], speculation_checks=checks,
+                   speculation_accuracy=round(self.hits[b] / checks, 4) if checks else None,
+                   rollbacks=self.row_rollbacks[b], rollback_tokens=self.row_rollback_tokens[b])
+        return out
+
     def summary(self) -> dict:
         out = super().summary()
         checks = sum(self.checks)
         out.update(
-            speculations=self.speculations, speculation_checks=checks,
+            speculations=self.speculations, speculation_checks=checks, speculation_hits=sum(self.hits),
             speculation_accuracy=sum(self.hits) / checks if checks else None,
             mean_speculation_stride=float(np.mean(self.s_used)) if self.s_used else 0.0,
             rollbacks=self.rollbacks, rollback_tokens=self.rollback_tokens,

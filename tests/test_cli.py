@@ -301,15 +301,26 @@ def test_ralm_and_ralmspec_from_the_command_line(fake_load, tiny, capsys, tmp_pa
     rc, out, err = run_main(capsys, *args, "--strategy", "ralm")
     assert rc != 0 and "python -m lookahead_jax.retrieval build" in err
     build_index("bm25", corpus, progress=False)
-    rows = {}
+    rows, summaries = {}, {}
     for strat in ("ralm", "ralmspec"):
         extra = ("--speculation-stride", "3", "--prefetch", "5") if strat == "ralmspec" else ()
         rc, out, err = run_main(capsys, *args, "--strategy", strat, *extra)
         assert rc == 0, err
         assert "is an option of" not in err
         rows[strat], summary = parse_json_lines(out)
+        summaries[strat] = summary
     assert rows["ralm"][0]["token_ids"] == rows["ralmspec"][0]["token_ids"]
     assert len(rows["ralm"][0]["token_ids"]) == 12
+    # --json rows carry the passages used; the summary the retrieval counters
+    for strat in ("ralm", "ralmspec"):
+        used = rows[strat][0]["retrieval"]["passages"]
+        assert used[0]["from_token"] == 0 and used[0]["id"].startswith("p")
+        assert [u["from_token"] for u in used] == sorted({u["from_token"] for u in used})
+        assert summaries[strat]["retrieval"]["retrievals"] > 0
+    assert rows["ralm"][0]["retrieval"]["passages"] == rows["ralmspec"][0]["retrieval"]["passages"]
+    spec = summaries["ralmspec"]["retrieval"]
+    assert spec["speculations"] == rows["ralmspec"][0]["retrieval"]["speculations"] > 0
+    assert spec["rollbacks"] == rows["ralmspec"][0]["retrieval"]["rollbacks"]
     rc, out, err = run_main(capsys, *args, "--strategy", "greedy")
     assert rc == 0 and "--retriever is an option of --strategy ralm|ralmspec: ignored" in err
 

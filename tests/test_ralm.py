@@ -130,6 +130,9 @@ def assert_same(a, b):
     assert [r.finish_reason for r in a.rows] == [r.finish_reason for r in b.rows]
     assert [r.prompt_token_ids for r in a.rows] == [r.prompt_token_ids for r in b.rows]
     assert a.stats["passages"] == b.stats["passages"]
+    for out in (a, b):  # each row's own record (the CLI's --json rows) says the same
+        assert [[[p["from_token"], p["position"]] for p in r.retrieval["passages"]] for r in out.rows] \
+            == out.stats["passages"]
 
 
 # ------------------------------------------------------------------------- RaLMSpec == RaLM
