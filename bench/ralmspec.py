@@ -179,10 +179,9 @@ class Latency:
 
 def forget_queries(retriever) -> None:
     """Empty a dense retriever's query-embedding LRU (module docstring: fairness)."""
-    retriever = getattr(retriever, "inner", retriever)
-    cache = getattr(retriever, "_cache", None)
-    if cache is not None:
-        cache.clear()
+    clear = getattr(retriever, "clear_query_cache", None)
+    if clear is not None:
+        clear()
 
 
 def warm_retriever(r, text: str) -> None:

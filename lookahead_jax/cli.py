@@ -330,12 +330,6 @@ def check_chat_templates(cfg: CliConfig, tokenizer) -> Optional[str]:
     return None
 
 
-RALM_COUNTERS = ("retrieval_s", "retrieval_calls", "retrievals", "reprefills", "speculations",
-                 "speculation_checks", "speculation_hits", "speculation_accuracy", "mean_speculation_stride", "rollbacks",
-                 "rollback_tokens", "verify_calls", "verify_s", "speculation_s", "verify_wait_s",
-                 "speculations_while_verifying")
-
-
 def _row_json(r, n: int) -> dict:
     """A row as JSON; with n > 1 samples per prompt every row names its sample."""
     d = r.to_json()
@@ -419,7 +413,9 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         if "retrieval" in out.stats:  # knnlm
             retrieval.append(out.stats["retrieval"])
         elif "retrieval_s" in out.stats:  # ralm / ralmspec: their counters (passages are per row)
-            retrieval.append({k: v for k, v in out.stats.items() if k in RALM_COUNTERS})
+            from .ralm import COUNTERS
+
+            retrieval.append({k: v for k, v in out.stats.items() if k in COUNTERS})
         row_tokens += sum(r.new_tokens for r in out.rows)
         row_steps += sum(r.forward_steps for r in out.rows)
     summary = dict(

@@ -127,6 +127,7 @@ def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0, spans: 
     if not prompts:
         raise ValueError("no prompts given")
     out, where = [], []
+    own_bos = spans and _adds_bos(tokenizer)
     for i, p in enumerate(prompts, first_index):
         content = None
         if isinstance(p, str):
@@ -154,20 +155,23 @@ def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0, spans: 
             raise ValueError(f"prompt {i} encodes to no tokens")
         out.append(ids)
         if spans:
-            where.append(_question_span(tokenizer, ids, text if content is not None else None, content))
+            where.append(_question_span(tokenizer, ids, own_bos, text if content is not None else None, content))
     return (out, where) if spans else out
 
 
-def _question_span(tokenizer, ids, text, content) -> tuple:
-    """(start, end) of the question in `ids` (encode_prompts)."""
+def _adds_bos(tokenizer) -> bool:
+    """The tokenizer's `encode` puts a BOS token first (SmolLM2's bos_token_id, <|im_start|>,
+    is not one it adds)."""
     bos = getattr(tokenizer, "bos_token_id", None)
-    start = 0
-    if bos is not None and ids[0] == bos:
-        probe = tokenizer.encode("a")
-        if probe and probe[0] == bos and tokenizer.encode("a", add_special_tokens=False)[:1] != [bos]:
-            start = 1  # the tokenizer's own BOS
-    if start >= len(ids):
-        start = 0
+    if bos is None:
+        return False
+    probe = tokenizer.encode("a")
+    return bool(probe) and probe[0] == bos and tokenizer.encode("a", add_special_tokens=False)[:1] != [bos]
+
+
+def _question_span(tokenizer, ids, own_bos: bool, text=None, content=None) -> tuple:
+    """(start, end) of the question in `ids` (encode_prompts); `own_bos`: `_adds_bos`."""
+    start = 1 if own_bos and len(ids) > 1 and ids[0] == tokenizer.bos_token_id else 0
     if content is None:
         return start, len(ids)
     off = text.rfind(content)
@@ -261,12 +265,14 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     engine = engine_for(model, mesh)
     cfg: ModelConfig = engine.config
     compiled = engine.compiled
-    ids, spans = encode_prompts(tokenizer, prompts, chat, first_index, spans=True)
+    hooked = hasattr(strat, "start")  # a strategy that drives its own run (retrieval) gets the questions
+    ids, spans = encode_prompts(tokenizer, prompts, chat, first_index, spans=True) if hooked else \
+        (encode_prompts(tokenizer, prompts, chat, first_index), None)
     if references is not None and n > 1 and not isinstance(references, str) \
             and not all(isinstance(r, str) for r in references):
         references = [r for r in references for _ in range(n)]
     ids = [x for x in ids for _ in range(n)]
-    spans = [x for x in spans for _ in range(n)]
+    spans = spans and [x for x in spans for _ in range(n)]
     first_row = first_index * n  # sampling rows: prompt i's sample j is row (first_index + i) * n + j
     B = len(ids)
     for i, x in enumerate(ids[::n], first_index):
@@ -282,7 +288,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     if penalties.on and not getattr(strat, "supports_penalties", True):
         raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
                          "repetition / presence / frequency penalties: leave them at their defaults")
-    run = strat.start(tokenizer, ids, engine=engine, spans=spans) if hasattr(strat, "start") else None
+    run = strat.start(tokenizer, ids, engine=engine, spans=spans) if hooked else None
 
     # ---- shapes
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]

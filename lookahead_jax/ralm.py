@@ -275,6 +275,13 @@ def resolve_retriever(retriever, corpus=None):
 
 
 # ----------------------------------------------------------------------------- runs
+# the run-wide counters `summary()` adds to generate's stats (the CLI's summary sums them
+# over batches; `passages` is per row)
+COUNTERS = ("retrieval_s", "retrieval_calls", "retrievals", "reprefills", "speculations",
+            "speculation_checks", "speculation_hits", "speculation_accuracy", "mean_speculation_stride",
+            "rollbacks", "rollback_tokens", "verify_calls", "verify_s", "speculation_s", "verify_wait_s",
+            "speculations_while_verifying")
+
 class RalmRun:
     """One generate call of RaLM: per row the original prompt, the passage in effect, the
     next boundary, the passages used; retrieval counters. Hook protocol (generate.py):
@@ -293,9 +300,10 @@ class RalmRun:
         self.orig = [list(x) for x in prompt_ids]
         B = len(self.orig)
         if spans is None:
-            from .generate import _question_span
+            from .generate import _adds_bos, _question_span
 
-            spans = [_question_span(tokenizer, x, None, None) for x in self.orig]
+            own_bos = _adds_bos(tokenizer)
+            spans = [_question_span(tokenizer, x, own_bos) for x in self.orig]
         if len(spans) != B or not all(0 <= a < e <= len(x) for (a, e), x in zip(spans, self.orig)):
             raise ValueError(f"spans must give one [start, end) inside each of the {B} prompts, got {spans!r}")
         self.span = [(int(a), int(e)) for a, e in spans]
@@ -310,7 +318,6 @@ class RalmRun:
         self.retrieval_s = 0.0
         self.retrieval_calls = 0
         self.retrievals = 0  # queries answered by the full index
-        self.reprefills = 0
         self.row_reprefills = [0] * B
         self._stream = None
 
@@ -415,7 +422,6 @@ class RalmRun:
         rows = [b for b, _ in swaps]
         replace_prompt(engine, state, rows, [self._prompt(b, self.passage[b]) for b in rows],
                        [g for _, g in swaps], drafter=drafter)
-        self.reprefills += len(rows)
         for b in rows:
             self.row_reprefills[b] += 1
         # lookahead: the new passage's n-grams seed the row's trie (its inputs)
@@ -434,7 +440,7 @@ class RalmRun:
     def summary(self) -> dict:
         return dict(
             retrieval_s=self.retrieval_s, retrieval_calls=self.retrieval_calls, retrievals=self.retrievals,
-            reprefills=self.reprefills,
+            reprefills=sum(self.row_reprefills),
             passages=[[[int(g), int(p)] for g, p in h] for h in self.history],
         )
 
@@ -459,9 +465,6 @@ class RalmSpecRun(RalmRun):
         self.s = [self._fixed_s() or DEFAULT_SPECULATION_STRIDE] * B
         self.checks = [0] * B  # verified speculations per row
         self.hits = [0] * B
-        self.speculations = 0
-        self.rollbacks = 0
-        self.rollback_tokens = 0
         self.spec_s = 0.0
         self.spec_calls = 0
         self.verify_s = 0.0
@@ -596,12 +599,8 @@ class RalmSpecRun(RalmRun):
         self.retrieval_calls += 1
         self.retrievals += sum(n for _, n in spans)
         for b, (i0, n) in zip(rows, spans):
-            got = ids[i0:i0 + n]
-            self._prefetched([b] * n, got)
             recs, self.inflight[b] = self.inflight[b], []
-            if not self._check(state, b, recs, got, False, swaps):
-                self.records[b] = []  # speculated after the rolled-back boundary
-            self.s[b] = self.os3(b)
+            self._apply(state, b, recs, ids[i0:i0 + n], False, swaps)
 
     def _speculate(self, state, rows, swaps) -> None:
         queries = [self._query(state, b, self.next_g[b]) for b in rows]
@@ -617,7 +616,6 @@ class RalmSpecRun(RalmRun):
             if not self.records[b]:
                 self.s_used.append(self.s[b])
             self.records[b].append(_Spec(g, q, pid, self.passage[b]))
-            self.speculations += 1
             self.row_spec[b] += 1
             self.overlapped += self._pending is not None
             self.next_g[b] = g + self.strat.stride
@@ -640,11 +638,16 @@ class RalmSpecRun(RalmRun):
         self.verify_s += time.perf_counter() - t0
         self.verify_calls += 1
         for b, (i0, n, now) in zip(rows, spans):
-            got = ids[i0:i0 + n]
-            self._prefetched([b] * n, got)
             recs, self.records[b] = self.records[b], []
-            self._check(state, b, recs, got, now, swaps)
-            self.s[b] = self.os3(b)
+            self._apply(state, b, recs, ids[i0:i0 + n], now, swaps)
+
+    def _apply(self, state, b, recs, got, now, swaps) -> None:
+        """A verification's answers for row b: its top-k enter the cache, the speculations
+        are checked (a rollback also drops those made since: async), the next s is chosen."""
+        self._prefetched([b] * len(got), got)
+        if not self._check(state, b, recs, got, now, swaps):
+            self.records[b] = []
+        self.s[b] = self.os3(b)
 
     def _check(self, state, b, recs, got, now, swaps) -> bool:
         """Row b's speculations `recs` against the true top-1s `got` (plus, when `now`, the
@@ -656,8 +659,6 @@ class RalmSpecRun(RalmRun):
                 self.hits[b] += 1
                 continue
             # first wrong speculation: back to its boundary with the true passage
-            self.rollbacks += 1
-            self.rollback_tokens += len(state.rows[b].ids) - rec.g
             self.row_rollbacks[b] += 1
             self.row_rollback_tokens[b] += len(state.rows[b].ids) - rec.g
             self.history[b] = [h for h in self.history[b] if h[0] < rec.g]
@@ -688,10 +689,10 @@ class RalmSpecRun(RalmRun):
         out = super().summary()
         checks = sum(self.checks)
         out.update(
-            speculations=self.speculations, speculation_checks=checks, speculation_hits=sum(self.hits),
+            speculations=sum(self.row_spec), speculation_checks=checks, speculation_hits=sum(self.hits),
             speculation_accuracy=sum(self.hits) / checks if checks else None,
             mean_speculation_stride=float(np.mean(self.s_used)) if self.s_used else 0.0,
-            rollbacks=self.rollbacks, rollback_tokens=self.rollback_tokens,
+            rollbacks=sum(self.row_rollbacks), rollback_tokens=sum(self.row_rollback_tokens),
             verify_calls=self.verify_calls, verify_s=self.verify_s, speculation_s=self.spec_s,
         )
         if self.strat.async_verify:

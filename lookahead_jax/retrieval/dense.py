@@ -146,6 +146,11 @@ class DenseRetriever(Retriever):
     def dim(self) -> int:
         return self.embeddings.shape[1]
 
+    def clear_query_cache(self) -> None:
+        """Forget the cached query embeddings (benchmarks: no call reuses another's work)."""
+        with self._cache_lock:
+            self._cache.clear()
+
     def encode(self, queries: list) -> np.ndarray:
         """Query embeddings float32 [Q,E], each encoded alone (batch-shape invariant), cached."""
         out = np.empty((len(queries), self.dim), np.float32)
