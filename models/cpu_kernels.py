@@ -23,8 +23,9 @@ it pays and is possible, decided at trace time:
 Packed weights: `pack(w)` stores w [K, N] as column tiles [N/TW, K, TW] (`PackedWeight`, a
 pytree node). The kernel then reads each tile as one contiguous stream instead of K
 pieces a row of w apart, ~2x faster on the weight reads that bound a decode step, and it
-takes any number of rows (its large-M throughput beats XLA's GEMM here, so prefill uses it
-too). `models.transformer.pack_params` packs a model's layer weights;
+takes any number of rows: above 16 (prefill blocks, large trees) a cache-blocked product
+whose throughput matches XLA's and torch's GEMMs (so prefill uses it too), each row still
+bitwise what it gives alone. `models.transformer.pack_params` packs a model's layer weights;
 `lookahead_jax.loading.runtime_params` does it for generation on one CPU device.
 
 A row's result does not depend on how many rows share the call, nor on packing, nor

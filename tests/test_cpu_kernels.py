@@ -200,16 +200,21 @@ def test_pack_layout_and_roundtrip(K, N, tiles):
 @pytest.mark.parametrize("K,N", [(576, 960), (64, 64), (100, 16 * 11), (1536, 576)])
 def test_packed_matmul_is_the_row_major_kernel_bitwise(K, N):
     """Packing changes where weights sit, not the arithmetic: the same bits for M <= 16;
-    above (the row-major kernel stops) the product against the reference."""
-    for M in (1, 2, 3, 8, 9, 16, 17, 64, 130):
+    above (the row-major kernel stops; the packed one switches to its cache-blocked
+    product) the product against the reference, and every row bitwise what that row
+    alone gives (M = 1): a prefill block and a decode step agree on a token's bits."""
+    w = jax.random.normal(jax.random.PRNGKey(N), (K, N))
+    p = ck.pack(w)
+    one = jax.jit(ck.matmul)
+    for M in (1, 2, 3, 8, 9, 16, 17, 23, 64, 130):
         x = jax.random.normal(jax.random.PRNGKey(M), (M, K))
-        w = jax.random.normal(jax.random.PRNGKey(N), (K, N))
-        p = ck.pack(w)
         assert "lookahead_matmul_nn_packed" in jax.jit(ck.matmul).lower(x, p).as_text()
         y = np.asarray(jax.jit(ck.matmul)(x, p))
         if M <= ck.MAX_ROWS:
             assert np.array_equal(y, np.asarray(jax.jit(ck.matmul)(x, w)))
         np.testing.assert_allclose(y, _ref(x, w), rtol=0, atol=2e-5 * np.sqrt(K) * 4)
+        for r in {0, M // 2, M - 1}:
+            assert np.array_equal(y[r:r + 1], np.asarray(one(x[r:r + 1], p))), (M, r)
 
 
 @needs_kernel
@@ -228,6 +233,7 @@ def test_bf16_packed_weights_are_the_f32_kernel_on_the_rounded_weights(K, N):
         assert "lookahead_matmul_nn_packed_bf16" in jax.jit(ck.matmul).lower(x, pb).as_text()
         y = np.asarray(jax.jit(ck.matmul)(x, pb))
         assert np.array_equal(y, np.asarray(jax.jit(ck.matmul)(x, pr)))
+        assert np.array_equal(y[-1:], np.asarray(jax.jit(ck.matmul)(x[-1:], pb)))  # row alone
         plain = np.asarray(jax.jit(ck._packed_dot)(x, pb.data))
         assert plain.dtype == np.float32
         np.testing.assert_allclose(y, plain, rtol=0, atol=2e-5 * np.sqrt(K) * 4)
@@ -352,13 +358,13 @@ def test_avx2_variant_matches_the_reference(tmp_path, monkeypatch):
             *a, **attrs))(*args))
 
     rng = np.random.default_rng(0)
-    for M in (1, 2, 3, 9, 16):
-        x = rng.standard_normal((M, 64), dtype=np.float32)
-        w = rng.standard_normal((64, 40), dtype=np.float32)
-        e = rng.standard_normal((13, 64), dtype=np.float32)
+    for M in (1, 2, 3, 9, 16, 17, 31):  # above 16: the packed kernels' cache-blocked product (K = 264: two slices)
+        x = rng.standard_normal((M, 264), dtype=np.float32)
+        w = rng.standard_normal((264, 40), dtype=np.float32)
+        e = rng.standard_normal((13, 264), dtype=np.float32)
         np.testing.assert_allclose(call("lookahead_matmul_nn", (M, 40), x, w), _ref(x, w), rtol=0, atol=1e-4)
         for n in (48, 32, 16):  # tiles of 2 x 3, 2 x 2 and 2 x 1 AVX2 vectors
-            wn = rng.standard_normal((64, 2 * n), dtype=np.float32)
+            wn = rng.standard_normal((264, 2 * n), dtype=np.float32)
             packed = np.asarray(ck.pack(wn).data)
             assert np.array_equal(call("lookahead_matmul_nn_packed", (M, 2 * n), x, packed),
                                   call("lookahead_matmul_nn", (M, 2 * n), x, wn))
