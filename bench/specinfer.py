@@ -12,6 +12,8 @@ one after another, in one process, so the machine's drift hits them alike:
                     is the mean of the two)
   specinfer[E]      greedy SpecInfer with expansion E (token-identical to greedy: checked)
   lookahead[C]      the n-gram trie (decoding_length:branch_length)
+  merged[N]         SpecInfer's draft tree + N nodes of lookahead's trie merged into it
+                    (SpecInfer(lookahead_nodes=N)), greedy
   sample            plain sampling at --temperature (the reference of the two below)
   specinfer-mss     exact speculative sampling (the target's distribution)
   specinfer-inv     drafter-invariant sampling (token-identical to `sample`: checked)
@@ -106,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--expansions", nargs="+", default=["1,1,1,1", "1,1,3,1,1,1,1,1"],
                     help="greedy SpecInfer tree shapes (widths per depth)")
     ap.add_argument("--lookahead", nargs="*", default=["7:12"], help="lookahead decoding_length:branch_length")
+    ap.add_argument("--merged", nargs="*", type=int, default=[8],
+                    help="trie nodes merged into the first SpecInfer shape's tree (lookahead_nodes)")
     ap.add_argument("--draft-weights", nargs="+", default=["bfloat16"], choices=("bfloat16", "float32"),
                     help="storage of the draft's CPU weights (SpecInfer draft_weights); several: each greedy "
                          "SpecInfer shape runs with each (sampling uses the first)")
@@ -142,6 +146,9 @@ def main(argv=None):
     methods.update({n: dict(strategy=lj.SpecInfer(draft_model=draft, expansion=e, draft_weights=w))
                     for n, (e, w) in exps.items()})
     methods.update({n: dict(strategy="lookahead", **c) for n, c in looks.items()})
+    methods.update({f"merged[{k}]": dict(strategy=lj.SpecInfer(draft_model=draft, expansion=main_exp,
+                                                              draft_weights=main_w, lookahead_nodes=k))
+                    for k in a.merged})
     if not a.no_sampling:
         methods.update({
             "sample": dict(temperature=T, seed=0),
@@ -163,12 +170,12 @@ def main(argv=None):
         ids = encode_prompts(tok, prompts, chat=False)
         for kw in methods.values():  # warm-up: compile every method's steps (not timed)
             lj.generate(model, tok, [ids[0]], max_new_tokens=8, ignore_eos=True, **kw)
-        acc = {m: dict(tokens=0, time=0.0, steps=0, draft_s=0.0, draft_steps=0, identical=0)
+        acc = {m: dict(tokens=0, time=0.0, steps=0, draft_s=0.0, draft_steps=0, identical=0, prefill_s=0.0)
                for m in [*methods, *hf_methods]}
         for i, x in enumerate(ids):
             outs = {}
             for name, kw in methods.items():
-                extra = dict(references=[refs[i]]) if name.startswith("lookahead") else {}
+                extra = dict(references=[refs[i]]) if name.startswith(("lookahead", "merged")) else {}
                 outs[name] = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=ie, **kw, **extra)
             again = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=ie)
             ref = outs["greedy"].rows[0].token_ids
@@ -179,6 +186,7 @@ def main(argv=None):
                 v["tokens"] += s["new_tokens"]
                 v["time"] += (s["wall_s"] + again.stats["wall_s"]) / 2 if name == "greedy" else s["wall_s"]
                 v["steps"] += s["forward_steps"]
+                v["prefill_s"] += (s["prefill_s"] + again.stats["prefill_s"]) / 2 if name == "greedy" else s["prefill_s"]
                 v["draft_s"] += s.get("draft_s", 0.0)
                 v["draft_steps"] += s["forward_steps"] - 1 if "draft_s" in s else 0
                 sampled = name in ("sample", "specinfer-mss", "specinfer-inv")
@@ -202,7 +210,8 @@ def main(argv=None):
             tps = v["tokens"] / v["time"]
             m = dict(tokens_per_s=round(tps, 3), speedup_vs_our_greedy=round(tps / g, 3), new_tokens=v["tokens"])
             if name in methods:
-                m.update(forward_steps=v["steps"], mean_accepted_tokens=round(v["tokens"] / v["steps"], 3))
+                m.update(forward_steps=v["steps"], mean_accepted_tokens=round(v["tokens"] / v["steps"], 3),
+                         prefill_share=round(v["prefill_s"] / v["time"], 3))
                 if name != "sample":  # the sampling methods' reference is plain sampling (mss: differs by design)
                     ref_name = "sample" if name in ("specinfer-mss", "specinfer-inv") else "greedy"
                     m[f"identical_to_{ref_name}"] = f"{v['identical']}/{len(ids)}"
@@ -213,7 +222,10 @@ def main(argv=None):
             for h in hf_methods:
                 m[f"speedup_vs_{h}"] = round(tps / (acc[h]["tokens"] / acc[h]["time"]), 3)
             res[name] = m
-        result["datasets"][ds] = dict(methods=res)
+        # the ceiling of any speculation: the prefill (one forward over the prompt) does not shrink
+        gp = acc["greedy"]["prefill_s"] / acc["greedy"]["time"]
+        result["datasets"][ds] = dict(methods=res, greedy_prefill_share=round(gp, 3),
+                                      speedup_ceiling_if_decoding_were_free=round(1 / gp, 2) if gp else None)
         print(f"== {ds}: " + "; ".join(f"{n} {m['tokens_per_s']:.2f} t/s ({m['speedup_vs_our_greedy']:.2f}x"
                                        + (f", {m['mean_accepted_tokens']:.2f} acc" if "mean_accepted_tokens" in m else "")
                                        + ")" for n, m in res.items()), flush=True)
