@@ -135,7 +135,6 @@ static inline vec wload(const uint16_t* p) {
 }
 
 constexpr int MR = 8;        // rows of x per register block (8 x 3 accumulators)
-static_assert(MR == 8, "for_row_blocks spells out remainders of 1..7 rows");
 constexpr int PREFETCH = 16;  // rows of w ahead ("nn")
 constexpr int NV1 = 8;  // vectors per tile of a one-row product
 
@@ -145,12 +144,13 @@ constexpr int NV1 = 8;  // vectors per tile of a one-row product
 // of MR; later blocks find the tile's weights in L2. PF: prefetch rows of w PREFETCH
 // ahead (a strided walk over row-major w needs it; packed tiles are one contiguous
 // stream, which the hardware prefetcher follows better alone).
+// first = false: carry on the sums already in y (a later slice of K, `nn_tile_large`).
 template <int NV, int R, bool PF = true, typename WT = float>
 static void nn_block(const float* x, int64_t ldx, const WT* w, int64_t ldw, float* y, int64_t ldy,
-                     int64_t K) {
+                     int64_t K, bool first = true) {
   vec acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
+    for (int j = 0; j < NV; ++j) acc[r][j] = first ? vzero() : vload(y + r * ldy + j * VW);
   const WT* wk = w;
   for (int64_t k = 0; k < K; ++k, wk += ldw) {
     if (PF && k + PREFETCH < K)
@@ -166,12 +166,13 @@ static void nn_block(const float* x, int64_t ldx, const WT* w, int64_t ldw, floa
     for (int j = 0; j < NV; ++j) vstore(y + r * ldy + j * VW, acc[r][j]);
 }
 
-// Calls f(m, R) for the row blocks of M rows: full blocks of MR, then one of M % MR rows
+// Calls f(m, R) for the row blocks of M rows: full blocks of MB, then one of M % MB rows
 // (R a compile-time constant, so each block size gets its own register allocation).
-template <typename F>
+template <int MB, typename F>
 static void for_row_blocks(int64_t M, const F& f) {
+  static_assert(MB <= 8, "the remainders spelled out below are 1..7 rows");
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) f(m, std::integral_constant<int, MR>{});
+  for (; m + MB <= M; m += MB) f(m, std::integral_constant<int, MB>{});
   switch (M - m) {
     case 1: f(m, std::integral_constant<int, 1>{}); break;
     case 2: f(m, std::integral_constant<int, 2>{}); break;
@@ -188,9 +189,9 @@ static void for_row_blocks(int64_t M, const F& f) {
 // KC rows of w (a slice of a tile fits L1) and every row block runs over one slice before
 // the next, carrying its sums through y: each output still gets the FMAs over k = 0..K-1
 // in order, starting from 0 (an f32 sum stored and reloaded is the same f32), so a row's
-// bits are nn_block's whatever M. MRL x NV accumulators fit the vector registers with the
-// weights and a broadcast (AVX2 has 16: 4 x 3; AVX-512 32: 8 x 3), where nn_block's 8 x 3
-// spill on AVX2.
+// bits are nn_block's whatever M. MRL x NVL accumulators fit the vector registers with the
+// weights and a broadcast (AVX2 has 16: 6 x 2 + 2 + 1; AVX-512 32: 8 x 3 + 3 + 1), where the
+// few-row path's 8 x 3 spill on AVX2.
 #if defined(__AVX512F__)
 constexpr int MRL = 8;
 constexpr int NVL = 3;
@@ -198,47 +199,17 @@ constexpr int NVL = 3;
 constexpr int MRL = 6;
 constexpr int NVL = 2;
 #endif
-constexpr int64_t KC = 256;    // rows of w per slice (a 3-vector slice: 24 KiB on AVX2)
+constexpr int64_t KC = 256;    // rows of w per slice (a 2-vector slice: 16 KiB on AVX2)
 constexpr int64_t LARGE_M = 16;  // above this many rows, the cache-blocked product (below, the
                                  // 8-row blocks read a step's weights once: faster there, measured)
 
-template <int NV, int R, typename WT>
-static void nn_block_acc(const float* x, int64_t ldx, const WT* w, int64_t ldw, float* y, int64_t ldy,
-                         int64_t kc, bool first) {
-  vec acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = first ? vzero() : vload(y + r * ldy + j * VW);
-  const WT* wk = w;
-  for (int64_t k = 0; k < kc; ++k, wk += ldw) {
-    vec wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = wload(wk + j * VW);
-    for (int r = 0; r < R; ++r) {
-      vec xb = vset1(x[r * ldx + k]);
-      for (int j = 0; j < NV; ++j) acc[r][j] = vfma(xb, wv[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) vstore(y + r * ldy + j * VW, acc[r][j]);
-}
-
-// The rows m .. M-1 of one slice: blocks of MRL rows, then the last few.
+// The M rows of one slice of kc rows of w (sums carried through y unless `first`).
 template <int NV, typename WT>
-static void nn_rows_acc(const float* x, int64_t K, const WT* w, int64_t ldw, float* y, int64_t ldy,
-                        int64_t M, int64_t kc, bool first) {
-  int64_t m = 0;
-  for (; m + MRL <= M; m += MRL) nn_block_acc<NV, MRL, WT>(x + m * K, K, w, ldw, y + m * ldy, ldy, kc, first);
-  const float* xr = x + m * K;
-  float* yr = y + m * ldy;
-  switch (M - m) {  // MRL is at most 8
-    case 1: nn_block_acc<NV, 1, WT>(xr, K, w, ldw, yr, ldy, kc, first); break;
-    case 2: nn_block_acc<NV, 2, WT>(xr, K, w, ldw, yr, ldy, kc, first); break;
-    case 3: nn_block_acc<NV, 3, WT>(xr, K, w, ldw, yr, ldy, kc, first); break;
-    case 4: nn_block_acc<NV, 4, WT>(xr, K, w, ldw, yr, ldy, kc, first); break;
-    case 5: nn_block_acc<NV, 5, WT>(xr, K, w, ldw, yr, ldy, kc, first); break;
-    case 6: nn_block_acc<NV, 6, WT>(xr, K, w, ldw, yr, ldy, kc, first); break;
-    case 7: nn_block_acc<NV, 7, WT>(xr, K, w, ldw, yr, ldy, kc, first); break;
-    default: break;
-  }
+static void nn_rows_slice(const float* x, int64_t K, const WT* w, int64_t ldw, float* y, int64_t ldy,
+                          int64_t M, int64_t kc, bool first) {
+  for_row_blocks<MRL>(M, [&](int64_t m, auto R) {
+    nn_block<NV, decltype(R)::value, false, WT>(x + m * K, K, w, ldw, y + m * ldy, ldy, kc, first);
+  });
 }
 
 // One packed tile (TW columns, rows TW apart) for all M rows: per slice of KC rows of w,
@@ -251,8 +222,8 @@ static void nn_tile_large(const float* x, const WT* w, int64_t TW, float* y, int
     const int64_t kc = std::min(KC, K - k0);
     int64_t c = 0;
     for (; c + NVL * VW <= TW; c += NVL * VW)
-      nn_rows_acc<NVL, WT>(x + k0, K, w + k0 * TW + c, TW, y + c, ldy, M, kc, k0 == 0);
-    for (; c < TW; c += VW) nn_rows_acc<1, WT>(x + k0, K, w + k0 * TW + c, TW, y + c, ldy, M, kc, k0 == 0);
+      nn_rows_slice<NVL, WT>(x + k0, K, w + k0 * TW + c, TW, y + c, ldy, M, kc, k0 == 0);
+    for (; c < TW; c += VW) nn_rows_slice<1, WT>(x + k0, K, w + k0 * TW + c, TW, y + c, ldy, M, kc, k0 == 0);
   }
 }
 
@@ -261,7 +232,7 @@ static void nn_tile_large(const float* x, const WT* w, int64_t TW, float* y, int
 template <int NV, bool PF = true, typename WT = float>
 static void nn_tile(const float* x, const WT* w, int64_t ldw, float* y, int64_t ldy, int64_t M,
                     int64_t K) {
-  for_row_blocks(M, [&](int64_t m, auto R) {
+  for_row_blocks<MR>(M, [&](int64_t m, auto R) {
     nn_block<NV, decltype(R)::value, PF, WT>(x + m * K, K, w, ldw, y + m * ldy, ldy, K);
   });
 }
@@ -511,7 +482,7 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
   }
   // out[R,H] = p[R,Wt] @ vc[Wt,H]
   for (int64_t n0 = 0; n0 < H; n0 += VW)
-    for_row_blocks(R, [&](int64_t m, auto RB) {
+    for_row_blocks<MR>(R, [&](int64_t m, auto RB) {
       nn_block<1, decltype(RB)::value>(p + m * W, W, vc + n0, H, out + m * H + n0, H, Wt);
     });
 }
