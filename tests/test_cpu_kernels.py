@@ -205,16 +205,16 @@ def test_packed_matmul_is_the_row_major_kernel_bitwise(K, N):
     alone gives (M = 1): a prefill block and a decode step agree on a token's bits."""
     w = jax.random.normal(jax.random.PRNGKey(N), (K, N))
     p = ck.pack(w)
-    one = jax.jit(ck.matmul)
+    mm = jax.jit(ck.matmul)
     for M in (1, 2, 3, 8, 9, 16, 17, 19, 20, 21, 23, 64, 130):  # above 16: every remainder of 6-row blocks
         x = jax.random.normal(jax.random.PRNGKey(M), (M, K))
-        assert "lookahead_matmul_nn_packed" in jax.jit(ck.matmul).lower(x, p).as_text()
-        y = np.asarray(jax.jit(ck.matmul)(x, p))
+        assert "lookahead_matmul_nn_packed" in mm.lower(x, p).as_text()
+        y = np.asarray(mm(x, p))
         if M <= ck.MAX_ROWS:
-            assert np.array_equal(y, np.asarray(jax.jit(ck.matmul)(x, w)))
+            assert np.array_equal(y, np.asarray(mm(x, w)))
         np.testing.assert_allclose(y, _ref(x, w), rtol=0, atol=2e-5 * np.sqrt(K) * 4)
         for r in {0, M // 2, M - 1}:
-            assert np.array_equal(y[r:r + 1], np.asarray(one(x[r:r + 1], p))), (M, r)
+            assert np.array_equal(y[r:r + 1], np.asarray(mm(x[r:r + 1], p))), (M, r)
 
 
 @needs_kernel
