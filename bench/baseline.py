@@ -41,7 +41,7 @@ def main(argv=None):
     ie = a.ignore_eos
 
     import lookahead_jax as lj
-    from lookahead_jax.generate import encode_prompts
+    from lookahead_jax.prompts import encode_prompts
     from lookahead_jax.fetch import gguf_path
 
     print(host_line(), f"| {eos_mode(ie)}", flush=True)

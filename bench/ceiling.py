@@ -54,13 +54,13 @@ def model_step(model, T: int, S: int = 256, length: int = 100):
     import jax
     import jax.numpy as jnp
 
-    from lookahead_jax.acceptance import TokenMatch
-    from lookahead_jax.drafts import Draft
-    from lookahead_jax.generate import verify_block
+    from lookahead_jax.core.acceptance import TokenMatch
+    from lookahead_jax.core.drafts import Draft
+    from lookahead_jax.core.tree import verify_block
     from lookahead_jax.loading import runtime_params
     from lookahead_jax.models import init_cache
-    from lookahead_jax.sampling import SamplingParams
-    from lookahead_jax.verify import jitted_verify_step, window_for
+    from lookahead_jax.core.sampling import SamplingParams
+    from lookahead_jax.core.verify import jitted_verify_step, window_for
 
     verify = jitted_verify_step(model.config, TokenMatch(SamplingParams(0.0, 0, 1.0)))
     blk = verify_block(np.zeros(1, np.int32), [Draft([0] * T, list(range(-1, T - 1)))], T)

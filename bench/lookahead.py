@@ -78,10 +78,10 @@ def main(argv=None):
     ie = a.ignore_eos
 
     import lookahead_jax as lj
-    from lookahead_jax.generate import encode_prompts
+    from lookahead_jax.prompts import encode_prompts
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.trie import NgramTrie
-    from lookahead_jax.budget import AcceptanceStats
+    from lookahead_jax.drafters.ngram_trie import NgramTrie
+    from lookahead_jax.core.budget import AcceptanceStats
 
     print(host_line(), f"| {eos_mode(ie)}", flush=True)
     model, tok = lj.load(a.model, dtype=a.dtype)  # a preset name or a .gguf path

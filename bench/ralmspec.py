@@ -339,11 +339,11 @@ def main(argv=None):
         sys.exit(f"error: {corpus_path} not found; set LOOKAHEAD_JAX_DATA to the folder holding wiki_passages.jsonl")
 
     import lookahead_jax as lj
-    from lookahead_jax.budget import AcceptanceStats
+    from lookahead_jax.core.budget import AcceptanceStats
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.generate import encode_prompts
+    from lookahead_jax.prompts import encode_prompts
     from lookahead_jax.retrieval import IndexUnavailable, load_corpus, load_retriever
-    from lookahead_jax.trie import NgramTrie
+    from lookahead_jax.drafters.ngram_trie import NgramTrie
 
     sim = f" | SIMULATED: +{a.retrieval_latency:g} ms per full-index call" if a.retrieval_latency else ""
     print(host_line(), f"| {eos_mode(ie)}{sim}", flush=True)

@@ -49,8 +49,8 @@ def record(model, tok, drafter_cls, trie, prompt_ids, refs, max_new, branch_leng
     """Greedy tokens (up to EOS unless `ignore_eos`) and, per decode position, (draft,
     accepted drafts per bucket)."""
     import lookahead_jax as lj
-    from lookahead_jax.budget import accepted_lengths
-    from lookahead_jax.tree import BUCKETS
+    from lookahead_jax.core.budget import accepted_lengths
+    from lookahead_jax.core.tree import BUCKETS
 
     out = lj.generate(model, tok, [prompt_ids], max_new_tokens=max_new, ignore_eos=ignore_eos).rows[0].token_ids
     # the drafter through its protocol (drafters/base.py), on a one-row stand-in for the
@@ -76,8 +76,8 @@ def record(model, tok, drafter_cls, trie, prompt_ids, refs, max_new, branch_leng
 
 def replay(steps, out, choose, cost, observe=None, branch_length=12):
     """Walk the positions choosing T per step; returns (time, forward steps)."""
-    from lookahead_jax.budget import outcome_known
-    from lookahead_jax.tree import BUCKETS
+    from lookahead_jax.core.budget import outcome_known
+    from lookahead_jax.core.tree import BUCKETS
 
     n = len(steps)
     i, t, nsteps, pending = 0, 0.0, 0, []
@@ -130,7 +130,7 @@ def ngram_bound(prompts, outs, cap):
 
 
 def oracle(steps, cost):
-    from lookahead_jax.tree import BUCKETS
+    from lookahead_jax.core.tree import BUCKETS
 
     n = len(steps)
     best = [0.0] * (n + 1)
@@ -145,7 +145,7 @@ def class_oracle(recs, cost, feature):
     """Speedup of the best T per draft class, chosen with hindsight over all the records:
     the ceiling of any policy that decides from the class `feature(steps, i)` alone
     (as `auto` does from `Draft.key`), however well it estimated each class."""
-    from lookahead_jax.tree import BUCKETS
+    from lookahead_jax.core.tree import BUCKETS
 
     sums, counts = {}, {}
     for _, steps in recs:
@@ -192,13 +192,13 @@ def main(argv=None):
     a.out = a.out or default_out("replay", a.ignore_eos)
 
     import lookahead_jax as lj
-    from lookahead_jax.budget import AcceptanceStats, AutoBudget
+    from lookahead_jax.core.budget import AcceptanceStats, AutoBudget
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.acceptance import TokenMatch
-    from lookahead_jax.engine import engine_for
-    from lookahead_jax.generate import encode_prompts
-    from lookahead_jax.sampling import SamplingParams
-    from lookahead_jax.trie import NgramTrie
+    from lookahead_jax.core.acceptance import TokenMatch
+    from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.prompts import encode_prompts
+    from lookahead_jax.core.sampling import SamplingParams
+    from lookahead_jax.drafters.ngram_trie import NgramTrie
 
     print(host_line(), f"| {eos_mode(a.ignore_eos)}", flush=True)
     model, tok = lj.load(a.model)

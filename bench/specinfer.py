@@ -125,7 +125,7 @@ def main(argv=None):
     ie = a.ignore_eos
 
     import lookahead_jax as lj
-    from lookahead_jax.generate import encode_prompts
+    from lookahead_jax.prompts import encode_prompts
     from lookahead_jax.strategies import load_draft
 
     print(host_line(), f"| {eos_mode(ie)}", flush=True)

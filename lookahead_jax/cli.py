@@ -14,10 +14,11 @@ import logging
 import sys
 from typing import Optional
 
-import jax
 
-from .engine import engine_for
-from .generate import check_messages, generate
+from .core.engine import engine_for
+from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
+from .generate import generate
+from .prompts import check_messages
 from .strategies import REGISTRY
 
 log = logging.getLogger("lookahead_jax")
@@ -265,37 +266,6 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     )
 
 
-def enable_compilation_cache(subdir: str = "xla") -> Optional[str]:
-    """Persist compiled steps across CLI runs (decode steps compile per tree bucket and
-    attention window, and `auto` calibrates every bucket: ~20-30 s on a 2-core CPU).
-
-    The CLI owns its process, so it turns on JAX's persistent compilation cache under
-    `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/xla/<host>-<arch>-<cpu hash>`, one
-    folder per machine and CPU (entries are native code for this CPU), unless the user configured a cache already
-    (JAX_COMPILATION_CACHE_DIR) or set LOOKAHEAD_JAX_XLA_CACHE=0. The library itself never
-    changes JAX's global configuration. Returns the directory used, or None. (The test
-    suite uses it too, with `subdir="xla-tests"`.)"""
-    import os
-    import platform
-
-    from .models.cpu_kernels import cpu_id
-    from .presets import cache_root
-
-    if os.environ.get("LOOKAHEAD_JAX_XLA_CACHE", "1") == "0":
-        return None
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir or os.environ["JAX_COMPILATION_CACHE_DIR"]
-    path = cache_root() / subdir / f"{platform.node() or 'host'}-{platform.machine()}-{cpu_id()}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        log.warning("no compilation cache (%s): compiling from scratch", e)
-        return None
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    return str(path)
-
-
 def is_instruct(model_name: str, tokenizer) -> bool:
     """A model tuned for chat: it has a chat template, and its name (or its preset's
     description) says Instruct / chat / it."""
@@ -350,7 +320,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
     mesh = None
     try:
         if cfg.mesh:
-            from .sharding import make_mesh
+            from .core.sharding import make_mesh
 
             mesh = make_mesh(**dict(cfg.mesh))
         model, tok = load(cfg.model, dtype=cfg.dtype, **({"mesh": mesh} if mesh else {}))
@@ -413,7 +383,7 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         if "retrieval" in out.stats:  # knnlm
             retrieval.append(out.stats["retrieval"])
         elif "retrieval_s" in out.stats:  # ralm / ralmspec: their counters (passages are per row)
-            from .ralm import COUNTERS
+            from .strategies.ralm import COUNTERS
 
             retrieval.append({k: v for k, v in out.stats.items() if k in COUNTERS})
         row_tokens += sum(r.new_tokens for r in out.rows)

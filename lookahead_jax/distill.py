@@ -304,7 +304,7 @@ def build_examples(model, tokenizer, prompts: dict, cfg: DistillConfig, data_dir
     and the prompts left out are dropped (logged; a rerun computes them)."""
     from tqdm.auto import tqdm
 
-    from .generate import encode_prompts
+    from .prompts import encode_prompts
 
     fp = model_fingerprint(model)
     eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -821,7 +821,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        from .cli import enable_compilation_cache
+        from .core.compile import enable_compilation_cache
 
         enable_compilation_cache()
     except Exception:  # the cache only saves compile time
@@ -837,7 +837,7 @@ def main(argv=None) -> int:
     sources = [s.strip() for s in a.sources.split(",") if s.strip()]
     t = time.perf_counter()
     target, tok = load(a.target, dtype="float32")
-    from .generate import encode_prompts
+    from .prompts import encode_prompts
 
     limit = cfg.seq_len - cfg.gen_tokens  # prompts that leave room for the continuation
     train_p, eval_p = split_prompts(a.data or default_data_dir(), a.train_prompts, a.eval_prompts,

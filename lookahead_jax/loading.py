@@ -50,7 +50,7 @@ def runtime_params(model):
     engine (a second copy of those weights in memory; `LOOKAHEAD_JAX_CPU_KERNELS=0` turns
     kernels and packing off); otherwise `model.params` itself (GPU/TPU, bf16, params
     sharded over several devices). `model`: anything with `.config` and `.params`."""
-    from .engine import engine_for
+    from .core.engine import engine_for
 
     return engine_for(model).params
 
@@ -91,7 +91,7 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
     placed on it by the rule table (heads / MLP columns over "model"); pass the same mesh
     to `generate` to split batch rows and the KV cache over "data"."""
     if mesh is not None:
-        from .sharding import shard_params
+        from .core.sharding import shard_params
 
         model, tok = load(name_or_path, dtype, progress=progress)
         model.params = shard_params(model.params, model.config, mesh)

@@ -18,7 +18,7 @@ def pytest_configure(config):
     does for itself: the suite compiles thousands of small executables, many of them again
     after each module's `jax.clear_caches()` and in every later run. Off with
     LOOKAHEAD_JAX_XLA_CACHE=0 (or a JAX_COMPILATION_CACHE_DIR of your own is used)."""
-    from lookahead_jax.cli import enable_compilation_cache
+    from lookahead_jax.core.compile import enable_compilation_cache
 
     enable_compilation_cache("xla-tests")
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_jax.budget import (AcceptanceStats, AutoBudget, StepTimes, accepted_length, accepted_lengths,
+from lookahead_jax.core.budget import (AcceptanceStats, AutoBudget, StepTimes, accepted_length, accepted_lengths,
                                   outcome_known)
 from lookahead_jax.drafters.trie import TrieDrafter
-from lookahead_jax.tree import BUCKETS
+from lookahead_jax.core.tree import BUCKETS
 
 
 def naive_accepted(tokens, parents, actual, budget):
@@ -175,7 +175,7 @@ def test_autobudget_argument_errors():
 def test_shared_drafters_share_acceptance_per_geometry():
     """TrieDrafter.shared keeps one AcceptanceStats per engine and drafter geometry, so a
     new request starts from what earlier requests measured (like the global trie)."""
-    from lookahead_jax.engine import Engine
+    from lookahead_jax.core.engine import Engine
     from tiny import tiny_model
 
     m = Engine(tiny_model("llama"))
@@ -257,7 +257,7 @@ def test_prior_costs_start_auto_without_calibration():
     """Without calibration `auto` starts from the platform's typical cost ratios: trees
     grow dearer with T on CPU; on accelerators small trees cost about the same; real
     steps then correct them like calibrated costs."""
-    from lookahead_jax.budget import PRIOR_COST_RATIOS, prior_costs
+    from lookahead_jax.core.budget import PRIOR_COST_RATIOS, prior_costs
 
     for table in PRIOR_COST_RATIOS.values():
         ts = sorted(table)

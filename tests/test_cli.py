@@ -23,7 +23,8 @@ import pytest
 
 import lookahead_jax.loading as loading
 from lookahead_jax import presets
-from lookahead_jax.generate import generate, main
+from lookahead_jax.cli import main
+from lookahead_jax.generate import generate
 from tiny import ByteTokenizer, tiny_model
 
 ROW_FIELDS = {"prompt_index", "text", "token_ids", "new_tokens", "finish_reason", "forward_steps",
@@ -467,7 +468,7 @@ class TemplateTokenizer(ByteTokenizer):
         "{% if add_generation_prompt %}<assistant>{% endif %}")
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
-        from convert.tokenizer import _compile_chat_template
+        from lookahead_jax.convert.tokenizer import _compile_chat_template
 
         return _compile_chat_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lookahead_jax import decode as D
-from lookahead_jax import generate as G
+from lookahead_jax.core import decode as D
+from lookahead_jax.core.sampling import SamplingParams
+from lookahead_jax.generate import generate
 from lookahead_jax.drafters.base import Drafter, PerRowDrafter
 from lookahead_jax.drafters.trie import TrieDrafter
-from lookahead_jax.drafts import Draft, DraftBatch
-from lookahead_jax.engine import Engine, engine_for
+from lookahead_jax.core.drafts import Draft, DraftBatch
+from lookahead_jax.core.engine import Engine, engine_for
 from lookahead_jax.strategies import Greedy, Lookahead
 from tiny import ByteTokenizer, load_prompts, tiny_model
 
@@ -90,7 +91,7 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def greedy(model, tok):
-    return {b: sum((G.generate(model, tok, TEXTS[s:s + b], max_new_tokens=MAX_NEW, max_cache_len=CACHE).token_ids
+    return {b: sum((generate(model, tok, TEXTS[s:s + b], max_new_tokens=MAX_NEW, max_cache_len=CACHE).token_ids
                     for s in range(0, len(TEXTS), b)), []) for b in (1, 4)}
 
 
@@ -100,7 +101,7 @@ def test_protocol_conformance(model, tok, greedy, make):
     drafter = make()
     assert isinstance(drafter, Drafter)
     rec = Recording(drafter)
-    out = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, strategy="lookahead", drafter=rec,
+    out = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, strategy="lookahead", drafter=rec,
                      decoding_length=16, max_cache_len=CACHE, references=[[t] for t in TEXTS[:4]])
     assert out.token_ids == greedy[4][:4]
     assert rec.calls["begin"] == rec.calls["end"] == 1
@@ -112,7 +113,7 @@ def test_protocol_conformance(model, tok, greedy, make):
 def test_a_new_drafter_is_lossless_without_touching_the_loop(model, tok, greedy, batch, budget):
     ids, steps = [], 0
     for s in range(0, len(TEXTS), batch):
-        out = G.generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, strategy="lookahead",
+        out = generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, strategy="lookahead",
                          drafter=PromptLookupDrafter(max_nodes=budget), decoding_length=budget,
                          max_cache_len=CACHE)
         ids += out.token_ids
@@ -122,27 +123,27 @@ def test_a_new_drafter_is_lossless_without_touching_the_loop(model, tok, greedy,
 
 
 def test_strategy_objects_equal_the_flat_forms(model, tok, greedy):
-    a = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
+    a = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
                    strategy=Lookahead(decoding_length=7, branch_length=4), drafter=TrieDrafter(branch_length=4))
-    b = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
+    b = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
                    strategy="lookahead", decoding_length=7, branch_length=4, drafter=TrieDrafter(branch_length=4))
     assert a.token_ids == b.token_ids == greedy[4][:4]
     assert a.stats["forward_steps"] == b.stats["forward_steps"]
-    c = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy=Greedy())
+    c = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy=Greedy())
     assert c.token_ids == greedy[4][:4] and c.stats["strategy"] == "greedy"
     with pytest.raises(TypeError, match="unexpected keyword argument 'decoding_lenght'"):
-        G.generate(model, tok, "x", strategy="lookahead", decoding_lenght=7)
+        generate(model, tok, "x", strategy="lookahead", decoding_lenght=7)
     with pytest.raises(ValueError, match="decoding_length must be"):
-        G.generate(model, tok, "x", strategy=Lookahead(decoding_length=-1))
+        generate(model, tok, "x", strategy=Lookahead(decoding_length=-1))
     with pytest.raises(ValueError, match="strategy must be"):
-        G.generate(model, tok, "x", strategy=object())
+        generate(model, tok, "x", strategy=object())
 
 
 def test_engine_is_explicit_and_per_model(model, tok):
     e = engine_for(model)
     assert engine_for(model) is e and isinstance(e, Engine)
     assert "_compiled" not in vars(model) and "_runtime" not in vars(model)
-    out = G.generate(e, tok, TEXTS[0], max_new_tokens=4, max_cache_len=CACHE)  # an Engine works too
+    out = generate(e, tok, TEXTS[0], max_new_tokens=4, max_cache_len=CACHE)  # an Engine works too
     assert out.stats["compilations"] == len(e.compiled.compilations)
     other = tiny_model("llama", seed=1)
     assert engine_for(other) is not e
@@ -153,14 +154,14 @@ def test_the_engine_registry_does_not_keep_models_alive(tok):
     import gc
     import weakref
 
-    from lookahead_jax import engine as E
+    from lookahead_jax.core import engine as E
 
     from lookahead_jax.loading import Model
 
     t = tiny_model("llama", seed=2)  # a SimpleNamespace (not weak-referenceable): stays registered
     m = Model(t.config, t.params, t.name, t.dtype)
     e = engine_for(m)
-    G.generate(m, tok, TEXTS[0], max_new_tokens=2, max_cache_len=CACHE)
+    generate(m, tok, TEXTS[0], max_new_tokens=2, max_cache_len=CACHE)
     n, alive = len(E._ENGINES), weakref.ref(m)
     del m
     gc.collect()
@@ -177,7 +178,7 @@ def test_engines_of_models_without_weakrefs_die_with_them(tok):
     import gc
     import weakref
 
-    from lookahead_jax import engine as E
+    from lookahead_jax.core import engine as E
 
     t = tiny_model("llama", seed=3)
     with pytest.raises(TypeError):
@@ -185,7 +186,7 @@ def test_engines_of_models_without_weakrefs_die_with_them(tok):
     n = len(E._ENGINES)
     e = engine_for(t)
     assert engine_for(t) is e and len(E._ENGINES) == n
-    G.generate(t, tok, TEXTS[0], max_new_tokens=2, max_cache_len=CACHE)
+    generate(t, tok, TEXTS[0], max_new_tokens=2, max_cache_len=CACHE)
     exe = weakref.ref(e.compiled.executables("prefill")[0])
     e = weakref.ref(e)
     del t
@@ -250,7 +251,7 @@ def test_forced_output_tokens(model, tok):
     D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 1 + len(forced) + 5)
     ref = _state(model, tok, [TEXTS[2][:50]])
     seq = ref.rows[0].prompt_ids + ref.rows[0].ids + forced
-    want = G.generate(model, tok, [seq], max_new_tokens=5, max_cache_len=256).token_ids[0]
+    want = generate(model, tok, [seq], max_new_tokens=5, max_cache_len=256).token_ids[0]
     assert state.rows[0].ids[1 + len(forced):][:5] == want
 
 
@@ -277,7 +278,7 @@ def test_streaming_decodes_only_new_tokens(model):
     tok = CountingTokenizer()
     deltas = []
     N = 96
-    out = G.generate(model, tok, TEXTS[3], max_new_tokens=N, on_text=lambda i, d: deltas.append(d),
+    out = generate(model, tok, TEXTS[3], max_new_tokens=N, on_text=lambda i, d: deltas.append(d),
                      max_cache_len=CACHE)
     assert "".join(deltas) == out.texts[0] and len(deltas) > 1
     assert tok.decoded < 20 * N < N * N / 2
@@ -301,13 +302,13 @@ def test_mixed_length_batch_prefills_rows_apart_with_the_same_tokens(model, tok,
     long = " ".join(TEXTS)[:900] + " In short:"
     texts = [TEXTS[0][:30], long, TEXTS[2][:25]]
     kw = dict(max_new_tokens=12, max_cache_len=CACHE, logprobs=True, min_new_tokens=3, **sampling)
-    out = G.generate(model, tok, texts, **kw)
+    out = generate(model, tok, texts, **kw)
     lens = [len(r.prompt_token_ids) for r in out.rows]
     assert lens[1] > 4 * max(lens[0], lens[2])  # the rows really differ
-    la = G.generate(model, tok, texts, strategy="lookahead", decoding_length=8, **kw)
+    la = generate(model, tok, texts, strategy="lookahead", decoding_length=8, **kw)
     engine = Engine(model)  # a fresh one: its compilation log holds exactly this prefill's blocks
     state = D.prefill(engine, [r.prompt_token_ids for r in out.rows], tok, max_len=CACHE, max_new_tokens=4,
-                      sampling=G.SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"}),
+                      sampling=SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"}),
                       seed=sampling.get("seed", 0))
     short = D.prompt_bucket(max(lens[0], lens[2]), CACHE)
     assert [c.split(",")[0] for c in engine.compiled.compilations] == [
@@ -315,9 +316,9 @@ def test_mixed_length_batch_prefills_rows_apart_with_the_same_tokens(model, tok,
     assert [r.ids[0] for r in state.rows] == [x[0] for x in out.token_ids]
 
     monkeypatch.setattr(D, "prefill_groups", lambda lengths, S: [sorted(lengths)])  # one block, as before
-    one = G.generate(model, tok, texts, **kw)
+    one = generate(model, tok, texts, **kw)
     assert out.token_ids == one.token_ids == la.token_ids
     for r, o in zip(out.rows, one.rows):
         np.testing.assert_allclose(r.logprobs, o.logprobs, rtol=1e-5, atol=1e-5)
     if not sampling:  # rows alone (sampling is keyed by the row's index in its batch)
-        assert out.token_ids == [G.generate(model, tok, [t], **kw).token_ids[0] for t in texts]
+        assert out.token_ids == [generate(model, tok, [t], **kw).token_ids[0] for t in texts]

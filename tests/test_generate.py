@@ -19,7 +19,6 @@ Losslessness of lookahead against greedy is in test_lossless.py, not repeated he
 from __future__ import annotations
 
 import functools
-import sys
 import time
 
 import jax
@@ -29,19 +28,19 @@ import pytest
 
 # `lookahead_jax.generate` (the attribute) may be the function re-exported by the package,
 # so the module is taken from sys.modules once `from ... import` has loaded it.
-from lookahead_jax.engine import engine_for
-from lookahead_jax.generate import generate, verify_block
-from lookahead_jax.verify import jitted_extend
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.tree import verify_block
+from lookahead_jax.generate import generate
+from lookahead_jax.core.verify import jitted_extend
 from lookahead_jax import presets
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.loading import load, parse_dtype
 from lookahead_jax.models import forward, init_cache
-from lookahead_jax.sampling import SamplingParams
-from lookahead_jax.trie import Draft
-from lookahead_jax.verify import jitted_verify_step, tree_mask, window_for
+from lookahead_jax.core.sampling import SamplingParams
+from lookahead_jax.drafters.ngram_trie import Draft
+from lookahead_jax.core.verify import jitted_verify_step, tree_mask, window_for
 from tiny import ByteTokenizer, tiny_model
 
-G = sys.modules["lookahead_jax.generate"]
 
 FAMILIES = ("llama", "qwen2", "gemma3")
 MAX_NEW = 12
@@ -307,7 +306,7 @@ def test_prompt_errors(models, tok):
                           [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]], max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt 0, message 0: no 'role' field"):
         generate(m, tok, [[{"content": "a"}]], max_new_tokens=4)
-    from lookahead_jax.generate import check_messages
+    from lookahead_jax.prompts import check_messages
 
     with pytest.raises(ValueError, match="got an empty list"):
         check_messages([], "prompt 0")

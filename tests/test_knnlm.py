@@ -21,13 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import lookahead_jax.generate as G
+from lookahead_jax.generate import generate
 import lookahead_jax.loading as loading
 from lookahead_jax import knnlm
-from lookahead_jax.engine import engine_for
-from lookahead_jax.knnlm import KNNLM, DatastoreNotBuilt, StaleDatastore, build_datastore, load_datastore
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax import KNNLM
+from lookahead_jax.knnlm import DatastoreNotBuilt, StaleDatastore, build_datastore, load_datastore
 from lookahead_jax.knnlm import search as S
-from lookahead_jax.knnlm.strategy import KnnSpecRun, os3_stride
+from lookahead_jax.strategies.knnlm import KnnSpecRun, os3_stride
 from lookahead_jax.models import hidden_states, init_cache, logits_from_hidden
 from lookahead_jax.retrieval import Corpus, CorpusError
 from tiny import ByteTokenizer, load_prompts, tiny_model
@@ -55,7 +56,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def corpus(model, tok) -> Corpus:
-    out = G.generate(model, tok, PROMPTS, max_new_tokens=40)
+    out = generate(model, tok, PROMPTS, max_new_tokens=40)
     passages = [tok.decode(tok.encode(p, False) + t) for p, t in zip(PROMPTS, out.token_ids)]
     words = " ".join(out.texts).split()
     rng = np.random.default_rng(0)
@@ -72,7 +73,7 @@ def ds(model, tok, corpus, tmp_path_factory):
 
 def run(model, tok, strat, prompts=PROMPTS, **kw):
     kw.setdefault("max_new_tokens", MAX_NEW)
-    return G.generate(model, tok, prompts, strategy=strat, **kw)
+    return generate(model, tok, prompts, strategy=strat, **kw)
 
 
 def direct_hidden(model, ids):
@@ -245,7 +246,7 @@ def test_distribution_is_the_knnlm_mixture(model, tok, corpus, ds, lam):
 # ----------------------------------------------------------------------------- decoding
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_k=20, seed=5)])
 def test_lambda_zero_is_plain_decoding(model, tok, ds, sampling):
-    plain = G.generate(model, tok, PROMPTS, max_new_tokens=MAX_NEW, **sampling)
+    plain = generate(model, tok, PROMPTS, max_new_tokens=MAX_NEW, **sampling)
     out = run(model, tok, KNNLM(datastore=ds, knn_lambda=0.0), **sampling)
     assert out.token_ids == plain.token_ids
     assert out.stats["retrieval"]["searches"] == sum(len(t) for t in out.token_ids)
@@ -356,7 +357,7 @@ def test_options_are_checked(model, tok, ds):
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_build_and_generate(model, tok, corpus, tmp_path, monkeypatch, capsys):
-    from lookahead_jax.generate import main
+    from lookahead_jax.cli import main
     from lookahead_jax.knnlm.cli import main as knn_main
 
     monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
@@ -388,5 +389,5 @@ def test_penalties_are_refused(model, tok, ds):
     """knnlm picks tokens from its own mixture, which the penalties do not reach: asking
     for them is an error, not silently ignored."""
     with pytest.raises(ValueError, match="penalties"):
-        G.generate(model, tok, "Hello", max_new_tokens=4, strategy=KNNLM(datastore=ds),
+        generate(model, tok, "Hello", max_new_tokens=4, strategy=KNNLM(datastore=ds),
                    repetition_penalty=1.3)

@@ -12,10 +12,10 @@ import random
 import numpy as np
 import pytest
 
-from lookahead_jax import generate as G
+from lookahead_jax.generate import generate
 from lookahead_jax.drafters.base import PerRowDrafter
 from lookahead_jax.drafters.trie import TrieDrafter
-from lookahead_jax.trie import Draft, NgramTrie
+from lookahead_jax.drafters.ngram_trie import Draft, NgramTrie
 from tiny import ByteTokenizer, load_prompts, tiny_model
 
 MAX_NEW = 32
@@ -30,7 +30,7 @@ def run(model, tok, batch, **kw):
     ids, steps, rows = [], 0, []
     for s in range(0, len(TEXTS), batch):
         refs = REFS[s:s + batch] if kw.get("strategy") == "lookahead" else None
-        out = G.generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, references=refs,
+        out = generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, references=refs,
                          max_cache_len=CACHE, **kw)
         ids += out.token_ids
         steps += out.stats["forward_steps"]
@@ -120,7 +120,7 @@ class OracleDrafter(PerRowDrafter):
 def test_forced_partial_and_zero_acceptance(model, tok, greedy, cut):
     batch = TEXTS[:4]
     truth = greedy[4][:4]
-    out = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, strategy="lookahead",
+    out = generate(model, tok, batch, max_new_tokens=MAX_NEW, strategy="lookahead",
                      drafter=OracleDrafter(truth, cut), decoding_length=16, max_cache_len=CACHE)
     assert out.token_ids == truth
     for r in out.rows:
@@ -153,7 +153,7 @@ def test_wrong_trie_is_harmless(model, tok, greedy):
     wrong = [["".join(chr(rng.integers(97, 123)) for _ in range(300))] for _ in TEXTS]
     ids = []
     for s in range(0, len(TEXTS), 4):
-        out = G.generate(model, tok, TEXTS[s:s + 4], max_new_tokens=MAX_NEW, strategy="lookahead",
+        out = generate(model, tok, TEXTS[s:s + 4], max_new_tokens=MAX_NEW, strategy="lookahead",
                          drafter=d, decoding_length=32, references=wrong[s:s + 4],
                          max_cache_len=CACHE)
         ids += out.token_ids
@@ -166,11 +166,11 @@ def test_eos_mid_batch(model, greedy):
     tok = ByteTokenizer()
     tok.eos_token_ids = {eos}
     batch = TEXTS[:4]
-    ref = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, max_cache_len=CACHE)
+    ref = generate(model, tok, batch, max_new_tokens=MAX_NEW, max_cache_len=CACHE)
     assert ref.rows[1].finish_reason == "eos" and ref.rows[1].token_ids[-1] == eos
     assert len({len(r.token_ids) for r in ref.rows}) > 1  # rows finish at different steps
     for budget in (8, 32):
-        out = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, strategy="lookahead",
+        out = generate(model, tok, batch, max_new_tokens=MAX_NEW, strategy="lookahead",
                          decoding_length=budget, references=REFS[:4], max_cache_len=CACHE,
                          drafter=TrieDrafter(max_nodes=budget))
         assert out.token_ids == ref.token_ids
@@ -181,9 +181,9 @@ def test_stop_strings(model, tok, greedy):
     batch = TEXTS[4:8]
     texts = [tok.decode(g) for g in greedy[4][4:8]]
     stop = texts[0][12:14]
-    ref = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, stop=[stop], max_cache_len=CACHE)
+    ref = generate(model, tok, batch, max_new_tokens=MAX_NEW, stop=[stop], max_cache_len=CACHE)
     assert ref.rows[0].finish_reason == "stop" and stop not in ref.rows[0].text
-    out = G.generate(model, tok, batch, max_new_tokens=MAX_NEW, stop=[stop], strategy="lookahead",
+    out = generate(model, tok, batch, max_new_tokens=MAX_NEW, stop=[stop], strategy="lookahead",
                      decoding_length=32, references=REFS[4:8], max_cache_len=CACHE)
     assert out.token_ids == ref.token_ids and out.texts == ref.texts
 
@@ -194,15 +194,15 @@ def test_lookahead_sampling_equals_plain_sampling(model, tok, temperature, top_k
     ref, _, _ = run(model, tok, 4, **kw)
     ids, steps, _ = run(model, tok, 4, strategy="lookahead", decoding_length=32, **kw)
     assert ids == ref
-    other = G.generate(model, tok, TEXTS[:8], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **{**kw, "seed": 99})
+    other = generate(model, tok, TEXTS[:8], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **{**kw, "seed": 99})
     assert other.token_ids != ref[:8]  # the seed matters
 
 
 def test_sampling_rng_is_keyed_by_row_and_position(model, tok):
     """The same prompt as row 0 of two different batches samples the same tokens."""
     kw = dict(max_new_tokens=16, temperature=1.0, seed=7, max_cache_len=CACHE)
-    a = G.generate(model, tok, [TEXTS[0], TEXTS[1]], **kw)
-    b = G.generate(model, tok, [TEXTS[0], TEXTS[5], TEXTS[9]], **kw)
+    a = generate(model, tok, [TEXTS[0], TEXTS[1]], **kw)
+    b = generate(model, tok, [TEXTS[0], TEXTS[5], TEXTS[9]], **kw)
     assert a.token_ids[0] == b.token_ids[0]
 
 
@@ -211,23 +211,23 @@ def test_n_samples_and_stop_token_ids_under_lookahead(model, tok):
     """n samples per prompt are rows of their own (distinct tokens), and lookahead gives
     plain sampling's; stop_token_ids end rows like EOS, identically under lookahead."""
     kw = dict(max_new_tokens=16, temperature=1.0, seed=3, max_cache_len=CACHE, n=3)
-    ref = G.generate(model, tok, TEXTS[:2], **kw)
+    ref = generate(model, tok, TEXTS[:2], **kw)
     assert [(r.prompt_index, r.sample_index) for r in ref.rows] == [(i, j) for i in range(2) for j in range(3)]
     assert len({tuple(t) for t in ref.token_ids[:3]}) == 3  # three different samples of prompt 0
-    out = G.generate(model, tok, TEXTS[:2], strategy="lookahead", decoding_length=16, references=REFS[:2], **kw)
+    out = generate(model, tok, TEXTS[:2], strategy="lookahead", decoding_length=16, references=REFS[:2], **kw)
     assert out.token_ids == ref.token_ids
     with pytest.raises(ValueError, match="need temperature > 0"):
-        G.generate(model, tok, TEXTS[:1], n=2)
-    g = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE)
+        generate(model, tok, TEXTS[:1], n=2)
+    g = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE)
     stop_id = g.token_ids[0][5]
-    ref = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, stop_token_ids=[stop_id])
+    ref = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, stop_token_ids=[stop_id])
     assert ref.token_ids[0] == g.token_ids[0][:g.token_ids[0].index(stop_id) + 1]
     assert ref.rows[0].finish_reason == "eos"
-    out = G.generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, stop_token_ids=[stop_id],
+    out = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE, stop_token_ids=[stop_id],
                      strategy="lookahead", decoding_length=16, references=REFS[:4])
     assert out.token_ids == ref.token_ids
     with pytest.raises(ValueError, match="stop_token_ids"):
-        G.generate(model, tok, TEXTS[:1], stop_token_ids=[10**6])
+        generate(model, tok, TEXTS[:1], stop_token_ids=[10**6])
 
 
 def teacher_forced_logprobs(model, prompt_ids, out_ids):
@@ -257,15 +257,15 @@ def test_min_new_tokens_and_logprobs_are_exact_under_speculation(model, greedy):
     tok.eos_token_ids = {eos}
     batch = TEXTS[:4]
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE, logprobs=True)
-    plain = G.generate(model, tok, batch, **kw)
+    plain = generate(model, tok, batch, **kw)
     r1 = plain.rows[1]
     assert r1.finish_reason == "eos" and len(r1.token_ids) <= 11
     for r in plain.rows:
         assert len(r.logprobs) == len(r.token_ids)
         np.testing.assert_allclose(r.logprobs, teacher_forced_logprobs(model, r.prompt_token_ids, r.token_ids),
                                    rtol=0, atol=2e-4)
-    assert G.generate(model, tok, batch, max_new_tokens=MAX_NEW, max_cache_len=CACHE).rows[0].logprobs is None
-    low = G.generate(model, tok, batch, min_new_tokens=20, **kw)
+    assert generate(model, tok, batch, max_new_tokens=MAX_NEW, max_cache_len=CACHE).rows[0].logprobs is None
+    low = generate(model, tok, batch, min_new_tokens=20, **kw)
     m1 = low.rows[1]
     assert m1.token_ids[:len(r1.token_ids) - 1] == r1.token_ids[:-1]  # the same until the banned EOS
     assert eos not in m1.token_ids[:20] and len(m1.token_ids) > 20
@@ -275,19 +275,19 @@ def test_min_new_tokens_and_logprobs_are_exact_under_speculation(model, greedy):
             dict(strategy="specinfer", draft_model=model, draft_weights="float32", expansion=(2, 2, 1))]
     for strat in fast:
         for min_new, want in ((0, plain), (20, low)):
-            out = G.generate(model, tok, batch, min_new_tokens=min_new, **kw, **strat)
+            out = generate(model, tok, batch, min_new_tokens=min_new, **kw, **strat)
             assert out.token_ids == want.token_ids, (strat["strategy"], min_new)
             assert out.stats["forward_steps"] < want.stats["forward_steps"]  # drafts were accepted
             for a, b in zip(out.rows, want.rows):
                 np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     # sampling: the ban and the logprobs are the same under lookahead's verification
     skw = dict(kw, temperature=1.0, seed=5, min_new_tokens=20)
-    ref = G.generate(model, tok, batch, **skw)
-    out = G.generate(model, tok, batch, strategy="lookahead", decoding_length=16, references=REFS[:4], **skw)
+    ref = generate(model, tok, batch, **skw)
+    out = generate(model, tok, batch, strategy="lookahead", decoding_length=16, references=REFS[:4], **skw)
     assert out.token_ids == ref.token_ids
     assert all(eos not in r.token_ids[:20] for r in ref.rows)
     for a, b in zip(out.rows, ref.rows):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="min_new_tokens"):
-        G.generate(model, tok, batch, min_new_tokens=-1)
+        generate(model, tok, batch, min_new_tokens=-1)
 

@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax import decode as D
-from lookahead_jax import generate as G
+from lookahead_jax.core import decode as D
+from lookahead_jax.generate import generate
 from lookahead_jax.drafters.trie import TrieDrafter
-from lookahead_jax.engine import engine_for
-from lookahead_jax.sampling import Penalties
-from lookahead_jax.trie import NgramTrie
-from lookahead_jax.verify import path_counts
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.sampling import Penalties
+from lookahead_jax.drafters.ngram_trie import NgramTrie
+from lookahead_jax.core.verify import path_counts
 from test_lossless import OracleDrafter
 from tiny import load_prompts
 
@@ -110,7 +110,7 @@ def reference_greedy(model, prompt, n, pen: dict, generated=()):
 def plain(model, tok):
     """Plain greedy (batch 4) per penalty setting (None: no penalties)."""
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE)
-    return {name: G.generate(model, tok, TEXTS, **kw, **pen).token_ids
+    return {name: generate(model, tok, TEXTS, **kw, **pen).token_ids
             for name, pen in (("none", {}), ("rep", REP), ("pf", PF), ("all", ALL))}
 
 
@@ -119,7 +119,7 @@ def test_plain_greedy_equals_the_reference(model, tok, plain, name, pen):
     assert plain[name] != plain["none"]  # the penalties change the output
     for p, got in zip(TEXTS, plain[name]):
         assert got == reference_greedy(model, tok.encode(p), MAX_NEW, pen)
-    one = G.generate(model, tok, TEXTS[1], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **pen)
+    one = generate(model, tok, TEXTS[1], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **pen)
     assert one.token_ids[0] == plain[name][1]  # rows are independent
 
 
@@ -153,20 +153,20 @@ def test_lookahead_equals_greedy(model, tok, plain, name, pen, budget):
     for i, ids in enumerate(plain[name] + plain["none"]):
         trie.insert_output(ids, req=i)
         trie.end_request(i)
-    out = G.generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead",
+    out = generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead",
                      decoding_length=budget, drafter=TrieDrafter(max_nodes=budget, trie=trie), **pen)
     assert out.token_ids == plain[name]
     assert drafts_accepted(out)
     if name != "all":
         return
-    cold = G.generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead",
+    cold = generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead",
                       decoding_length=budget, references=REFS, drafter=TrieDrafter(max_nodes=budget), **pen)
     assert cold.token_ids == plain[name]
 
 
 def test_lookahead_batch1_equals_greedy(model, tok, plain):
     for i in (0, 3):
-        out = G.generate(model, tok, TEXTS[i], max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead",
+        out = generate(model, tok, TEXTS[i], max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead",
                          decoding_length=16, references=REFS[i], **ALL)
         assert out.token_ids[0] == plain["all"][i]
 
@@ -176,7 +176,7 @@ def test_forced_partial_and_zero_acceptance(model, tok, plain, cut):
     """Drafts = the penalized truth, wrong at depth `cut`: exactly `cut` drafts accepted per
     step, so every accepted node's logits were penalized by its own path."""
     truth = plain["all"]
-    out = G.generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, strategy="lookahead", drafter=OracleDrafter(truth, cut),
+    out = generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, strategy="lookahead", drafter=OracleDrafter(truth, cut),
                      decoding_length=16, max_cache_len=CACHE, **ALL)
     assert out.token_ids == truth
     for r in out.rows:
@@ -185,7 +185,7 @@ def test_forced_partial_and_zero_acceptance(model, tok, plain, cut):
 
 def test_specinfer_greedy_equals_greedy(model, tok, plain):
     for name, pen in (("rep", REP), ("all", ALL)):
-        out = G.generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="specinfer",
+        out = generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="specinfer",
                          draft_model=model, draft_weights="float32", expansion=(2, 2, 1), **pen)
         assert out.token_ids == plain[name], name
         assert drafts_accepted(out)
@@ -195,11 +195,11 @@ def test_specinfer_greedy_equals_greedy(model, tok, plain):
 def test_sampling_equals_plain_sampling(model, tok):
     """Lookahead and SpecInfer's drafter-invariant sampler draw plain sampling's tokens."""
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE, temperature=0.8, top_k=40, seed=11)
-    ref = G.generate(model, tok, TEXTS, **kw, **ALL).token_ids
-    assert ref != G.generate(model, tok, TEXTS, **kw).token_ids
-    la = G.generate(model, tok, TEXTS, strategy="lookahead", decoding_length=16, references=REFS, **kw, **ALL)
+    ref = generate(model, tok, TEXTS, **kw, **ALL).token_ids
+    assert ref != generate(model, tok, TEXTS, **kw).token_ids
+    la = generate(model, tok, TEXTS, strategy="lookahead", decoding_length=16, references=REFS, **kw, **ALL)
     assert la.token_ids == ref and drafts_accepted(la)
-    si = G.generate(model, tok, TEXTS, strategy="specinfer", draft_model=model, draft_weights="float32",
+    si = generate(model, tok, TEXTS, strategy="specinfer", draft_model=model, draft_weights="float32",
                     sampler="invariant", expansion=(2, 2, 1), **kw, **ALL)
     assert si.token_ids == ref and drafts_accepted(si)
 
@@ -236,7 +236,7 @@ def test_rollback_recounts(model, tok, plain):
 ])
 def test_bad_values(model, tok, kw, msg):
     with pytest.raises(ValueError, match=msg):
-        G.generate(model, tok, TEXTS[0], max_new_tokens=2, **kw)
+        generate(model, tok, TEXTS[0], max_new_tokens=2, **kw)
 
 
 def test_off_is_the_plain_executable(model, tok):
@@ -245,8 +245,8 @@ def test_off_is_the_plain_executable(model, tok):
     kw = dict(max_new_tokens=4, max_cache_len=CACHE, strategy="lookahead", decoding_length=8)
     # a cold trie each call: the same drafts, so the same tree sizes (a warm shared trie
     # could pick a tree size the first call did not compile)
-    G.generate(model, tok, TEXTS[0], drafter=TrieDrafter(max_nodes=8), **kw)
+    generate(model, tok, TEXTS[0], drafter=TrieDrafter(max_nodes=8), **kw)
     n = len(engine.compiled.compilations)
-    G.generate(model, tok, TEXTS[0], repetition_penalty=1.0, presence_penalty=0, frequency_penalty=0.0,
+    generate(model, tok, TEXTS[0], repetition_penalty=1.0, presence_penalty=0, frequency_penalty=0.0,
                drafter=TrieDrafter(max_nodes=8), **kw)
     assert len(engine.compiled.compilations) == n

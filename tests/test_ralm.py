@@ -16,11 +16,11 @@ import zlib
 import numpy as np
 import pytest
 
-import lookahead_jax.decode as D
-import lookahead_jax.generate as G
+import lookahead_jax.core.decode as D
+from lookahead_jax.generate import generate
 from lookahead_jax import retrieval as R
-from lookahead_jax.engine import engine_for
-from lookahead_jax.ralm import RaLM, RaLMSpec, os3_stride
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax.strategies.ralm import RaLM, RaLMSpec, os3_stride
 from tiny import load_prompts
 
 MAX_NEW = 24
@@ -30,7 +30,7 @@ PROMPTS = [r["prompt"][:60] for r in load_prompts(3)]  # 9 prompts, 3 sources
 @pytest.fixture(scope="module")
 def corpus(model, tok) -> R.Corpus:
     """80 passages of 3-11 words: the model's own output words plus the prompts' words."""
-    out = G.generate(model, tok, PROMPTS, max_new_tokens=48)
+    out = generate(model, tok, PROMPTS, max_new_tokens=48)
     words = set()
     for r in out.rows:
         words |= {w.lower() for w in re.findall(r"[A-Za-z0-9]{2,}", r.text)}
@@ -122,7 +122,7 @@ class Const:
 
 def run(model, tok, prompts, strat, **kw):
     kw.setdefault("max_new_tokens", MAX_NEW)
-    return G.generate(model, tok, prompts, strategy=strat, **kw)
+    return generate(model, tok, prompts, strategy=strat, **kw)
 
 
 def assert_same(a, b):
@@ -318,7 +318,7 @@ def test_question_spans_and_chat_prompts(model, tok, bm25, corpus):
     """The passage goes before the question: after the tokenizer's BOS for plain prompts,
     inside the (last) user turn for chat prompts; queries are the question (+ output), never
     the chat template's words."""
-    from lookahead_jax.generate import encode_prompts
+    from lookahead_jax.prompts import encode_prompts
 
     q = PROMPTS[0]
     msgs = [{"role": "system", "content": "sys words"}, {"role": "user", "content": q}]
@@ -353,7 +353,7 @@ def test_fixed_passage_is_greedy_on_the_written_prompt(model, tok, corpus):
     for j in (3, 7):
         ids = [tok.encode(p) for p in PROMPTS[:3]]
         out = run(model, tok, PROMPTS[:3], RaLM(retriever=Const(corpus, j), stride=1))
-        plain = G.generate(model, tok, [with_passage(tok, corpus, x, j) for x in ids], max_new_tokens=MAX_NEW)
+        plain = generate(model, tok, [with_passage(tok, corpus, x, j) for x in ids], max_new_tokens=MAX_NEW)
         assert out.token_ids == plain.token_ids
         assert [r.prompt_token_ids for r in out.rows] == [with_passage(tok, corpus, x, j) for x in ids]
         assert out.stats["reprefills"] == 0 and out.stats["retrievals"] == 3 * MAX_NEW
@@ -373,7 +373,7 @@ def reference_ralm(model, tok, retriever, prompt, stride, query_tokens, max_new,
         if gen:
             j = top1(tok.decode((orig + gen)[-query_tokens:], skip_special_tokens=True))
         used.append(j)
-        out = G.generate(model, tok, [with_passage(tok, corpus, orig, j) + gen],
+        out = generate(model, tok, [with_passage(tok, corpus, orig, j) + gen],
                          max_new_tokens=min(stride, max_new - len(gen)), **kw)
         gen += out.token_ids[0]
         if out.rows[0].finish_reason == "eos":
@@ -409,7 +409,7 @@ def test_ralmspec_equals_ralm_with_penalties(model, tok, bm25, corpus):
     assert spec.stats["rollbacks"] > 0
     ids = [tok.encode(p) for p in PROMPTS[:2]]
     fixed = run(model, tok, PROMPTS[:2], RaLM(retriever=Const(corpus, 3), stride=1), **pen)
-    plain = G.generate(model, tok, [with_passage(tok, corpus, x, 3) for x in ids], max_new_tokens=MAX_NEW, **pen)
+    plain = generate(model, tok, [with_passage(tok, corpus, x, 3) for x in ids], max_new_tokens=MAX_NEW, **pen)
     assert fixed.token_ids == plain.token_ids
 
 

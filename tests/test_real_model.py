@@ -23,7 +23,7 @@ from tiny import load_prompts
 
 import lookahead_jax as lj
 from lookahead_jax.fetch import fetch_command, gguf_path, status
-from lookahead_jax.generate import encode_prompts
+from lookahead_jax.prompts import encode_prompts
 
 pytestmark = pytest.mark.slow
 

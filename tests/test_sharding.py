@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from lookahead_jax import sharding as sh
+from lookahead_jax.core import sharding as sh
 from lookahead_jax.models import KVCache, init_params
 from tiny import tiny_config
 
@@ -237,7 +237,7 @@ def _spec(x) -> str:
 
 
 def _child_setup(family):
-    from lookahead_jax.cli import enable_compilation_cache
+    from lookahead_jax.core.compile import enable_compilation_cache
     from tiny import tiny_model
 
     enable_compilation_cache("xla-tests")  # as conftest does for the test processes
@@ -301,14 +301,15 @@ def _child_generate(model, mesh) -> dict:
     prefill + tree-verify steps with the batch and cache also split over "data"."""
     import types
 
-    from lookahead_jax import generate as G
-    from lookahead_jax.engine import engine_for
-    from lookahead_jax.verify import jitted_extend
+    from lookahead_jax.core.tree import verify_block
+    from lookahead_jax.generate import generate
+    from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.core.verify import jitted_extend
     from lookahead_jax.models import init_cache
-    from lookahead_jax.sampling import SamplingParams
+    from lookahead_jax.core.sampling import SamplingParams
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.trie import Draft, NgramTrie
-    from lookahead_jax.verify import jitted_verify_step
+    from lookahead_jax.drafters.ngram_trie import Draft, NgramTrie
+    from lookahead_jax.core.verify import jitted_verify_step
     from tiny import ByteTokenizer
 
     cfg, tok = model.config, ByteTokenizer()
@@ -317,7 +318,7 @@ def _child_generate(model, mesh) -> dict:
     prompts = ["def fib(n):\n    return fib(n - 1) + fib(n - 2)\n\ndef fib", "abc abc abc abc"]
     kw = dict(max_new_tokens=20, max_cache_len=128, ignore_eos=True)
     look = dict(strategy="lookahead", decoding_length=8)
-    out = {(n, "greedy"): G.generate(m, tok, prompts, **kw)
+    out = {(n, "greedy"): generate(m, tok, prompts, **kw)
            for n, m in (("single", model), ("sharded", sharded))}
 
     def warm_drafter():  # a trie that has seen the outputs: drafts accept, partially
@@ -327,7 +328,7 @@ def _child_generate(model, mesh) -> dict:
         return TrieDrafter(branch_length=12, trie=trie)
 
     for name, m in (("single", model), ("sharded", sharded)):
-        out[name, "lookahead"] = G.generate(m, tok, prompts, **kw, **look, drafter=warm_drafter())
+        out[name, "lookahead"] = generate(m, tok, prompts, **kw, **look, drafter=warm_drafter())
     # what the compiled verify step was given: params as sharded, and the cache?
     exe = engine_for(sharded).compiled.executables("verify")[0]
     in_params, in_cache = exe.input_shardings[0][:2]
@@ -349,7 +350,7 @@ def _child_generate(model, mesh) -> dict:
     def steps(params, cache, put):
         first, cache = jitted_extend(cfg, sp)(params, cache, put(tokens), put(lens),
                                               put(seeds), put(rows), window=tokens.shape[1])
-        blk = G.verify_block(np.asarray(first), drafts, 4)
+        blk = verify_block(np.asarray(first), drafts, 4)
         emitted, n, _, cache = jitted_verify_step(cfg, sp)(
             params, cache, put(blk.tokens), put(blk.parents), put(blk.depth), put(blk.mask),
             put(np.ones(B, bool)), put(seeds), put(rows))
@@ -389,27 +390,27 @@ def _child_mesh_generate(model, tok) -> dict:
     """generate(..., mesh=...): params by the rules, batch rows and the cache over "data",
     inside generate; batch 8 with prompts of different lengths, greedy and lookahead, on
     (data=2, model=4) and (data=8), against one device."""
-    from lookahead_jax import generate as G
+    from lookahead_jax.generate import generate
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.engine import engine_for
+    from lookahead_jax.core.engine import engine_for
 
     base = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n\ndef fib abc abc abc abc"
     prompts = [base[: 12 + 7 * i] for i in range(8)]
     kw = dict(max_new_tokens=12, ignore_eos=True)
-    greedy = G.generate(model, tok, prompts, **kw)
+    greedy = generate(model, tok, prompts, **kw)
     # each row's own greedy text as its reference: the drafts are right, so lookahead must
     # take fewer steps than tokens on every mesh (a check that drafts reach the mesh path)
     look = dict(strategy="lookahead", decoding_length=8,
                 references=[[p + t] for p, t in zip(prompts, greedy.texts)])
     out = {"single/greedy": greedy.token_ids,
-           "single/lookahead": G.generate(model, tok, prompts, **kw, **look,
+           "single/lookahead": generate(model, tok, prompts, **kw, **look,
                                           drafter=TrieDrafter(branch_length=12)).token_ids}
     facts = {}
     for shape in ((2, 4), (8, 1)):
         mesh = sh.make_mesh(data=shape[0], model=shape[1])
         name = f"data={shape[0]},model={shape[1]}"
-        out[name + "/greedy"] = G.generate(model, tok, prompts, **kw, mesh=mesh).token_ids
-        la = G.generate(model, tok, prompts, **kw, **look, mesh=mesh, drafter=TrieDrafter(branch_length=12))
+        out[name + "/greedy"] = generate(model, tok, prompts, **kw, mesh=mesh).token_ids
+        la = generate(model, tok, prompts, **kw, **look, mesh=mesh, drafter=TrieDrafter(branch_length=12))
         out[name + "/lookahead"] = la.token_ids
         exe = engine_for(model, mesh).compiled.executables("verify")[-1]
         # axes of size 1 split nothing: written as None, so specs compare by what they split

@@ -21,16 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax import decode as D
-from lookahead_jax import generate as G
-from lookahead_jax import tree as tree_lib
-from lookahead_jax.acceptance import SpecSampling
+from lookahead_jax.core import decode as D
+from lookahead_jax.generate import generate
+from lookahead_jax.prompts import encode_prompts
+from lookahead_jax.core import tree as tree_lib
+from lookahead_jax.core.acceptance import SpecSampling
 from lookahead_jax.drafters.merge import merge
 from lookahead_jax.drafters.model import ModelDrafter, check_expansion, expansion_tree
-from lookahead_jax.drafts import Draft
-from lookahead_jax.engine import engine_for
+from lookahead_jax.core.drafts import Draft
+from lookahead_jax.core.engine import engine_for
 from lookahead_jax.models import forward, init_cache
-from lookahead_jax.sampling import SamplingParams, filter_logits
+from lookahead_jax.core.sampling import SamplingParams, filter_logits
 from lookahead_jax.strategies import SpecInfer
 from tiny import ByteTokenizer, load_prompts, tiny_model
 
@@ -60,7 +61,7 @@ def drafts(model):
 def run(model, tok, batch, **kw):
     ids, steps = [], 0
     for s in range(0, len(TEXTS), batch):
-        out = G.generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **kw)
+        out = generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **kw)
         ids += out.token_ids
         steps += sum(r.forward_steps for r in out.rows)  # per row (prefill included)
     return ids, steps
@@ -109,7 +110,7 @@ def test_bf16_draft_weights(model, tok, greedy, drafts):
     packed weights are bf16 (where the CPU kernels pack), the caller's draft model keeps
     its f32 params, the output is greedy's, and the target itself as a bf16 draft is
     still accepted almost always."""
-    from lookahead_jax.engine import _packed_dtype
+    from lookahead_jax.core.engine import _packed_dtype
     from lookahead_jax.strategies import draft_engine
 
     target = engine_for(model)
@@ -124,23 +125,23 @@ def test_bf16_draft_weights(model, tok, greedy, drafts):
     assert all(a is b for a, b in zip(jax.tree.leaves(drafts["same"].params), before))
     assert draft_engine(target, drafts["same"], "float32") is engine_for(drafts["same"])
     with pytest.raises(ValueError, match="draft_weights"):
-        G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, draft_weights="int8")
+        generate(model, tok, "hi", strategy="specinfer", draft_model=model, draft_weights="int8")
 
 
 def test_specinfer_eos_mid_batch_and_stop(model, greedy, drafts):
     tok = ByteTokenizer()
     tok.eos_token_ids = {greedy[1][10]}
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE)
-    ref = G.generate(model, tok, TEXTS[:4], **kw)
+    ref = generate(model, tok, TEXTS[:4], **kw)
     assert "eos" in [r.finish_reason for r in ref.rows] and len({len(t) for t in ref.token_ids}) > 1
     for d in ("same", "close"):
-        out = G.generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], **kw)
+        out = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], **kw)
         assert out.token_ids == ref.token_ids
         assert [r.finish_reason for r in out.rows] == [r.finish_reason for r in ref.rows]
     tok = ByteTokenizer()
     stop = tok.decode(greedy[4])[12:14]
-    ref = G.generate(model, tok, TEXTS[4:8], stop=[stop], **kw)
-    out = G.generate(model, tok, TEXTS[4:8], stop=[stop], strategy="specinfer", draft_model=drafts["close"], **kw)
+    ref = generate(model, tok, TEXTS[4:8], stop=[stop], **kw)
+    out = generate(model, tok, TEXTS[4:8], stop=[stop], strategy="specinfer", draft_model=drafts["close"], **kw)
     assert ref.rows[0].finish_reason == "stop"
     assert out.token_ids == ref.token_ids and out.texts == ref.texts
 
@@ -148,7 +149,7 @@ def test_specinfer_eos_mid_batch_and_stop(model, greedy, drafts):
 def test_model_drafter_rollback(model, tok, greedy, drafts):
     """Decode, roll rows back (the draft cache too), decode on: still plain greedy."""
     engine = engine_for(model)
-    ids = G.encode_prompts(tok, TEXTS[:4], chat=False)
+    ids = encode_prompts(tok, TEXTS[:4], chat=False)
     st = D.prefill(engine, ids, tok, max_len=CACHE, max_new_tokens=MAX_NEW)
     drafter = ModelDrafter(engine_for(drafts["close"]), (1, 1, 2, 1))
     drafter.begin(st)
@@ -183,9 +184,9 @@ def test_draft_model_merged_with_the_trie_equals_greedy(model, tok, greedy, draf
 def test_invariant_sampling_equals_plain_sampling(model, tok, drafts, temperature, top_k, top_p):
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234, max_new_tokens=MAX_NEW,
               max_cache_len=CACHE)
-    ref = G.generate(model, tok, TEXTS[:4], **kw).token_ids
+    ref = generate(model, tok, TEXTS[:4], **kw).token_ids
     for d in ("same", "random"):
-        out = G.generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], sampler="invariant", **kw)
+        out = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], sampler="invariant", **kw)
         ids, steps = out.token_ids, sum(r.forward_steps for r in out.rows)
         assert ids == ref
         if d == "same":  # the target's own noise: its first child is the target's sample
@@ -366,7 +367,7 @@ def test_specinfer_sampling_distribution_end_to_end(small, temperature, top_k, t
     counts = np.zeros(SMALL_V * SMALL_V)
     accepted = []
     for first in range(0, n, rows):
-        out = G.generate(target, tok, [prompt] * rows, max_new_tokens=2, strategy="specinfer",
+        out = generate(target, tok, [prompt] * rows, max_new_tokens=2, strategy="specinfer",
                          draft_model=draft, expansion=(2, 2), temperature=temperature, top_k=top_k,
                          top_p=top_p, seed=11, first_index=first, ignore_eos=True, max_cache_len=16)
         ids = np.array(out.token_ids)
@@ -379,15 +380,15 @@ def test_specinfer_sampling_distribution_end_to_end(small, temperature, top_k, t
 # ----------------------------------------------------------------------------- errors
 def test_specinfer_errors(model, tok, tmp_path):
     with pytest.raises(ValueError, match="needs a draft model"):
-        G.generate(model, tok, "hi", strategy="specinfer")
+        generate(model, tok, "hi", strategy="specinfer")
     other = tiny_model("llama", seed=2, vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300"):
-        G.generate(model, tok, "hi", strategy="specinfer", draft_model=other)
+        generate(model, tok, "hi", strategy="specinfer", draft_model=other)
     with pytest.raises(ValueError, match="expansion widths"):
-        G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, expansion=(1, 99))
+        generate(model, tok, "hi", strategy="specinfer", draft_model=model, expansion=(1, 99))
     with pytest.raises(ValueError, match="merges trees"):
-        G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, lookahead_nodes=4, temperature=1.0)
+        generate(model, tok, "hi", strategy="specinfer", draft_model=model, lookahead_nodes=4, temperature=1.0)
     with pytest.raises(ValueError, match="lookahead_nodes must be"):
-        G.generate(model, tok, "hi", strategy="specinfer", draft_model=model, lookahead_nodes=200)
+        generate(model, tok, "hi", strategy="specinfer", draft_model=model, lookahead_nodes=200)
     with pytest.raises(ValueError, match="cannot load draft model"):
-        G.generate(model, tok, "hi", strategy="specinfer", draft_model=str(tmp_path / "missing"))
+        generate(model, tok, "hi", strategy="specinfer", draft_model=str(tmp_path / "missing"))

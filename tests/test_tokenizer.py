@@ -248,7 +248,7 @@ def test_smollm_properties(ours_smol, hf_smol):
 def test_smollm_question_spans(ours_smol):
     """generate's question spans (where RaLM puts its passage) on SmolLM2's chat template:
     the user's text exactly, system prompt and role tokens outside it; plain text whole."""
-    from lookahead_jax.generate import encode_prompts
+    from lookahead_jax.prompts import encode_prompts
 
     q = "Who wrote Pride and Prejudice?"
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_jax.tree import (
+from lookahead_jax.core.tree import (
     PAD_PARENT,
     PAD_TOKEN,
     ROOT,
@@ -19,7 +19,7 @@ from lookahead_jax.tree import (
     verify_block_mask,
     with_root,
 )
-from lookahead_jax.trie import Draft, NgramTrie
+from lookahead_jax.drafters.ngram_trie import Draft, NgramTrie
 
 
 def test_constants():

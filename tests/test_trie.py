@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_jax.trie import INPUT_WEIGHT, Draft, NgramTrie, TrieDraft
+from lookahead_jax.drafters.ngram_trie import INPUT_WEIGHT, Draft, NgramTrie, TrieDraft
 
 
 # ----------------------------------------------------------------- helpers

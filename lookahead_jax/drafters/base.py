@@ -15,6 +15,7 @@ The loop (`decode.decode`) calls a drafter once per step for the whole batch:
     rollback(rows, length)     rows were set back to `length` committed cache slots
                                (`decode.rollback`): forget anything drafted past it
     end()                      the request is over
+    summary() -> dict          counters for the call's stats (e.g. the draft model's time)
     max_nodes: int             the largest draft it proposes (sizes the cache)
 
 What a drafter keeps for the budget policy (e.g. the trie's acceptance statistics per
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
-from ..drafts import EMPTY, Draft, DraftBatch
+from ..core.drafts import EMPTY, Draft, DraftBatch
 
 
 @runtime_checkable
@@ -42,6 +43,8 @@ class Drafter(Protocol):
     def rollback(self, rows: Sequence[int], length: int) -> None: ...
 
     def end(self) -> None: ...
+
+    def summary(self) -> dict: ...
 
 
 class PerRowDrafter:
@@ -71,3 +74,6 @@ class PerRowDrafter:
 
     def end(self) -> None:
         pass
+
+    def summary(self) -> dict:
+        return {}

@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from ..drafts import EMPTY, Draft, DraftBatch
+from ..core.drafts import EMPTY, Draft, DraftBatch
 
 
 def merge(drafts) -> tuple:
@@ -98,5 +98,5 @@ class MergedDrafter:
     def summary(self) -> dict:
         out = {}
         for d in self.drafters:
-            out.update(getattr(d, "summary", dict)())
+            out.update(d.summary())
         return out

@@ -49,11 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..drafts import EMPTY, Draft, DraftBatch
+from ..core.drafts import EMPTY, Draft, DraftBatch
 from ..models import advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
-from ..sampling import SamplingParams, filter_logits, position_keys
-from ..verify import window_for
+from ..core.sampling import SamplingParams, filter_logits, position_keys
+from ..core.verify import window_for
 
 # a depth-4 chain: on a 2-core CPU the draft's forwards (one per level) dominate a step, and
 # this beat SpecInfer's 20-node tree (1, 1, 3, 1, 1, 1, 1, 1) by 2x (bench/results/README.md);
@@ -305,7 +305,7 @@ class ModelDrafter:
 
     def _catch_up(self, state, upto) -> None:
         """Forward context[dlen:upto] of every row into the draft cache (prefill)."""
-        from ..decode import prompt_bucket
+        from ..core.decode import prompt_bucket
 
         B, S = state.batch, state.max_len
         if self.commit_n.any():

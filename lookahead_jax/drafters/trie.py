@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import itertools
 
-from ..budget import AcceptanceStats
-from ..drafts import EMPTY, DraftBatch
-from ..trie import MODES, NgramTrie
+from ..core.budget import AcceptanceStats
+from ..core.drafts import EMPTY, DraftBatch
+from .ngram_trie import MODES, NgramTrie
 
 _request_ids = itertools.count()
 
@@ -83,3 +83,6 @@ class TrieDrafter:
         for req in self._req.values():
             self.trie.end_request(req)
         self._req.clear()
+
+    def summary(self) -> dict:
+        return {}

@@ -8,14 +8,13 @@
 `datastore.py` the datastore (hidden state -> next token) on disk: build, load, the errors
 naming the build command; `search.py` the device side: canonical distances, exact / subset
 search, faiss candidates, the mixed distribution and the token pick, the model step;
-`strategy.py` the strategy and its runs (plain and speculative); `cli.py` the command line.
+`cli.py` the command line. The strategy and its runs: `strategies/knnlm.py`.
 """
 
 from .datastore import (
     Datastore, DatastoreNotBuilt, DatastoreUnavailable, StaleDatastore, build_datastore, datastore_dir,
     load_datastore,
 )
-from .strategy import KNNLM
 
-__all__ = ["KNNLM", "Datastore", "DatastoreNotBuilt", "DatastoreUnavailable", "StaleDatastore",
+__all__ = ["Datastore", "DatastoreNotBuilt", "DatastoreUnavailable", "StaleDatastore",
            "build_datastore", "datastore_dir", "load_datastore"]

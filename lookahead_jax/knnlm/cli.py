@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..retrieval.corpus import CorpusError, load_corpus
-    from .datastore import DatastoreUnavailable, _read_meta, build_datastore, datastore_dir, load_datastore
+    from .datastore import DatastoreUnavailable, read_meta, build_datastore, datastore_dir, load_datastore
 
     args = _parser().parse_args(argv)
     if args.max_passages is not None and args.max_passages < 1:
@@ -56,7 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .. import loading
 
         model, tok = loading.load(args.model, dtype=args.dtype)
-        before = _read_meta(Path(args.out).expanduser() if args.out else datastore_dir(model, corpus))
+        before = read_meta(Path(args.out).expanduser() if args.out else datastore_dir(model, corpus))
         path = build_datastore(model, tok, corpus, max_passages=args.max_passages, max_tokens=args.max_tokens,
                                key_dtype=args.key_dtype, path=args.out, force=args.force, hnsw=args.hnsw,
                                progress=not args.quiet)

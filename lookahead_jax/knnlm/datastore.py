@@ -160,7 +160,7 @@ class Datastore:
                 f"{m['n_passages']:,} passages, model {m['model']['name'] or '?'}, {self.path})")
 
 
-def _read_meta(path: Path) -> Optional[dict]:
+def read_meta(path: Path) -> Optional[dict]:
     try:
         return json.loads((path / "meta.json").read_text())
     except (OSError, ValueError):
@@ -177,7 +177,7 @@ def _open(path: Path, meta: dict) -> Datastore:
     return Datastore(path, meta, keys, values, offsets)
 
 
-def _mismatch(meta: dict, ident: dict, corpus: Optional[Corpus]) -> Optional[str]:
+def mismatch(meta: dict, ident: dict, corpus: Optional[Corpus]) -> Optional[str]:
     if meta.get("format") != FORMAT:
         return f"it has format {meta.get('format')}, this version reads {FORMAT}"
     m = meta.get("model", {})
@@ -203,10 +203,10 @@ def load_datastore(model, corpus: Union[Corpus, str, Path, None] = None,
     if path is not None:
         path = Path(path).expanduser()
         cmd = build_command(model, corpus, path)
-        meta = _read_meta(path)
+        meta = read_meta(path)
         if meta is None:
             raise DatastoreNotBuilt(f"no KNN-LM datastore at {path}. Build it with:\n  {cmd}", cmd)
-        why = _mismatch(meta, ident, corpus)
+        why = mismatch(meta, ident, corpus)
         if why:
             raise StaleDatastore(f"the KNN-LM datastore at {path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
         return _open(path, meta)
@@ -218,28 +218,28 @@ def load_datastore(model, corpus: Union[Corpus, str, Path, None] = None,
             raise DatastoreNotBuilt(f"no KNN-LM datastore built for model {ident['name'] or '?'} under "
                                     f"{home.parent}. Build one with:\n  {cmd}", cmd)
         if len(found) > 1:
-            listed = "\n  ".join(f"{p} ({(_read_meta(p) or {}).get('corpus_source')})" for p in found)
+            listed = "\n  ".join(f"{p} ({(read_meta(p) or {}).get('corpus_source')})" for p in found)
             raise ValueError(f"{len(found)} KNN-LM datastores are built for model {ident['name'] or '?'}:\n  "
                              f"{listed}\nchoose one with datastore=DIR (--datastore) or corpus=FILE (--corpus)")
         path = found[0]
-        meta = _read_meta(path)
-        why = _mismatch(meta, ident, None)
+        meta = read_meta(path)
+        why = mismatch(meta, ident, None)
         if why:
             raise StaleDatastore(f"the KNN-LM datastore at {path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
         return _open(path, meta)
     path = home / corpus.fingerprint[:16]
     cmd = build_command(model, corpus)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if meta is None:
         older = [p.parent for p in home.glob("*/meta.json")
-                 if corpus.source and (_read_meta(p.parent) or {}).get("corpus_source") == str(corpus.source)]
+                 if corpus.source and (read_meta(p.parent) or {}).get("corpus_source") == str(corpus.source)]
         if older:
             raise StaleDatastore(f"the KNN-LM datastore of {corpus.source} is stale: the file changed since "
                                  f"{older[0]} was built (sha256 now {corpus.fingerprint[:16]}). Build it again "
                                  f"with:\n  {cmd}", cmd)
         raise DatastoreNotBuilt(f"no KNN-LM datastore for model {ident['name'] or '?'} and {corpus!r} under "
                                 f"{home.parent}. Build it with:\n  {cmd}", cmd)
-    why = _mismatch(meta, ident, corpus)
+    why = mismatch(meta, ident, corpus)
     if why:
         raise StaleDatastore(f"the KNN-LM datastore at {path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
     return _open(path, meta)
@@ -248,7 +248,7 @@ def load_datastore(model, corpus: Union[Corpus, str, Path, None] = None,
 # ----------------------------------------------------------------------------- building
 def _bucket(n: int) -> int:
     """Padded passage length: the decode loop's prompt buckets (16, 32, .., 128, 192, 256, 384, 512)."""
-    from ..decode import PROMPT_BUCKETS
+    from ..core.decode import PROMPT_BUCKETS
 
     return next((b for b in PROMPT_BUCKETS if b >= n), 1 << (n - 1).bit_length())
 
@@ -292,7 +292,7 @@ def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_p
     ValueError when no passage has 2 tokens."""
     import jax.numpy as jnp
 
-    from ..engine import engine_for
+    from ..core.engine import engine_for
 
     corpus = load_corpus(corpus)
     if max_passages is not None and (isinstance(max_passages, bool) or not isinstance(max_passages, int)
@@ -305,8 +305,8 @@ def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_p
     ident = model_identity(model)
     path = Path(path).expanduser() if path is not None else datastore_dir(model, corpus)
     n_pass = len(corpus) if max_passages is None else min(max_passages, len(corpus))
-    meta = _read_meta(path)
-    if (not force and meta is not None and _mismatch(meta, ident, corpus) is None
+    meta = read_meta(path)
+    if (not force and meta is not None and mismatch(meta, ident, corpus) is None
             and meta.get("n_passages") == n_pass and meta.get("max_tokens") == max_tokens
             and meta.get("key_dtype") == key_dtype):
         if hnsw:

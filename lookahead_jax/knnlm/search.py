@@ -61,8 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models import advance, hidden_states, logits_from_hidden
-from ..sampling import SamplingParams, select_tokens
-from ..verify import banned, token_logprobs
+from ..core.sampling import SamplingParams, select_tokens
+from ..core.verify import banned, token_logprobs
 
 U = 2.0 ** -24  # float32 unit roundoff
 BIG_ID = np.iinfo(np.int32).max  # sorts after every real id

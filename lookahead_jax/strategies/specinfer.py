@@ -1,124 +1,21 @@
-"""Decoding strategies: what a `generate` call plugs into the decode loop.
-
-A strategy is a frozen dataclass of its own options. `setup(engine, state, ...)` returns
-the components of the loop for one call: (drafter, acceptance rule, budget policy). The
-loop, the verify step and the output handling are the same for every strategy.
-
-    generate(model, tok, prompts, strategy=Lookahead(decoding_length=7))
-    generate(model, tok, prompts, strategy="lookahead", decoding_length=7)   # same
-
-Adding a strategy = one dataclass with `setup` + one `register` line. The CLI builds
-its flags from the dataclass fields (`--decoding-length`, `--branch-length`, ...;
-`cli_names` renames one, e.g. mode -> `--lookahead-mode`).
-"""
+"""SpecInfer: a small draft model grows a token tree on device (`drafters/model.py`),
+optionally merged with the n-gram trie's; the target verifies it in one forward. Also the
+draft-model plumbing: loading a draft once per target engine, checking its vocabulary."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from . import tree as tree_lib
-from .acceptance import SpecSampling, TokenMatch
-from .budget import AutoBudget, FixedBudget, StepTimes, prior_costs
-from .drafters.model import SAMPLERS
+
+from ..core import tree as tree_lib
+from ..core.acceptance import SpecSampling, TokenMatch
+from ..core.budget import FixedBudget
+from ..drafters.model import SAMPLERS
+from .base import StrategyBase
 
 DRAFT_WEIGHTS = ("bfloat16", "float32")  # storage of a draft model's packed CPU weights
 
 log = logging.getLogger("lookahead_jax")
-REGISTRY: dict = {}
-
-
-def register(cls):
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-@register
-@dataclasses.dataclass(frozen=True)
-class Greedy:
-    """Plain decoding, one token per forward (greedy, or sampling with temperature > 0)."""
-
-    name = "greedy"
-    help = "plain decoding"
-    cli_names = {}
-
-    def validate(self) -> None:
-        pass
-
-    def max_nodes(self, drafter=None) -> int:
-        return 0
-
-    def setup(self, engine, state, drafter=None, references=None):
-        return None, TokenMatch(state.sampling), FixedBudget(0)
-
-
-@register
-@dataclasses.dataclass(frozen=True)
-class Lookahead:
-    """n-gram trie drafts (prompt, references, past outputs) verified as one token tree
-    per step; output identical to Greedy.
-
-    decoding_length: draft nodes per step (0..128), or "auto": the budget that maximises
-        expected tokens/s from verify costs among tree sizes T = 0, 1, 3, 7, 15, 31, 63
-        (verify blocks of 1+T = 2^k tokens). Tuned on CPU; on a GPU a fixed 15 is faster
-        for now.
-    branch_length: maximum draft depth.  mode: hierarchical | parallel | single.
-    calibrate: with "auto", time every tree size before the first request of a shape
-        (~20-30 s on a 2-core CPU, compiling every size) instead of starting from the
-        platform's typical costs (`budget.PRIOR_COST_RATIOS`). Either way the times of
-        real steps correct the costs as decoding goes, and a tree size compiles when
-        first used."""
-
-    decoding_length: object = "auto"
-    branch_length: int = 12
-    mode: str = "hierarchical"
-    calibrate: bool = False
-
-    name = "lookahead"
-    help = "n-gram trie drafts verified as a token tree (same tokens as greedy)"
-    cli_names = {"mode": "lookahead-mode"}
-    choices = {"mode": ("hierarchical", "parallel", "single")}
-    field_help = {
-        "calibrate": "true: with --decoding-length auto, time every tree size before decoding (~20-30 s "
-                     "on a 2-core CPU) instead of starting from typical costs that real steps correct "
-                     "(default false)",
-    }
-
-    @property
-    def auto(self) -> bool:
-        return self.decoding_length == "auto"
-
-    def validate(self) -> None:
-        dl = self.decoding_length
-        if not self.auto and (not isinstance(dl, int) or isinstance(dl, bool)
-                              or not 0 <= dl <= tree_lib.MAX_NODES):
-            raise ValueError(f"decoding_length must be 'auto' or an integer in [0, {tree_lib.MAX_NODES}], got {dl!r}")
-
-    def drafter(self, engine):
-        from .drafters.trie import TrieDrafter  # greedy needs no trie
-
-        return TrieDrafter.shared(engine, branch_length=self.branch_length, mode=self.mode)
-
-    def max_nodes(self, drafter) -> int:
-        return drafter.max_nodes if self.auto else self.decoding_length
-
-    def setup(self, engine, state, drafter, references=None):
-        rule = TokenMatch(state.sampling)
-        drafter.begin(state, references)
-        if not self.auto:
-            return drafter, rule, FixedBudget(self.decoding_length)
-        buckets = tuple(b for b in tree_lib.BUCKETS if b <= drafter.max_nodes)
-        B, S = state.batch, state.max_len
-        t0 = time.perf_counter()
-        if self.calibrate:  # every bucket timed once per shape, at a typical length of this run
-            mid = int(state.lengths.max()) + state.rows[0].max_new // 2
-            costs = engine.measure_verify_costs(rule, B, S, buckets, mid)
-        else:
-            costs = prior_costs(engine.platform, buckets)
-        times = engine.step_times.setdefault((rule, B, S), StepTimes())
-        policy = AutoBudget(buckets, costs, getattr(drafter, "acceptance", None), times=times)
-        policy.calibrate_s = time.perf_counter() - t0 if self.calibrate else 0.0
-        return drafter, rule, policy
 
 
 def _expansion(value) -> tuple:
@@ -128,9 +25,8 @@ def _expansion(value) -> tuple:
     return tuple(int(v) for v in value)
 
 
-@register
 @dataclasses.dataclass(frozen=True)
-class SpecInfer:
+class SpecInfer(StrategyBase):
     """A small draft model proposes a token tree (SpecInfer's expansion-based trees, grown
     on device over the draft's own KV cache, `drafters/model.py`); the target verifies it
     in one forward. Greedy: output identical to Greedy. Sampling: `sampler="mss"` keeps the
@@ -161,7 +57,6 @@ class SpecInfer:
 
     name = "specinfer"
     help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
-    cli_names = {}
     choices = {"sampler": SAMPLERS, "draft_weights": DRAFT_WEIGHTS}
     parsers = {"expansion": _expansion, "draft_model": str}
     metavars = {"draft_model": "NAME_OR_PATH", "expansion": "W1,W2,..."}
@@ -183,7 +78,7 @@ class SpecInfer:
             object.__setattr__(self, "expansion", _expansion(self.expansion))
 
     def validate(self) -> None:
-        from .drafters.model import check_expansion
+        from ..drafters.model import check_expansion
 
         if self.draft_model is None or self.draft_model == "":
             raise ValueError("strategy 'specinfer' needs a draft model: draft_model=NAME_OR_PATH "
@@ -192,7 +87,7 @@ class SpecInfer:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.draft_weights not in DRAFT_WEIGHTS:
             raise ValueError(f"draft_weights must be 'bfloat16' or 'float32', got {self.draft_weights!r}")
-        from .drafters.model import expansion_tree
+        from ..drafters.model import expansion_tree
 
         n = len(expansion_tree(check_expansion(self.expansion, tree_lib.MAX_NODES))[0])
         if not isinstance(self.lookahead_nodes, int) or not 0 <= self.lookahead_nodes <= tree_lib.MAX_NODES - n:
@@ -201,15 +96,14 @@ class SpecInfer:
                              f"got {self.lookahead_nodes!r}")
 
     def drafter(self, engine):
-        from .drafters.model import ModelDrafter
-        from .engine import engine_for
+        from ..drafters.model import ModelDrafter
 
         model = ModelDrafter(draft_engine(engine, self.draft_model, self.draft_weights), self.expansion,
                              self.sampler)
         if not self.lookahead_nodes:
             return model
-        from .drafters.merge import MergedDrafter
-        from .drafters.trie import TrieDrafter
+        from ..drafters.merge import MergedDrafter
+        from ..drafters.trie import TrieDrafter
 
         return MergedDrafter(model, TrieDrafter.shared(engine, max_nodes=self.lookahead_nodes))
 
@@ -232,7 +126,7 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     whose packed weights are bf16 (`Engine.weight_dtype`), so a draft Model the caller
     passed in keeps its exact self elsewhere; "float32", or on a mesh: the draft's shared
     engine (`engine_for`)."""
-    from .engine import Engine, engine_for
+    from ..core.engine import Engine, engine_for
 
     if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft weights must be 'bfloat16' or 'float32', got {weights!r}")
@@ -276,7 +170,7 @@ def load_draft(engine, draft_model, pack: bool = True):
             cache[draft_model] = _load_by_name(engine, draft_model)
         draft = cache[draft_model]
         if pack and engine.mesh is None:
-            from .engine import engine_for
+            from ..core.engine import engine_for
 
             engine_for(draft).keep_packed_only()
     else:
@@ -285,7 +179,7 @@ def load_draft(engine, draft_model, pack: bool = True):
 
 
 def _load_by_name(engine, name: str):
-    from .loading import load
+    from ..loading import load
 
     try:
         return load(name, dtype=engine.dtype)[0]
@@ -312,50 +206,3 @@ def check_draft(engine, draft, draft_model):
         log.warning("the draft model (%d params) is not smaller than the target (%d): SpecInfer "
                     "will be slower than plain decoding", size(draft), size(engine.model))
     return draft
-
-
-def resolve(strategy, **options):
-    """A strategy object from a name or an object; `options` are the strategy's fields
-    given flat (`decoding_length=7`). Options of another strategy are ignored (with a
-    warning unless left at their defaults); unknown options are an error."""
-    if isinstance(strategy, str):
-        if strategy not in REGISTRY:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {tuple(REGISTRY)}")
-        cls = REGISTRY[strategy]
-        fields = {f.name for f in dataclasses.fields(cls)}
-        mine = {k: v for k, v in options.items() if k in fields}
-        obj = cls(**mine)
-    else:
-        if type(strategy) not in REGISTRY.values():
-            raise ValueError(f"strategy must be a name in {tuple(REGISTRY)} or one of their "
-                             f"objects, got {strategy!r}")
-        obj, fields = strategy, set()
-    known = {f.name: f.default for c in REGISTRY.values() for f in dataclasses.fields(c)}
-    for k, v in options.items():
-        if k not in known:
-            raise TypeError(f"generate() got an unexpected keyword argument {k!r}")
-        if k not in fields and v != known[k]:
-            log.warning("%s=%r is not an option of strategy %r: ignored", k, v, obj.name)
-    obj.validate()
-    return obj
-
-
-def strategy_options() -> dict:
-    """{field name: default} over every registered strategy (the flat keyword forms)."""
-    return {f.name: f.default for c in REGISTRY.values() for f in dataclasses.fields(c)}
-
-
-# retrieval-augmented decoding (ralm.py: the strategies that drive the loop themselves)
-from .ralm import RaLM, RaLMSpec  # noqa: E402
-
-register(RaLM)
-register(RaLMSpec)
-
-# KNN-LM (knnlm/): the next-token distribution mixed with the nearest datastore entries'
-from .knnlm import KNNLM  # noqa: E402
-
-register(KNNLM)
-
-
-__all__ = ["Greedy", "Lookahead", "SpecInfer", "REGISTRY", "register", "resolve", "strategy_options"]
-

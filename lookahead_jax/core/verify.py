@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 
 from .acceptance import TokenMatch
-from .models import KVCache, advance, commit, forward, hidden_states, logits_from_hidden
-from .models.config import ModelConfig
+from ..models import KVCache, advance, commit, forward, hidden_states, logits_from_hidden
+from ..models.config import ModelConfig
 from .sampling import Penalties, SamplingParams, penalize, select_tokens
 
 

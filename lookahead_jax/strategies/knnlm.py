@@ -54,7 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ralm import _auto_or_int  # "auto" or an int from the CLI's string
+from .base import StrategyBase
+from .speculation import FinalTextStream, auto_or_int, number_in
 
 SEARCHES = ("exact", "hnsw", "flat")
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
@@ -62,15 +63,8 @@ DEFAULT_SPECULATION_STRIDE = 4
 MAX_SPECULATION_STRIDE = 16
 
 
-def _number(name, v, lo, hi, integer=True):
-    ok = not isinstance(v, bool) and isinstance(v, (int, np.integer) if integer else (int, float, np.number))
-    if not ok or not lo <= v <= hi:
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {kind} in [{lo}, {hi}], got {v!r}")
-
-
 @dataclasses.dataclass(frozen=True)
-class KNNLM:
+class KNNLM(StrategyBase):
     """KNN-LM (Khandelwal et al. 2020): the next token is drawn from lam * p_kNN + (1 - lam)
     * p_LM, p_kNN from the k datastore entries nearest (squared L2) to the model's final
     hidden state (module docstring; search.py).
@@ -104,7 +98,7 @@ class KNNLM:
             "(--speculative: the same tokens with speculative, batch-verified searches)")
     cli_names = {}
     choices = {"knn_search": SEARCHES}
-    parsers = {"datastore": str, "corpus": str, "speculation_stride": _auto_or_int}
+    parsers = {"datastore": str, "corpus": str, "speculation_stride": auto_or_int}
     metavars = {"datastore": "DIR", "corpus": "JSONL", "speculative": "true|false",
                 "speculation_stride": "N|auto"}
     field_help = {
@@ -120,20 +114,20 @@ class KNNLM:
     }
 
     def __post_init__(self):
-        object.__setattr__(self, "speculation_stride", _auto_or_int(self.speculation_stride))
+        object.__setattr__(self, "speculation_stride", auto_or_int(self.speculation_stride))
         if isinstance(self.speculative, str):
             object.__setattr__(self, "speculative", self.speculative.lower() in ("1", "true", "yes", ""))
 
     def validate(self) -> None:
         from ..retrieval.corpus import Corpus
-        from .datastore import Datastore
+        from ..knnlm.datastore import Datastore
 
         if not (self.datastore is None or isinstance(self.datastore, (str, Path, Datastore))):
             raise ValueError(f"datastore must be a directory or a Datastore, got {type(self.datastore).__name__}")
         if not (self.corpus is None or isinstance(self.corpus, (str, Path, Corpus))):
             raise ValueError(f"corpus must be a JSON Lines path or a Corpus, got {type(self.corpus).__name__}")
-        _number("knn_k", self.knn_k, 1, 4096)
-        _number("knn_lambda", self.knn_lambda, 0.0, 1.0, integer=False)
+        number_in("knn_k", self.knn_k, 1, 4096)
+        number_in("knn_lambda", self.knn_lambda, 0.0, 1.0, integer=False)
         if not (isinstance(self.knn_temperature, (int, float)) and self.knn_temperature > 0):
             raise ValueError(f"knn_temperature must be a number > 0, got {self.knn_temperature!r}")
         if self.knn_search not in SEARCHES:
@@ -142,11 +136,11 @@ class KNNLM:
             raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
         if self.speculation_stride != "auto":
             try:
-                _number("speculation_stride", self.speculation_stride, 1, MAX_SPECULATION_STRIDE)
+                number_in("speculation_stride", self.speculation_stride, 1, MAX_SPECULATION_STRIDE)
             except ValueError:
                 raise ValueError(f"speculation_stride must be 'auto' or an integer in [1, {MAX_SPECULATION_STRIDE}], "
                                  f"got {self.speculation_stride!r}") from None
-        _number("knn_cache_next", self.knn_cache_next, 1, 1024)
+        number_in("knn_cache_next", self.knn_cache_next, 1, 1024)
 
     # ---- the strategy protocol (generate.py): no drafter, plain verification
     def drafter(self, engine):
@@ -156,8 +150,8 @@ class KNNLM:
         return 0
 
     def setup(self, engine, state, drafter=None, references=None):
-        from ..acceptance import TokenMatch
-        from ..budget import FixedBudget
+        from ..core.acceptance import TokenMatch
+        from ..core.budget import FixedBudget
 
         return None, TokenMatch(state.sampling), FixedBudget(0)
 
@@ -173,8 +167,8 @@ class KNNLM:
 def resolve_index(strat: KNNLM, engine):
     """The strategy's datastore on the device (`search.KnnIndex`), kept by the engine (one:
     the last used)."""
-    from .datastore import Datastore, StaleDatastore, _mismatch, build_command, load_datastore, model_identity
-    from .search import KnnIndex
+    from ..knnlm.datastore import Datastore, StaleDatastore, mismatch, build_command, load_datastore, model_identity
+    from ..knnlm.search import KnnIndex
 
     if engine.mesh is not None:
         raise ValueError("strategy 'knnlm' runs on one device for now: drop the mesh")
@@ -183,7 +177,7 @@ def resolve_index(strat: KNNLM, engine):
         from ..retrieval.corpus import load_corpus
 
         corpus = load_corpus(strat.corpus) if strat.corpus is not None else None
-        why = _mismatch(ds.meta, model_identity(engine.model), corpus)
+        why = mismatch(ds.meta, model_identity(engine.model), corpus)
         if why:
             cmd = build_command(engine.model, corpus, ds.path)
             raise StaleDatastore(f"the KNN-LM datastore at {ds.path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
@@ -249,7 +243,7 @@ class KnnRun:
 
     def _forward(self, state, active):
         """Forward every row's root; the active rows' lengths advance by one."""
-        from .search import forward_fn
+        from ..knnlm.search import forward_fn
 
         eng = self.engine
         h, logits, state.cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
@@ -262,7 +256,7 @@ class KnnRun:
     def _search(self, state, h, need=None):
         """True neighbour ids [Q,k] of the queries h [Q,D] (device or host array); `need`
         [Q]: the queries whose answer is used (others may be skipped)."""
-        from .search import brute_search, exact_search, subset_search
+        from ..knnlm.search import brute_search, exact_search, subset_search
 
         idx, k = self.index, self.k
         t0 = self._clock()
@@ -292,7 +286,7 @@ class KnnRun:
 
     def _choose(self, state, h, logits, ids, pos):
         """(tokens [B], log-probabilities [B]) from (h, logits, neighbour ids) (search.choose)."""
-        from .search import choose
+        from ..knnlm.search import choose
 
         eng, s = self.engine, self.strat
         opts = state.step_options()
@@ -400,7 +394,7 @@ class KnnSpecRun(KnnRun):
 
     # ---- steps
     def _spec_step(self, state, active, cand) -> _Step:
-        from .search import cache_search
+        from ..knnlm.search import cache_search
 
         t0 = self._clock()
         pos = state.lengths.copy()
@@ -474,9 +468,8 @@ class KnnSpecRun(KnnRun):
         self.verify_s += self._clock() - t0
 
     def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
-        from ..ralm import _Stream
 
-        stream = _Stream(state, self.tok)
+        stream = FinalTextStream(state, self.tok)
         final = lambda st, b: len(st.rows[b].ids) if self._pending[b] is None else self._pending[b]  # noqa: E731
         state._mark_finished()
         active = state.active

@@ -61,7 +61,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .trie import Draft
+from .drafts import Draft
 
 ROOT = -1  # parent of a child of the root
 PAD_PARENT = -2  # parent of a padding node
@@ -200,3 +200,9 @@ def with_root(packed: PackedTree, root_tokens: Sequence[int] | np.ndarray) -> Ve
         valid=np.concatenate([np.ones((B, 1), bool), packed.valid], axis=1),
         mask=verify_block_mask(packed.anc),
     )
+
+
+def verify_block(root, drafts, T: int) -> VerifyBlock:
+    """Root [B] + drafts (one `Draft` per row) packed into the static [B,1+T] block the
+    verify step takes."""
+    return with_root(pack(drafts, T), root)

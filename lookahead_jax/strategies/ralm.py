@@ -85,7 +85,9 @@ from typing import Optional
 
 import numpy as np
 
-from .decode import decode, replace_prompt
+from ..core.decode import decode, replace_prompt
+from .base import StrategyBase
+from .speculation import FinalTextStream, auto_or_int, number_in
 
 SEPARATOR = "\n\n"  # between the passage and the prompt
 DEFAULT_SPECULATION_STRIDE = 3  # s before OS3 has measurements
@@ -93,24 +95,8 @@ MAX_SPECULATION_STRIDE = 16
 MAX_STRIDE = 4096
 
 
-def _int_in(name, v, lo, hi):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
-        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
-
-
-def _auto_or_int(v):
-    """"auto", or an integer from its string (the CLI's form); anything else as it is, for
-    `validate` to name."""
-    if isinstance(v, str) and v != "auto":
-        try:
-            return int(v)
-        except ValueError:
-            return v
-    return v
-
-
 @dataclasses.dataclass(frozen=True)
-class RaLM:
+class RaLM(StrategyBase):
     """In-context retrieval-augmented decoding (module docstring): every `stride` generated
     tokens the last `query_tokens` tokens query the retriever and its top-1 passage is put
     before the prompt (the row is re-prefilled when the passage changes).
@@ -134,9 +120,10 @@ class RaLM:
     lookahead: object = 0
 
     name = "ralm"
+    uses_question_spans = True
     help = "retrieval-augmented decoding: top-1 passage before the prompt, re-retrieved every --stride tokens"
     cli_names = {}
-    parsers = {"retriever": str, "corpus": str, "lookahead": _auto_or_int}
+    parsers = {"retriever": str, "corpus": str, "lookahead": auto_or_int}
     metavars = {"retriever": "KIND", "corpus": "JSONL", "lookahead": "N|auto"}
     field_help = {
         "retriever": "retriever kind bm25|dense|hnsw|ivf (its index built with python -m "
@@ -149,11 +136,11 @@ class RaLM:
     }
 
     def __post_init__(self):
-        object.__setattr__(self, "lookahead", _auto_or_int(self.lookahead))
+        object.__setattr__(self, "lookahead", auto_or_int(self.lookahead))
 
     # ---- checks and components
     def validate(self) -> None:
-        from .retrieval import KINDS, UnknownRetriever
+        from ..retrieval import KINDS, UnknownRetriever
 
         r = self.retriever
         if r is None:
@@ -166,17 +153,17 @@ class RaLM:
                 raise ValueError(f"retriever={r!r} needs corpus=PATH (the JSON Lines file its index was built from)")
         elif not all(callable(getattr(r, m, None)) for m in ("retrieve", "retrieve_from")):
             raise ValueError(f"retriever must be a retriever kind or a Retriever object, got {type(r).__name__}")
-        _int_in("stride", self.stride, 1, MAX_STRIDE)
-        _int_in("query_tokens", self.query_tokens, 1, 1 << 20)
-        _int_in("max_passage_tokens", self.max_passage_tokens, 1, 1 << 20)
+        number_in("stride", self.stride, 1, MAX_STRIDE)
+        number_in("query_tokens", self.query_tokens, 1, 1 << 20)
+        number_in("max_passage_tokens", self.max_passage_tokens, 1, 1 << 20)
         la = self.lookahead
         if la != "auto":
-            from . import tree as tree_lib
+            from ..core import tree as tree_lib
 
-            _int_in("lookahead", la, 0, tree_lib.MAX_NODES)
+            number_in("lookahead", la, 0, tree_lib.MAX_NODES)
 
     def _lookahead(self):
-        from .strategies import Lookahead
+        from . import Lookahead
 
         return None if self.lookahead == 0 else Lookahead(decoding_length=self.lookahead)
 
@@ -191,8 +178,8 @@ class RaLM:
         return la.max_nodes(drafter) if la is not None else drafter.max_nodes
 
     def setup(self, engine, state, drafter=None, references=None):
-        from .acceptance import TokenMatch
-        from .budget import FixedBudget
+        from ..core.acceptance import TokenMatch
+        from ..core.budget import FixedBudget
 
         if drafter is None:
             return None, TokenMatch(state.sampling), FixedBudget(0)
@@ -231,17 +218,17 @@ class RaLMSpec(RaLM):
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "speculation_stride", _auto_or_int(self.speculation_stride))
+        object.__setattr__(self, "speculation_stride", auto_or_int(self.speculation_stride))
 
     def validate(self) -> None:
         super().validate()
         if self.speculation_stride != "auto":
             try:
-                _int_in("speculation_stride", self.speculation_stride, 1, MAX_SPECULATION_STRIDE)
+                number_in("speculation_stride", self.speculation_stride, 1, MAX_SPECULATION_STRIDE)
             except ValueError:
                 raise ValueError(f"speculation_stride must be 'auto' or an integer in "
                                  f"[1, {MAX_SPECULATION_STRIDE}], got {self.speculation_stride!r}") from None
-        _int_in("prefetch", self.prefetch, 1, 1 << 20)
+        number_in("prefetch", self.prefetch, 1, 1 << 20)
         if not isinstance(self.async_verify, bool):
             raise ValueError(f"async_verify must be True or False, got {self.async_verify!r}")
 
@@ -258,8 +245,8 @@ def resolve_retriever(retriever, corpus=None):
     is kept, keyed by the corpus file's path, size and mtime)."""
     if not isinstance(retriever, str):
         return retriever
-    from .retrieval import load_retriever
-    from .retrieval.corpus import Corpus
+    from ..retrieval import load_retriever
+    from ..retrieval.corpus import Corpus
 
     if isinstance(corpus, Corpus):
         key = (retriever, "sha256", corpus.fingerprint)
@@ -288,6 +275,8 @@ class RalmRun:
     `extra_tokens` (cache sizing), `prompts()` (before prefill), `decode(...)` (instead
     of `decode.decode`), `summary()` (stats)."""
 
+    picks_first_token = False  # prefill picks each row's first token, as for greedy
+
     def __init__(self, strat: RaLM, tokenizer, prompt_ids, spans=None):
         self.strat, self.tok = strat, tokenizer
         self.retriever = resolve_retriever(strat.retriever, strat.corpus)
@@ -300,10 +289,10 @@ class RalmRun:
         self.orig = [list(x) for x in prompt_ids]
         B = len(self.orig)
         if spans is None:
-            from .generate import _adds_bos, _question_span
+            from ..prompts import adds_bos, question_span
 
-            own_bos = _adds_bos(tokenizer)
-            spans = [_question_span(tokenizer, x, own_bos) for x in self.orig]
+            own_bos = adds_bos(tokenizer)
+            spans = [question_span(tokenizer, x, own_bos) for x in self.orig]
         if len(spans) != B or not all(0 <= a < e <= len(x) for (a, e), x in zip(spans, self.orig)):
             raise ValueError(f"spans must give one [start, end) inside each of the {B} prompts, got {spans!r}")
         self.span = [(int(a), int(e)) for a, e in spans]
@@ -372,7 +361,7 @@ class RalmRun:
 
     def decode(self, engine, state, drafter, rule, budget) -> None:
         """Decode to the end, pausing at every boundary a row reaches (or crosses)."""
-        self._stream = _Stream(state, self.tok)
+        self._stream = FinalTextStream(state, self.tok)
         while True:
             self._resolve(engine, state, drafter)
             self._stream.flush(state, self._final_upto)
@@ -715,44 +704,3 @@ def os3_stride(gamma: float, a: float, b: float, max_s: int = MAX_SPECULATION_ST
     else:
         rate = (1 - gamma ** (s + 1)) / (1 - gamma) / ((s + 1) * a + b)
     return int(s[int(np.argmax(rate))])
-
-
-# ----------------------------------------------------------------------------- streaming
-class _Stream:
-    """Hands on_text only text that is final: the rows' own streaming is switched off and
-    each flush sends the text of the tokens no retrieval can change (all of it once the row
-    has finished), holding back a tail that is half a character or could grow into a stop
-    string."""
-
-    def __init__(self, state, tokenizer):
-        self.tok = tokenizer
-        self.on_text = {}
-        self.sent = {}
-        for r in state.rows:
-            if r.on_text is not None:
-                self.on_text[r.index] = r.on_text
-                self.sent[r.index] = r.text[:getattr(r, "_sent", 0)]
-                r.on_text = None
-
-    def flush(self, state, final_upto) -> None:
-        for b, cb in self.on_text.items():
-            r = state.rows[b]
-            n = final_upto(state, b)
-            done = r.finish is not None and n == len(r.ids)
-            if done:
-                text = r.text
-            else:
-                text = self.tok.decode(r.ids[:n], skip_special_tokens=True)
-                end = len(text)
-                while end and text[end - 1] == "\ufffd":
-                    end -= 1
-                for s in r.stop:
-                    for k in range(min(len(s) - 1, end), 0, -1):
-                        if text[end - k:end] == s[:k]:
-                            end -= k
-                            break
-                text = text[:end]
-            sent = self.sent[b]
-            if len(text) > len(sent) and text.startswith(sent):
-                cb(b, text[len(sent):])
-                self.sent[b] = text

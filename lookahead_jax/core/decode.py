@@ -540,7 +540,7 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
         drafts = drafter.propose(state, budget.max_nodes) if drafter is not None else DraftBatch.empty(B)
         drafts = drafts.truncated(budget.plan(drafts, state))
         T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
-        blk = tree_lib.with_root(tree_lib.pack(drafts.drafts, T), state.root)
+        blk = tree_lib.verify_block(state.root, drafts.drafts, T)
         window = window_for(int(state.lengths[active].max()) + 1 + T, S)
         probs = _fit_probs(drafts.probs, T)
         state.host_s += time.perf_counter() - h0

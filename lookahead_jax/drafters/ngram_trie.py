@@ -105,7 +105,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .drafts import Draft
+from ..core.drafts import Draft
 
 INPUT_WEIGHT = 1 << 32  # score = INPUT_WEIGHT * input count + output count
 MODES = ("hierarchical", "parallel", "single")

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .models import cpu_kernels
+from ..models import cpu_kernels
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compile import CompiledFunctions
-from .models import KVCache, init_cache
-from .models.config import ModelConfig
+from ..models import KVCache, init_cache
+from ..models.config import ModelConfig
 
 log = logging.getLogger("lookahead_jax")
 
@@ -91,7 +91,7 @@ class Engine:
         out = self.model.params
         if _is_packed(out):  # `keep_packed_only` made the packed copy the model's params
             if self._weight_dtype is not None:
-                from .models.transformer import cast_packed
+                from ..models.transformer import cast_packed
 
                 out = cast_packed(out, self._weight_dtype)
         elif self.mesh is not None:
@@ -99,7 +99,7 @@ class Engine:
 
             out = shard_params(out, self.config, self.mesh)
         elif _packable(leaves):
-            from .models.transformer import pack_params
+            from ..models.transformer import pack_params
 
             out = pack_params(out, self._weight_dtype)  # eager: the leaves it does not pack stay shared
         self._placed = (leaves, out)
@@ -303,7 +303,7 @@ class Engine:
 
 def _packed_dtype(params):
     """The storage dtype of the params' packed layer weights (None: not packed)."""
-    from .models import cpu_kernels
+    from ..models import cpu_kernels
 
     layers = params.get("layers") if isinstance(params, dict) else None
     for v in (layers[0].values() if layers else ()):
@@ -317,7 +317,7 @@ def _is_packed(params) -> bool:
 
 
 def _packable(leaves) -> bool:
-    from .models import cpu_kernels
+    from ..models import cpu_kernels
 
     if not leaves or any(getattr(x, "dtype", None) != jnp.float32 for x in leaves):
         return False

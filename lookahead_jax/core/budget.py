@@ -32,7 +32,7 @@ the evidence comes without trying.
 from __future__ import annotations
 
 import collections
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 from .acceptance import TokenMatch
 from .tree import BUCKETS, buckets_up_to
@@ -55,6 +55,31 @@ def outcome_known(tokens, parents, actual, max_depth: int) -> bool:
     return len(actual) >= max_depth or accepted_length(tokens, parents, actual, len(tokens)) < len(actual)
 
 
+@runtime_checkable
+class BudgetPolicy(Protocol):
+    """How many draft nodes a step verifies (`FixedBudget`, `AutoBudget`).
+
+    buckets: the tree sizes it may pick (static shapes); max_nodes: the largest; plan(drafts,
+    state) -> nodes allowed this step; record(T, window, seconds): a real step's time;
+    score(state): after each step (e.g. score earlier drafts against the tokens now known);
+    summary() -> dict for the call's stats; calibrate_s: seconds spent timing steps before
+    decoding (not decode time)."""
+
+    buckets: tuple
+    calibrate_s: float
+
+    @property
+    def max_nodes(self) -> int: ...
+
+    def plan(self, drafts, state) -> int: ...
+
+    def record(self, T: int, window: int, seconds: float) -> None: ...
+
+    def score(self, state) -> None: ...
+
+    def summary(self) -> dict: ...
+
+
 class FixedBudget:
     """A fixed draft budget: every step drafts up to `limit` nodes, padded to the smallest
     of `tree.buckets_up_to(limit)` that holds the largest draft (limit 0: plain decoding).
@@ -63,6 +88,8 @@ class FixedBudget:
     `buckets`, `max_nodes`, `plan(drafts, state) -> nodes allowed this step`,
     `record(T, window, seconds)` (a real step's time), `score(state)` (after each step),
     `summary() -> dict` (for the call's stats)."""
+
+    calibrate_s = 0.0
 
     def __init__(self, limit: int = 0):
         self.buckets = buckets_up_to(limit)  # validates the range
@@ -227,6 +254,7 @@ class AutoBudget:
             raise ValueError(f"cost_prior must be >= 0, got {cost_prior}")
         self.cost_prior = cost_prior
         self._pending: list = []  # (row state, tokens generated before, draft, its depth)
+        self.calibrate_s = 0.0  # set by whoever timed the steps first (Lookahead(calibrate=True))
 
     def record(self, T: int, window: int, seconds: float) -> None:
         """Time of a real verify step of bucket T at attention `window`."""

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 from typing import Callable, Optional
 
 import numpy as np
 
-from . import tree as tree_lib
-from .decode import CACHE_ROUND, PROMPT_BUCKETS, decode, prefill, prompt_bucket  # noqa: F401
-from .engine import engine_for
-from .models.config import ModelConfig
-from .sampling import Penalties, SamplingParams
-from .strategies import REGISTRY, Greedy, resolve
+from ..core.decode import CACHE_ROUND, decode, prefill, prompt_bucket
+from ..core.compile import CompiledFunctions
+from ..core.engine import engine_for
+from ..models.config import ModelConfig
+from ..core.sampling import Penalties, SamplingParams
+from ..prompts import encode_prompts
+from ..strategies import REGISTRY, resolve
 
 log = logging.getLogger("lookahead_jax")
 
@@ -82,110 +82,6 @@ class GenerateOutput:
 
 
 # ----------------------------------------------------------------------------- helpers
-def verify_block(root, drafts, T: int) -> tree_lib.VerifyBlock:
-    """Root + drafts packed into the static [B,1+T] block the verify step takes."""
-    return tree_lib.with_root(tree_lib.pack(drafts, T), root)
-
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-def check_messages(messages, where: str = "messages") -> None:
-    """Chat messages must be a non-empty list of {"role": one of CHAT_ROLES, "content":
-    str}; anything else is a ValueError naming the message and the expected form (rather
-    than a template engine's error, or a plain string taken as a prompt)."""
-    form = 'a list of {"role": "user", "content": "..."} objects'
-    if isinstance(messages, list) and not messages:
-        raise ValueError(f"{where}: chat messages must be {form}, got an empty list")
-    if not isinstance(messages, list):
-        raise ValueError(f"{where}: chat messages must be {form}, got {type(messages).__name__}"
-                         + (" (for plain text use 'prompt')" if isinstance(messages, str) else ""))
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ValueError(f"{where}, message {j}: must be an object like {{\"role\": \"user\", "
-                             f"\"content\": \"...\"}}, got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"{where}, message {j}: 'role' must be one of {', '.join(CHAT_ROLES)}, "
-                             f"got {role!r}" if "role" in m else f"{where}, message {j}: no 'role' field")
-        if not isinstance(content, str):
-            raise ValueError(f"{where}, message {j} ({role}): 'content' must be a string, got "
-                             + (type(content).__name__ if "content" in m else "nothing (no 'content' field)"))
-
-
-def encode_prompts(tokenizer, prompts, chat: bool, first_index: int = 0, spans: bool = False):
-    """Prompts as token-id lists. A prompt is a str, a list of chat messages, or token ids.
-
-    Errors name prompts by `first_index + position`. `spans=True` also returns, per prompt,
-    the token span [start, end) of its question: the text of a plain prompt (after a BOS the
-    tokenizer added), the last user message of a chat prompt (the template's tokens around it
-    excluded; the whole prompt when the template's tokens do not split cleanly there)."""
-    if isinstance(prompts, (str, dict)) or (
-        isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)
-    ):
-        prompts = [prompts]
-    if not prompts:
-        raise ValueError("no prompts given")
-    out, where = [], []
-    own_bos = spans and _adds_bos(tokenizer)
-    for i, p in enumerate(prompts, first_index):
-        content = None
-        if isinstance(p, str):
-            if not p.strip():
-                raise ValueError(f"prompt {i} is empty")
-            if chat:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                ids = tokenizer.encode(text, add_special_tokens=False)
-                content = p
-            else:
-                ids = tokenizer.encode(p)
-        elif isinstance(p, list) and p and isinstance(p[0], dict):
-            check_messages(p, f"prompt {i}")
-            text = tokenizer.apply_chat_template(p, add_generation_prompt=True)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            users = [m["content"] for m in p if m["role"] == "user" and m["content"]]
-            content = users[-1] if users else None
-        elif isinstance(p, (list, tuple, np.ndarray)) and len(p) and all(
-            isinstance(t, (int, np.integer)) for t in p
-        ):
-            ids = [int(t) for t in p]
-        else:
-            raise ValueError(f"prompt {i} is empty or not a str / chat messages / token ids")
-        if not ids:
-            raise ValueError(f"prompt {i} encodes to no tokens")
-        out.append(ids)
-        if spans:
-            where.append(_question_span(tokenizer, ids, own_bos, text if content is not None else None, content))
-    return (out, where) if spans else out
-
-
-def _adds_bos(tokenizer) -> bool:
-    """The tokenizer's `encode` puts a BOS token first (SmolLM2's bos_token_id, <|im_start|>,
-    is not one it adds)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return False
-    probe = tokenizer.encode("a")
-    return bool(probe) and probe[0] == bos and tokenizer.encode("a", add_special_tokens=False)[:1] != [bos]
-
-
-def _question_span(tokenizer, ids, own_bos: bool, text=None, content=None) -> tuple:
-    """(start, end) of the question in `ids` (encode_prompts); `own_bos`: `_adds_bos`."""
-    start = 1 if own_bos and len(ids) > 1 and ids[0] == tokenizer.bos_token_id else 0
-    if content is None:
-        return start, len(ids)
-    off = text.rfind(content)
-    if off < 0:
-        return start, len(ids)
-    pre = tokenizer.encode(text[:off], add_special_tokens=False) if off else []
-    post = text[off + len(content):]
-    post = tokenizer.encode(post, add_special_tokens=False) if post else []
-    a, b = len(pre), len(ids) - len(post)
-    if ids[:a] == list(pre) and ids[b:] == list(post) and a < b:
-        return a, b
-    return start, len(ids)
-
-
 # ----------------------------------------------------------------------------- generate
 def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="greedy",
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -265,9 +161,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     engine = engine_for(model, mesh)
     cfg: ModelConfig = engine.config
     compiled = engine.compiled
-    hooked = hasattr(strat, "start")  # a strategy that drives its own run (retrieval) gets the questions
-    ids, spans = encode_prompts(tokenizer, prompts, chat, first_index, spans=True) if hooked else \
-        (encode_prompts(tokenizer, prompts, chat, first_index), None)
+    # a strategy that drives its own run (retrieval) gets each prompt's question span
+    ids, spans = encode_prompts(tokenizer, prompts, chat, first_index, spans=True) if strat.uses_question_spans \
+        else (encode_prompts(tokenizer, prompts, chat, first_index), None)
     if references is not None and n > 1 and not isinstance(references, str) \
             and not all(isinstance(r, str) for r in references):
         references = [r for r in references for _ in range(n)]
@@ -278,17 +174,14 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     for i, x in enumerate(ids[::n], first_index):
         if min(x) < 0 or max(x) >= cfg.vocab_size:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size})")
-    if isinstance(strat, Greedy):
-        drafter = None
-    elif drafter is None:
+    if drafter is None:
         drafter = strat.drafter(engine)
     max_T = strat.max_nodes(drafter)
-    # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm.py,
-    # knnlm/strategy.py)
-    if penalties.on and not getattr(strat, "supports_penalties", True):
+    if penalties.on and not strat.supports_penalties:
         raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
                          "repetition / presence / frequency penalties: leave them at their defaults")
-    run = strat.start(tokenizer, ids, engine=engine, spans=spans) if hooked else None
+    # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm, knnlm)
+    run = strat.start(tokenizer, ids, engine=engine, spans=spans)
 
     # ---- shapes
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]
@@ -321,7 +214,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
             raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {cfg.vocab_size})")
     eos = tuple(sorted(set(eos) | {int(t) for t in stop_token_ids or ()}))
 
-    c_before = compiled.compile_s
+    c_before = CompiledFunctions.total_compile_s  # the target's and any draft model's
     t_run = time.perf_counter()
     if run is not None:
         ids = run.prompts()  # e.g. the first retrieval: passages before the prompts
@@ -329,7 +222,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=max_new_tokens,
                     sampling=sampling, seed=seed, first_index=first_row, eos_ids=eos,
                     stop=stop, on_text=on_text, min_new_tokens=min_new_tokens, logprobs=logprobs,
-                    penalties=penalties, emit=not getattr(run, "picks_first_token", False))
+                    penalties=penalties, emit=run is None or not run.picks_first_token)
     state.t_start -= t_run  # decode time (and time to the first token)
     state.prefill_s += t_run
     refs = None
@@ -342,14 +235,14 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     dc = compiled.compile_s - c_setup
     state.compile_s += dc
     state.t_start += time.perf_counter() - t_setup - dc
-    calibrate_s = getattr(budget, "calibrate_s", 0.0)
+    calibrate_s = budget.calibrate_s
     try:
         (run.decode if run is not None else decode)(engine, state, drafter, rule, budget)
     finally:
         if drafter is not None:
             drafter.end()
     wall = state.elapsed()
-    row_stats = getattr(run, "row_stats", None)
+    row_stats = run.row_stats if run is not None else None
     outs = [
         RowOutput(first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
                   state.finish_s.get(r.index, wall), r.index % n, r.logprobs,
@@ -362,17 +255,15 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         forward_steps=state.steps, new_tokens=new, wall_s=wall,
         tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=state.prefill_s,
         mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
-        host_s=state.host_s, compile_s=compiled.compile_s - c_before, calibrate_s=calibrate_s,
+        host_s=state.host_s, compile_s=CompiledFunctions.total_compile_s - c_before, calibrate_s=calibrate_s,
         compilations=len(compiled.compilations),
         mean_tree_size=float(np.mean(state.tree_sizes)) if state.tree_sizes else 0.0,
     )
     stats.update(budget.summary())
     if run is not None:
         stats.update(run.summary())
-    if drafter is not None and hasattr(drafter, "summary"):
+    if drafter is not None:
         stats.update(drafter.summary())
-        if getattr(drafter, "engine", engine) is not engine:  # a draft model's own compilations
-            stats["compile_s"] += stats.get("draft_compile_s", 0.0)
     return GenerateOutput(outs, stats)
 
 
@@ -397,29 +288,3 @@ def _norm_references(references, B):
     if len(references) != B:
         raise ValueError(f"references: got {len(references)} lists for {B} prompts")
     return [[r] if isinstance(r, str) else list(r) for r in references]
-
-
-def main(argv=None) -> int:
-    """The CLI (`cli.main`)."""
-    from .cli import main as cli_main
-
-    return cli_main(argv)
-
-
-class _CallableModule(type(sys)):
-    """`lookahead_jax.generate(...)` calls the generate function even though the name is
-    also this module (needed for `python -m lookahead_jax.generate`)."""
-
-    def __call__(self, *args, **kwargs) -> GenerateOutput:
-        return generate(*args, **kwargs)
-
-
-if __name__ != "__main__":
-    sys.modules[__name__].__class__ = _CallableModule
-
-
-if __name__ == "__main__":
-    from .cli import enable_compilation_cache
-
-    enable_compilation_cache()  # the CLI's process only; main() called in-process leaves JAX alone
-    sys.exit(main())

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .models import KVCache, init_cache, init_params
-from .models.config import ModelConfig
+from ..models import KVCache, init_cache, init_params
+from ..models.config import ModelConfig
 
 log = logging.getLogger("lookahead_jax")
 

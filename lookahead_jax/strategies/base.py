@@ -1,0 +1,89 @@
+"""The strategy contract: what `generate` and the slot engine (`core/slots.py`) rely on.
+
+A strategy is a frozen dataclass of its own options (hashable, so it can key caches),
+implementing `Strategy`. Per call (or per inserted request) the loop asks it for
+
+    drafter(engine)                    -> a `drafters.base.Drafter`, or None (plain decoding)
+    max_nodes(drafter)                 -> the largest draft a step may verify (sizes the cache)
+    setup(engine, state, drafter, refs)-> (drafter, acceptance rule, `core.budget.BudgetPolicy`)
+    start(tokenizer, ids, engine, spans) -> a `Run` for strategies that drive the loop
+                                          themselves (retrieval: they rewrite prompts and
+                                          call `core.decode.decode(..., until=)`), else None
+
+`StrategyBase` gives the defaults (no drafter, no run, penalties supported), so `generate`
+calls every method of every strategy and never probes with hasattr.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class Run(Protocol):
+    """One call of a strategy that drives the decode loop itself (ralm, knnlm).
+
+    extra_tokens: prompt tokens it may add per row (cache sizing), described by `extra_note`
+    in errors; picks_first_token: prefill must not choose the first token (the run picks
+    every token itself); prompts(): the rows' prompts before prefill (e.g. with the first
+    retrieved passage); decode(...): instead of `core.decode.decode`; row_stats(b) /
+    summary(): per-row and per-call counters (one shape for every run: see
+    `strategies.retrieval_stats`)."""
+
+    extra_tokens: int
+    extra_note: str
+    picks_first_token: bool
+
+    def prompts(self) -> list: ...
+
+    def decode(self, engine, state, drafter, rule, budget) -> None: ...
+
+    def row_stats(self, b: int) -> Optional[dict]: ...
+
+    def summary(self) -> dict: ...
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    name: ClassVar[str]
+    help: ClassVar[str]
+    supports_penalties: ClassVar[bool]
+    uses_question_spans: ClassVar[bool]
+
+    def validate(self) -> None: ...
+
+    def drafter(self, engine): ...
+
+    def max_nodes(self, drafter) -> int: ...
+
+    def setup(self, engine, state, drafter, references: Optional[Sequence] = None) -> tuple: ...
+
+    def start(self, tokenizer, prompt_ids, engine=None, spans=None) -> Optional[Run]: ...
+
+
+class StrategyBase:
+    """Defaults of the `Strategy` protocol; CLI metadata (`cli.py` builds flags from the
+    dataclass fields): `cli_names` renames a field's flag, `choices` / `parsers` /
+    `metavars` / `field_help` describe it."""
+
+    name: ClassVar[str] = ""
+    help: ClassVar[str] = ""
+    supports_penalties: ClassVar[bool] = True  # False: its tokens come from its own distribution
+    uses_question_spans: ClassVar[bool] = False  # start() gets each prompt's question span
+    cli_names: ClassVar[dict] = {}
+    choices: ClassVar[dict] = {}
+    parsers: ClassVar[dict] = {}
+    metavars: ClassVar[dict] = {}
+    field_help: ClassVar[dict] = {}
+
+    def validate(self) -> None:
+        pass
+
+    def drafter(self, engine):
+        return None
+
+    def max_nodes(self, drafter) -> int:
+        return drafter.max_nodes if drafter is not None else 0
+
+    def start(self, tokenizer, prompt_ids, engine=None, spans=None) -> Optional[Run]:
+        return None

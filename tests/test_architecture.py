@@ -1,0 +1,165 @@
+"""The package's shape, checked from its source with `ast` (no imports executed):
+
+* imports run one way: no circle between the package's modules (function-level imports
+  included: a lazy import is still a dependency);
+* no module imports another module's private (`_name`) names;
+* nothing imports the CLI (`lookahead_jax.cli`) but the `python -m` entry modules;
+* `models/` and `convert/` are imported under one name only (`lookahead_jax.models`,
+  `lookahead_jax.convert`), never as top-level `models` / `convert`;
+* the host/device split: the trie and the draft containers import no jax;
+* package files stay readable: none over MAX_LINES lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"lookahead_jax": ROOT / "lookahead_jax", "lookahead_jax.models": ROOT / "models",
+            "lookahead_jax.convert": ROOT / "convert"}
+MAX_LINES = 600
+HOST_ONLY = ("lookahead_jax.drafters.ngram_trie", "lookahead_jax.core.drafts", "lookahead_jax.prompts")
+
+
+def _modules() -> dict:
+    """{module name: (path, is package)} for every .py file of the package."""
+    out = {}
+    for pkg, d in PACKAGES.items():
+        for p in sorted(d.rglob("*.py")):
+            parts = list(p.relative_to(d).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            if is_pkg:
+                parts = parts[:-1]
+            out[".".join([pkg] + parts)] = (p, is_pkg)
+    return out
+
+
+MODULES = _modules()
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path):
+    return ast.parse(path.read_text(), str(path))
+
+
+def _imports(name: str):
+    """(target module, imported names, line) for every import in module `name`, relative
+    imports resolved; `from pkg import sub` names the submodule when it is one."""
+    path, is_pkg = MODULES[name]
+    tree = _parsed(path)
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, [], node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                up = base[:len(base) - node.level + 1]
+                target = ".".join(up + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [a.name for a in node.names]
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            if subs:
+                for s in subs:
+                    yield s, [], node.lineno
+                rest = [n for n in names if f"{target}.{n}" not in MODULES]
+                if rest:
+                    yield target, rest, node.lineno
+            else:
+                yield target, names, node.lineno
+
+
+def _graph() -> dict:
+    return {m: {t for t, _, _ in _imports(m) if t in MODULES and t != m} for m in MODULES}
+
+
+def _parents(m: str) -> set:
+    """Importing a.b.c runs a/__init__ and a/b/__init__ first: those are edges too."""
+    parts = m.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))} & set(MODULES)
+
+
+def test_no_import_circles():
+    graph = _graph()
+    # strongly connected components (Tarjan), over imports and their parent packages'
+    # __init__ (a package importing its own submodules is how packages work: not counted)
+    edges = {m: {t for t in deps | set().union(*(_parents(d) for d in deps)) if not m.startswith(t + ".")}
+             for m, deps in graph.items()}
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_private_name_imports():
+    bad = [f"{m}:{line} imports {t}.{n}" for m in MODULES for t, names, line in _imports(m)
+           for n in names if n.startswith("_") and not n.startswith("__") and t.startswith("lookahead_jax")]
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_cli():
+    entry = ("__main__",)
+    bad = [f"{m}:{line}" for m in MODULES for t, _, line in _imports(m)
+           if t == "lookahead_jax.cli" and m.rsplit(".", 1)[-1] not in entry]
+    assert not bad, f"modules importing the CLI: {bad}"
+
+
+def test_models_and_convert_have_one_import_name():
+    files = [p for p, _ in MODULES.values()] + sorted((ROOT / "tests").glob("*.py")) + sorted(
+        (ROOT / "bench").glob("*.py"))
+    bad = []
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{p.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in ("models", "convert")]
+    assert not bad, "import lookahead_jax.models / lookahead_jax.convert instead:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", HOST_ONLY)
+def test_host_modules_import_no_jax(name):
+    graph = _graph()
+    seen, todo = set(), [name]
+    while todo:  # everything it imports, transitively, inside the package
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo += graph[m]
+    jax_users = [f"{m} imports {t}" for m in seen for t, _, _ in _imports(m) if t.split(".")[0] in ("jax", "flax")]
+    assert not jax_users, jax_users
+
+
+def test_files_stay_short():
+    long = {m: n for m, (p, _) in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
