@@ -73,7 +73,7 @@ def model_step(model, T: int, S: int = 256, length: int = 100):
         cache = state["cache"].replace(length=jnp.full((1,), length, jnp.int32))
         res = verify(runtime_params(model), cache, *args, window=window)
         jax.block_until_ready(res)
-        state["cache"] = res[-1]  # (emitted, n_emit, path, cache)
+        state["cache"] = res[-1]  # (VerifyOut, cache)
 
     return run
 

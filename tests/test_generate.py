@@ -250,7 +250,7 @@ def test_cached_incremental_decoding_equals_full_forward(models, tok, family):
     tokens[0, :n] = prompt
     first, cache = compiled("prefill", jitted_extend(cfg, sp), params, init_cache(cfg, 1, S),
                             jnp.asarray(tokens), jnp.asarray([n], jnp.int32), seeds, rows, window=P)
-    assert int(first[0]) == seq[n]
+    assert int(first.tokens[0]) == seq[n]
     assert int(cache.length[0]) == n
 
     def step(draft, T, path):
@@ -263,11 +263,11 @@ def test_cached_incremental_decoding_equals_full_forward(models, tok, family):
             assert blk.depth[0, j] == d and blk.tokens[0, j] == seq[pos + d]
             np.testing.assert_allclose(logits[j], full[pos + d], atol=1e-4, rtol=1e-4)
             assert int(np.argmax(logits[j])) == seq[pos + d + 1]
-        emitted, n_emit, _, new_cache = compiled(
+        out, new_cache = compiled(
             "verify", verify, params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
             np.ones(1, bool), seeds, rows)
-        k = int(n_emit[0])
-        assert np.asarray(emitted)[0, :k].tolist() == seq[pos + 1: pos + 1 + k]
+        k = int(out.n[0])
+        assert np.asarray(out.tokens)[0, :k].tolist() == seq[pos + 1: pos + 1 + k]
         assert int(new_cache.length[0]) == pos + k
         return new_cache, k
 

@@ -350,11 +350,11 @@ def _child_generate(model, mesh) -> dict:
     def steps(params, cache, put):
         first, cache = jitted_extend(cfg, sp)(params, cache, put(tokens), put(lens),
                                               put(seeds), put(rows), window=tokens.shape[1])
-        blk = verify_block(np.asarray(first), drafts, 4)
-        emitted, n, _, cache = jitted_verify_step(cfg, sp)(
+        blk = verify_block(np.asarray(first.tokens), drafts, 4)
+        out, cache = jitted_verify_step(cfg, sp)(
             params, cache, put(blk.tokens), put(blk.parents), put(blk.depth), put(blk.mask),
             put(np.ones(B, bool)), put(seeds), put(rows))
-        return first, emitted, n, cache
+        return first.tokens, out.tokens, out.n, cache
 
     r = steps(model.params, init_cache(cfg, B, S), lambda x: x)
     s = steps(ps, sh.init_sharded_cache(cfg, B, S, np.float32, mesh), lambda x: sh.shard_batch(x, mesh))

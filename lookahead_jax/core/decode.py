@@ -130,6 +130,7 @@ class RowState:
         self.eos_ids, self.stop, self.max_new, self.on_text = eos_ids, stop, max_new, on_text
         self.ids: list = []
         self.logprobs: Optional[list] = None  # per generated id, when asked for (DecodeState.logprobs)
+        self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
         self.finish: Optional[str] = None
         self.steps = 0
         self.text = ""
@@ -276,8 +277,8 @@ class DecodeState:
         extend need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t
         occurs in the generated ids."""
         opts = {}
-        if self.min_new and self.ban:
-            opts.update(suppress=np.array([len(r.prompt_ids) + self.min_new - 1 for r in self.rows], np.int32),
+        if self.ban and any(r.min_new for r in self.rows):
+            opts.update(suppress=np.array([len(r.prompt_ids) + r.min_new - 1 for r in self.rows], np.int32),
                         ban=self.ban)
         pen = self.penalties
         if pen.on:
@@ -305,14 +306,14 @@ class DecodeState:
 
 
 def _timed(engine, state, fn):
-    """Run fn(); time it apart from any compilation it triggers. Returns (result,
-    seconds, compiled?)."""
+    """Run fn() -> (named result, cache); time it apart from any compilation it triggers.
+    Returns (the result as host arrays, the cache, seconds, compiled?)."""
     c0, t0 = engine.compiled.compile_s, time.perf_counter()
-    out = fn()
-    out = jax.tree.map(np.asarray, out[:-1]) + (out[-1],)  # host values, the cache stays
+    out, cache = fn()
+    out = jax.tree.map(np.asarray, out)  # host values (fields not asked for stay None)
     dc = engine.compiled.compile_s - c0
     state.compile_s += dc
-    return out, time.perf_counter() - t0 - dc, dc > 0
+    return out, cache, time.perf_counter() - t0 - dc, dc > 0
 
 
 def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: int,
@@ -336,11 +337,12 @@ def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: 
         sampling=sampling, max_len=max_len, min_new=int(min_new_tokens), ban=tuple(sorted(set(eos_ids))),
         logprobs=bool(logprobs), penalties=penalties, vocab=int(engine.config.vocab_size),
     )
-    if logprobs:
-        for r in rows:
+    for r in rows:
+        r.min_new = state.min_new
+        if logprobs:
             r.logprobs = []
     state.t_start = time.perf_counter()
-    _forward_rows(engine, state, list(range(B)), emit=emit)
+    forward_rows(engine, state, list(range(B)), emit=emit)
     state.prefill_s = state.elapsed()  # time to the first token (emit=False: to the prompt's end)
     return state
 
@@ -371,10 +373,10 @@ def extend(engine, state: DecodeState, rows: Sequence[int], tokens: Sequence[Seq
         else:
             r.prompt_ids += new
         r.finish = None
-    return _forward_rows(engine, state, rows)
+    return forward_rows(engine, state, rows)
 
 
-def _forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> np.ndarray:
+def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> np.ndarray:
     """Forward every row's uncommitted context (context[length:]) in right-padded blocks,
     commit it, and append each row's next token. emit=False: the context's last token
     stays uncommitted as the row's root (the next step forwards it), none appended.
@@ -417,14 +419,13 @@ def _forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> 
             for k in ("suppress", "seen", "counts"):  # per-row options: the group's rows
                 if k in kw:
                     kw[k] = kw[k][sel]
-        out, _, _ = _timed(engine, state, lambda: engine.extend(
+        out, state.cache, _, _ = _timed(engine, state, lambda: engine.extend(
             state.cache, block, n_new, seeds, rowids, sampling=state.sampling, window=window,
             emit=emit, **kw))
-        state.cache = out[-1]
         for b in group:
-            nxt_all[b] = out[0][at[b]]
+            nxt_all[b] = out.tokens[at[b]]
             if lps_all is not None:
-                lps_all[b] = out[1][at[b]]
+                lps_all[b] = out.logprobs[at[b]]
         lengths = state.lengths.copy()
         for b in group:
             lengths[b] += n_new[at[b]] if emit else max(int(n_new[at[b]]) - 1, 0)
@@ -503,7 +504,7 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
     state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].set(0))
     if drafter is not None:
         drafter.rollback(rows, 0)
-    _forward_rows(engine, state, rows, emit=False)
+    forward_rows(engine, state, rows, emit=False)
     for b in rows:  # the invariant: slots hold context[:length], root = context[length]
         assert state.lengths[b] == len(state.context(b)) - 1 and state.root[b] == state.context(b)[-1]
 
@@ -530,42 +531,50 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
     rule = rule if rule is not None else TokenMatch(state.sampling)
     if budget is None:
         budget = FixedBudget(drafter.max_nodes if drafter is not None else 0)
-    B, S = state.batch, state.max_len
     while True:
         state._mark_finished()
-        active = state.active
-        if not active.any() or (until is not None and until(state)):
+        if not state.active.any() or (until is not None and until(state)):
             break
-        h0 = time.perf_counter()
-        drafts = drafter.propose(state, budget.max_nodes) if drafter is not None else DraftBatch.empty(B)
-        drafts = drafts.truncated(budget.plan(drafts, state))
-        T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
-        blk = tree_lib.verify_block(state.root, drafts.drafts, T)
-        window = window_for(int(state.lengths[active].max()) + 1 + T, S)
-        probs = _fit_probs(drafts.probs, T)
-        state.host_s += time.perf_counter() - h0
-        state.tree_sizes.append(T)
-        opts = state.step_options()
-        out, seconds, compiled = _timed(engine, state, lambda: engine.verify(
-            state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
-            draft_probs=probs, **opts))
-        (emitted, n_emit, path), state.cache = out[:3], out[-1]
-        lps = out[3] if state.logprobs else None
-        h0 = time.perf_counter()
-        if not compiled:  # real step times correct the calibration
-            budget.record(T, window, seconds)
-        state.lengths = state.lengths + n_emit
-        state.steps += 1
-        kept = [[] for _ in range(B)]
-        for b in np.flatnonzero(active):
-            r = state.rows[b]
-            n = int(n_emit[b])
-            r.steps += 1
-            kept[b] = r.accept(emitted[b, :n], None if lps is None else lps[b, :n])
-            state.root[b] = emitted[b, n - 1]
-        step = StepResult(emitted, n_emit, path, kept, T, window)
-        if drafter is not None:
-            drafter.update(state, step)
-        budget.score(state)
-        state.host_s += time.perf_counter() - h0
+        step(engine, state, drafter, rule, budget)
     return state
+
+
+def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
+    """One propose -> verify -> accept over the active rows (there must be one): the
+    drafter proposes, the budget caps it, the block is verified in one forward, each row
+    keeps its tokens, the drafter and the budget see the outcome."""
+    B, S = state.batch, state.max_len
+    active = state.active
+    h0 = time.perf_counter()
+    drafts = drafter.propose(state, budget.max_nodes) if drafter is not None else DraftBatch.empty(B)
+    drafts = drafts.truncated(budget.plan(drafts, state))
+    T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
+    blk = tree_lib.verify_block(state.root, drafts.drafts, T)
+    window = window_for(int(state.lengths[active].max()) + 1 + T, S)
+    probs = _fit_probs(drafts.probs, T)
+    state.host_s += time.perf_counter() - h0
+    state.tree_sizes.append(T)
+    opts = state.step_options()
+    out, state.cache, seconds, compiled = _timed(engine, state, lambda: engine.verify(
+        state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
+        draft_probs=probs, **opts))
+    emitted, n_emit, path, lps = out.tokens, out.n, out.path, out.logprobs
+    h0 = time.perf_counter()
+    if not compiled:  # real step times correct the calibration
+        budget.record(T, window, seconds)
+    state.lengths = state.lengths + n_emit
+    state.steps += 1
+    kept = [[] for _ in range(B)]
+    for b in np.flatnonzero(active):
+        r = state.rows[b]
+        n = int(n_emit[b])
+        r.steps += 1
+        kept[b] = r.accept(emitted[b, :n], None if lps is None else lps[b, :n])
+        state.root[b] = emitted[b, n - 1]
+    result = StepResult(emitted, n_emit, path, kept, T, window)
+    if drafter is not None:
+        drafter.update(state, result)
+    budget.score(state)
+    state.host_s += time.perf_counter() - h0
+    state._mark_finished()
+    return result

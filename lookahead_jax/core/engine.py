@@ -169,13 +169,14 @@ class Engine:
         return shard_batch(x, self.mesh)
 
     # ------------------------------------------------------------------ steps
-    def _step(self, kind: str, key, make, args: tuple, n_rows_out: int, static: dict):
+    def _step(self, kind: str, key, make, args: tuple, static: dict):
         """(jitted step `kind` for `key`, its static keyword arguments). Without a mesh,
         the shared `jax.jit` from `verify.py`. On a mesh, a jit with explicit shardings:
         params by the rule table, the cache by `sharding.cache_shardings` (in and out, so
         it stays where it is step after step), every [B, ...] argument and output with B
         over "data" (replicated when B does not divide the axis); the static arguments are
-        bound into it (jit takes no keyword arguments beside explicit in_shardings)."""
+        bound into it (jit takes no keyword arguments beside explicit in_shardings). The step
+        returns (named result, cache): every field of the result is [B, ...]."""
         if self.mesh is None:
             return make(), static
         from .sharding import batch_spec, cache_shardings, param_shardings
@@ -191,7 +192,7 @@ class Engine:
             fn = jax.jit(functools.partial(make().__wrapped__, **static), donate_argnums=(1,),
                          in_shardings=(param_shardings(self.config, self.mesh), cache)
                          + (rows,) * (len(args) - 2),
-                         out_shardings=(rows,) * n_rows_out + (cache,))
+                         out_shardings=(rows, cache))
             self._mesh_steps[jkey] = fn
         return fn, {}
 
@@ -215,10 +216,11 @@ class Engine:
 
     def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, sel=None):
-        """`verify.extend_step` through the compiled-function table (name "prefill").
-        suppress [B] / ban (min_new_tokens), penalties with seen [B,V] / counts [B,V], and
-        logprobs: see `verify.py`; off by default (the same executable as without them).
+               counts=None, sel=None, hidden: bool = False):
+        """`verify.extend_step` through the compiled-function table (name "prefill"): returns
+        (`verify.ExtendOut`, cache). suppress [B] / ban (min_new_tokens), penalties with seen
+        [B,V] / counts [B,V], logprobs and hidden: see `verify.py`; off by default (the same
+        executable as without them).
         sel [G]: only these cache rows (the per-row arguments then have G rows; see
         `verify.extend_step`)."""
         from .verify import jitted_extend
@@ -228,17 +230,16 @@ class Engine:
         args = self._options(args, static, [], suppress, ban, penalties, seen, counts)
         if sel is not None:  # after suppress, seen, counts (absent ones as None)
             args += (None,) * (9 - len(args)) + (self.arg(np.asarray(sel, np.int32)),)
-        if logprobs:
-            static["logprobs"] = True
-        fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling),
-                                args, 2 if logprobs else 1, static)
+        static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
+        fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling), args, static)
         return self.compiled("prefill", fn, *args, **static)
 
     def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None):
-        """`verify.verify_step` on a packed `tree.VerifyBlock` (suppress / ban, penalties /
-        seen / counts, logprobs: see `verify.py`; off by default)."""
+               counts=None, hidden: bool = False):
+        """`verify.verify_step` on a packed `tree.VerifyBlock`: returns (`verify.VerifyOut`,
+        cache). suppress / ban, penalties / seen / counts, logprobs, hidden: see `verify.py`;
+        off by default."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
@@ -248,10 +249,8 @@ class Engine:
         if draft_probs is not None:
             probs = draft_probs if isinstance(draft_probs, jax.Array) else self.arg(draft_probs)
         args = self._options(args, static, [probs], suppress, ban, penalties, seen, counts)
-        if logprobs:
-            static["logprobs"] = True
-        fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule),
-                                args, 4 if logprobs else 3, static)
+        static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
+        fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule), args, static)
         return self.compiled("verify", fn, *args, **static)
 
     def measure_verify_costs(self, rule, B: int, S: int, buckets, length: Optional[int] = None,

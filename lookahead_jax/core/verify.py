@@ -49,12 +49,13 @@ strategy stays exact with them (all off by default: the step is then unchanged):
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from .acceptance import TokenMatch
-from ..models import KVCache, advance, commit, forward, hidden_states, logits_from_hidden
+from ..models import KVCache, advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
 from .sampling import Penalties, SamplingParams, penalize, select_tokens
 
@@ -105,12 +106,32 @@ def token_logprobs(logits, picks):
     return chosen - jax.nn.logsumexp(lf, axis=-1)
 
 
+class VerifyOut(NamedTuple):
+    """What a verify step returns beside the cache (device arrays; optional fields are None
+    unless asked for, so one shape of result serves every option)."""
+
+    tokens: jax.Array  # [B,1+T] int32 emitted tokens, -1 past n
+    n: jax.Array  # [B] int32 tokens emitted (0 for inactive rows)
+    path: jax.Array  # [B,1+T] int32 block indices of the accepted nodes root..best, then 0
+    logprobs: Optional[jax.Array] = None  # [B,1+T] f32 of the emitted tokens (logprobs=True)
+    hidden: Optional[jax.Array] = None  # [B,1+T,D] final hidden state of every block node (hidden=True)
+
+
+class ExtendOut(NamedTuple):
+    """What an extend (prefill) step returns beside the cache."""
+
+    tokens: jax.Array  # [B] int32 the next token of each row (0 with emit=False)
+    logprobs: Optional[jax.Array] = None  # [B] f32 its log-probability (logprobs=True)
+    hidden: Optional[jax.Array] = None  # [B,D] final hidden state of each row's last forwarded token (hidden=True)
+
+
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
                 draft_probs=None, suppress=None, seen=None, counts=None, *, config: ModelConfig, rule,
-                window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None):
-    """Returns (emitted [B,1+T] int32 (-1 past n), n_emitted [B] int32, path [B,1+T] int32
-    (block indices of the accepted nodes root..best, then 0), cache); with `logprobs`,
-    (emitted, n_emitted, path, logprobs [B,1+T] f32 of the emitted tokens, cache).
+                window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None,
+                hidden: bool = False):
+    """Returns (`VerifyOut`, cache): the emitted tokens, their count and the accepted path;
+    with `logprobs` their log-probabilities, with `hidden` the final hidden state of every
+    block node (e.g. for a drafter that drafts from the target's features).
 
     rule: the acceptance rule (`acceptance.TokenMatch`, ...), static. draft_probs: the
     drafts' distributions for rules that need them (None: deterministic drafts).
@@ -121,7 +142,8 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     length = cache.length
     positions = length[:, None] + depth  # [B,1+T]
     mask = tree_mask(length, anc, window or cache.max_len)
-    raw, cache = forward(params, tokens, positions, cache, mask, config)
+    h, cache = hidden_states(params, tokens, positions, cache, mask, config)  # [B,1+T,D]
+    raw = logits_from_hidden(params, h, config)  # [B,1+T,V]
     if penalties is not None and penalties.on:
         path = path_counts(tokens, anc, raw.shape[-1]) if T1 > 1 else None
         logits = penalize(raw, penalties, seen, counts, path)
@@ -133,10 +155,9 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
     n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
     if T1 == 1:  # plain decoding
-        out = (bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32))
-        if logprobs:
-            out += (token_logprobs(raw, bonus[:, None]),)
-        return out + (advance(cache, n_emit),)
+        out = VerifyOut(bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32),
+                        token_logprobs(raw, bonus[:, None]) if logprobs else None, h if hidden else None)
+        return out, advance(cache, n_emit)
 
     # path[d] = index of the accepted node at depth d (d = 0..n_acc); rest 0
     on_path = jnp.take_along_axis(anc, best[:, None, None], axis=1)[:, 0, :]  # [B,1+T]
@@ -149,28 +170,29 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     d = jnp.arange(T1)[None, :]
     emitted = jnp.where(d < n_acc[:, None], nxt, jnp.where(d == n_acc[:, None], bonus[:, None], -1))
     cache = commit(cache, path, n_emit)
+    lp = None
     if logprobs:  # emitted[d] was chosen at the path's node of depth d
         at_path = jnp.take_along_axis(raw, path[:, :, None], axis=1)  # [B,1+T,V]
         lp = jnp.where(d <= n_acc[:, None], token_logprobs(at_path, emitted), 0.0)
-        return emitted, n_emit, path, lp, cache
-    return emitted, n_emit, path, cache
+    return VerifyOut(emitted, n_emit, path, lp, h if hidden else None), cache
 
 
 def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None,
                 sel=None, *, config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True,
-                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None):
+                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None, hidden: bool = False):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
     such as retrieval-augmented decoding needs after a rollback).
 
-    Returns (next token [B], cache). With emit=True all n tokens are committed (length +=
+    Returns (`ExtendOut`: next token [B] (+ its log-probability, + the last forwarded
+    token's hidden state, when asked), cache). With emit=True all n tokens are committed (length +=
     n) and the next token is the model's pick at position length + n (the row's next
     root). With emit=False the last token stays uncommitted (length += n - 1): it is the
     root the next step forwards, as after any decode step. Rows with n_new = 0 are left
     as they are. window: static slots attention reads (>= max(length) + P; a fresh
     prefill reads only its own P slots). suppress/ban, logprobs, penalties: as in
-    `verify_step` (with logprobs: (next token, its log-probability [B], cache)); seen /
+    `verify_step`; seen /
     counts cover the whole context up to the last forwarded token (the token picked here
     follows it).
 
@@ -201,16 +223,15 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
         cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
                         v=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.v, cache.v)),
                         length=full.length.at[sel].set(cache.length))
-    if logprobs:
-        return nxt, token_logprobs(raw, nxt[:, None])[:, 0], cache
-    return nxt, cache
+    return ExtendOut(nxt, token_logprobs(raw, nxt[:, None])[:, 0] if logprobs else None,
+                     last[:, 0] if hidden else None), cache
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_extend(config: ModelConfig, sampling: SamplingParams):
     """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
     return jax.jit(functools.partial(extend_step, config=config, sampling=sampling),
-                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs", "penalties"))
+                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs", "penalties", "hidden"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +242,7 @@ def jitted_verify_step(config: ModelConfig, rule):
         rule = TokenMatch(rule)
     return jax.jit(
         functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
-        static_argnames=("window", "ban", "logprobs", "penalties"),
+        static_argnames=("window", "ban", "logprobs", "penalties", "hidden"),
     )
 
 

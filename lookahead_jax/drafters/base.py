@@ -2,9 +2,12 @@
 
 The loop (`decode.decode`) calls a drafter once per step for the whole batch:
 
-    begin(state, references)   a request starts; `state` already holds the prompts and the
-                               first generated token of every row; references: per row a
-                               list of token-id lists (e.g. retrieved passages), or None
+    begin(state, references, rows=None)
+                               requests start on `rows` (None: every row, a new batch);
+                               `state` already holds their prompts and first generated
+                               token; references: per batch row a list of token-id lists
+                               (e.g. retrieved passages), or None. Other rows keep theirs
+                               (the slot API inserts a request while others decode)
     propose(state, budget)     -> DraftBatch: one Draft per row (empty for finished rows),
                                best-first and topological, at most `budget` nodes each;
                                host lists now, device arrays for a draft model later
@@ -14,7 +17,7 @@ The loop (`decode.decode`) calls a drafter once per step for the whole batch:
                                model can commit its own K/V along that path
     rollback(rows, length)     rows were set back to `length` committed cache slots
                                (`decode.rollback`): forget anything drafted past it
-    end()                      the request is over
+    end(rows=None)             the requests of `rows` (None: all) are over
     summary() -> dict          counters for the call's stats (e.g. the draft model's time)
     max_nodes: int             the largest draft it proposes (sizes the cache)
 
@@ -34,7 +37,8 @@ from ..core.drafts import EMPTY, Draft, DraftBatch
 class Drafter(Protocol):
     max_nodes: int
 
-    def begin(self, state, references: Optional[Sequence[Sequence[Sequence[int]]]] = None) -> None: ...
+    def begin(self, state, references: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+              rows: Optional[Sequence[int]] = None) -> None: ...
 
     def propose(self, state, budget: int) -> DraftBatch: ...
 
@@ -42,7 +46,7 @@ class Drafter(Protocol):
 
     def rollback(self, rows: Sequence[int], length: int) -> None: ...
 
-    def end(self) -> None: ...
+    def end(self, rows: Optional[Sequence[int]] = None) -> None: ...
 
     def summary(self) -> dict: ...
 
@@ -54,7 +58,7 @@ class PerRowDrafter:
 
     max_nodes: int = 64
 
-    def begin(self, state, references=None) -> None:
+    def begin(self, state, references=None, rows=None) -> None:
         pass
 
     def propose_row(self, row: int, context: list, budget: int) -> Draft:
@@ -72,7 +76,7 @@ class PerRowDrafter:
     def rollback(self, rows, length) -> None:
         pass
 
-    def end(self) -> None:
+    def end(self, rows=None) -> None:
         pass
 
     def summary(self) -> dict:

@@ -52,9 +52,9 @@ class MergedDrafter:
         self.max_nodes = max_nodes if max_nodes is not None else sum(d.max_nodes for d in drafters)
         self._maps: list = []
 
-    def begin(self, state, references=None) -> None:
+    def begin(self, state, references=None, rows=None) -> None:
         for d in self.drafters:
-            d.begin(state, references)
+            d.begin(state, references, rows)
 
     def propose(self, state, budget: int) -> DraftBatch:
         batches = [d.propose(state, d.max_nodes) for d in self.drafters]
@@ -91,9 +91,9 @@ class MergedDrafter:
         for d in self.drafters:
             d.rollback(rows, length)
 
-    def end(self) -> None:
+    def end(self, rows=None) -> None:
         for d in self.drafters:
-            d.end()
+            d.end(rows)
 
     def summary(self) -> dict:
         out = {}

@@ -223,7 +223,17 @@ class ModelDrafter:
         self.compile_s = 0.0  # the draft's compilations in this request
 
     # ------------------------------------------------------------------ protocol
-    def begin(self, state, references=None) -> None:
+    def begin(self, state, references=None, rows=None) -> None:
+        if rows is not None and self.cache is not None:  # new requests on these rows only
+            self.seeds, self.rowids = state.seeds, state.rowids  # the state's, with the rows' seeds
+            self.rollback(rows, 0)
+            c0 = self.engine.compiled.compile_s
+            upto = self.dlen.copy()
+            upto[list(rows)] = np.asarray(state.lengths)[list(rows)]
+            self._catch_up(state, upto)  # their prompts, all but the root
+            state.compile_s += self.engine.compiled.compile_s - c0
+            self.compile_s += self.engine.compiled.compile_s - c0
+            return
         B, S = state.batch, state.max_len
         self.sampling = state.sampling
         self.mode = "greedy" if state.sampling.greedy else self.sampler
@@ -289,8 +299,9 @@ class ModelDrafter:
         self.cache = self.cache.replace(length=self.cache.length.at[np.asarray(rows)].set(
             jnp.asarray(self.base[rows], jnp.int32)))
 
-    def end(self) -> None:
-        self.cache = None
+    def end(self, rows=None) -> None:
+        if rows is None:
+            self.cache = None
 
     def summary(self) -> dict:
         """For the call's stats: the draft's time per step (its forwards included)."""

@@ -49,9 +49,14 @@ class TrieDrafter:
             stats[geometry] = AcceptanceStats()
         return cls(branch_length, mode, trie=tries[branch_length], acceptance=stats[geometry], **kw)
 
-    def begin(self, state, references=None) -> None:
-        self.end()
-        for row in range(state.batch):
+    def begin(self, state, references=None, rows=None) -> None:
+        """A request starts on each of `rows` (None: every row, a new batch): its prompt and
+        references go into the trie as its input n-grams. references: per batch row."""
+        if rows is None:
+            self.end()
+        else:
+            self.end(rows)
+        for row in range(state.batch) if rows is None else rows:
             req = next(_request_ids)
             self._req[row] = req
             self.trie.insert_input(state.rows[row].prompt_ids, req)
@@ -64,25 +69,26 @@ class TrieDrafter:
     def propose(self, state, budget: int) -> DraftBatch:
         return DraftBatch(tuple(
             self.trie.retrieve(state.context(b), budget, self.branch_length, self.mode, self._req[b],
-                               max_match=self.max_match) if live else EMPTY
-            for b, live in enumerate(state.active)
+                               max_match=self.max_match) if live and b in self._req else EMPTY
+            for b, live in enumerate(state.active)  # a row that began no request here (plain decoding): none
         ))
 
     def update(self, state, step) -> None:
         for b, tokens in enumerate(step.kept):
-            if tokens:
+            if tokens and b in self._req:
                 self.trie.insert_output(tokens, self._req[b])
 
     def rollback(self, rows, length) -> None:
         """Output windows restart after a rollback (n-grams already counted stay: they only
         steer drafts, never the output)."""
         for b in rows:
-            self.trie.restart_output(self._req[b])
+            if b in self._req:
+                self.trie.restart_output(self._req[b])
 
-    def end(self) -> None:
-        for req in self._req.values():
-            self.trie.end_request(req)
-        self._req.clear()
+    def end(self, rows=None) -> None:
+        """The requests of `rows` (None: all) are over: their input n-grams leave the trie."""
+        for row in list(self._req) if rows is None else [r for r in rows if r in self._req]:
+            self.trie.end_request(self._req.pop(row))
 
     def summary(self) -> dict:
         return {}

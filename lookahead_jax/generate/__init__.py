@@ -15,7 +15,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..core.decode import CACHE_ROUND, decode, prefill, prompt_bucket
+from ..core.decode import CACHE_ROUND, prefill, prompt_bucket
+from ..core.slots import Request, Slots
 from ..core.compile import CompiledFunctions
 from ..core.engine import engine_for
 from ..models.config import ModelConfig
@@ -143,127 +144,193 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         split by the rule table, batch rows and the KV cache over "data".
     """
     strat = resolve(strategy, **strategy_options)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
-    stop = tuple([stop] if isinstance(stop, str) else (stop or ()))
-    if any(not s for s in stop):
-        raise ValueError("stop strings must be non-empty")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n (samples per prompt) must be a positive integer, got {n!r}")
-    if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) or \
-            not 0 <= min_new_tokens <= max_new_tokens:
-        raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new_tokens}], "
-                         f"got {min_new_tokens!r}")
-    penalties = _penalties(repetition_penalty, presence_penalty, frequency_penalty)
-    if n > 1 and sampling.greedy:
-        raise ValueError(f"n={n} samples per prompt need temperature > 0 (greedy gives n identical rows)")
+    call = _Call.check(max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
+                       repetition_penalty, presence_penalty, frequency_penalty, first_index, on_text)
     engine = engine_for(model, mesh)
-    cfg: ModelConfig = engine.config
-    compiled = engine.compiled
-    # a strategy that drives its own run (retrieval) gets each prompt's question span
-    ids, spans = encode_prompts(tokenizer, prompts, chat, first_index, spans=True) if strat.uses_question_spans \
-        else (encode_prompts(tokenizer, prompts, chat, first_index), None)
-    if references is not None and n > 1 and not isinstance(references, str) \
-            and not all(isinstance(r, str) for r in references):
-        references = [r for r in references for _ in range(n)]
-    ids = [x for x in ids for _ in range(n)]
-    spans = spans and [x for x in spans for _ in range(n)]
-    first_row = first_index * n  # sampling rows: prompt i's sample j is row (first_index + i) * n + j
+    ids, spans = _encode(engine, tokenizer, prompts, chat, call, strat.uses_question_spans)
     B = len(ids)
-    for i, x in enumerate(ids[::n], first_index):
-        if min(x) < 0 or max(x) >= cfg.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size})")
     if drafter is None:
         drafter = strat.drafter(engine)
-    max_T = strat.max_nodes(drafter)
-    if penalties.on and not strat.supports_penalties:
+    if call.penalties.on and not strat.supports_penalties:
         raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
                          "repetition / presence / frequency penalties: leave them at their defaults")
     # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm, knnlm)
     run = strat.start(tokenizer, ids, engine=engine, spans=spans)
-
-    # ---- shapes
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]
+    S = _cache_len(engine.config, lens, max_new_tokens, strat.max_nodes(drafter), max_cache_len, call,
+                   run.extra_note if run is not None else "")
+    eos = _eos_ids(tokenizer, engine.config, ignore_eos, stop_token_ids)
+    refs = None if drafter is None else [[tokenizer.encode(t, add_special_tokens=False) for t in r]
+                                         for r in _norm_references(references, B, n)]
+    c_before = CompiledFunctions.total_compile_s  # the target's and any draft model's
+    if run is None:
+        state, drafter, budget = _decode_slots(engine, tokenizer, strat, drafter, ids, refs, S, eos, call)
+    else:
+        state, drafter, budget = _decode_run(engine, tokenizer, strat, drafter, run, ids, refs, S, eos, call)
+    stats = dict(strategy=strat.name, batch=B, prompt_bucket=prompt_bucket(max(lens), S), cache_len=S,
+                 compile_s=CompiledFunctions.total_compile_s - c_before, calibrate_s=budget.calibrate_s,
+                 compilations=len(engine.compiled.compilations))
+    return _outputs(state, call, stats, [budget, run, drafter])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """generate's per-call options, checked (a ValueError naming the bad one)."""
+
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    stop: tuple
+    n: int
+    min_new_tokens: int
+    logprobs: bool
+    penalties: Penalties
+    first_index: int
+    on_text: Optional[Callable]
+
+    @classmethod
+    def check(cls, max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
+              repetition_penalty, presence_penalty, frequency_penalty, first_index, on_text) -> "_Call":
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+        stop = tuple([stop] if isinstance(stop, str) else (stop or ()))
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n (samples per prompt) must be a positive integer, got {n!r}")
+        if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) or \
+                not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new_tokens}], "
+                             f"got {min_new_tokens!r}")
+        penalties = _penalties(repetition_penalty, presence_penalty, frequency_penalty)
+        if n > 1 and sampling.greedy:
+            raise ValueError(f"n={n} samples per prompt need temperature > 0 (greedy gives n identical rows)")
+        return cls(max_new_tokens, sampling, seed, stop, n, min_new_tokens, bool(logprobs), penalties,
+                   first_index, on_text)
+
+
+def _encode(engine, tokenizer, prompts, chat: bool, call: _Call, spans: bool):
+    """Rows' token ids (each prompt n times) and, when `spans`, their question spans."""
+    n, first = call.n, call.first_index
+    ids, where = encode_prompts(tokenizer, prompts, chat, first, spans=True) if spans else \
+        (encode_prompts(tokenizer, prompts, chat, first), None)
+    V = engine.config.vocab_size
+    for i, x in enumerate(ids, first):
+        if min(x) < 0 or max(x) >= V:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {V})")
+    return [x for x in ids for _ in range(n)], where and [x for x in where for _ in range(n)]
+
+
+def _cache_len(cfg: ModelConfig, lens: list, max_new_tokens: int, max_T: int, max_cache_len, call: _Call,
+               extra_note: str = "") -> int:
+    """KV cache slots S for rows of `lens` prompt tokens: prompt + max_new_tokens + the
+    verify block, rounded to a power of two (few distinct S compile), or a clear error."""
     need = max(lens) + max_new_tokens + max_T + 1
-    S = max_cache_len or max(CACHE_ROUND, 1 << (need - 1).bit_length())  # few distinct S
+    S = max_cache_len or max(CACHE_ROUND, 1 << (need - 1).bit_length())
     if max_cache_len is None:
         S = min(S, max(cfg.max_position, need))
-    if need > S or max(lens) + max_new_tokens > cfg.max_position:
-        longest = int(np.argmax(lens))
-        limits = []
-        over_context = max(lens) + max_new_tokens > cfg.max_position
-        if need > S:
-            held = (f"max_cache_len={max_cache_len}" if max_cache_len else
-                    f"the default, capped at the model's {cfg.max_position} positions")
-            limits.append(f"it needs {need} cache slots (+{max_T + 1} for verification) but "
-                          f"the cache holds {S} ({held})")
-        if over_context:
-            limits.append(f"the model's context is {cfg.max_position} positions")
-        fix = ("Shorten the prompt or lower max_new_tokens (--max-new-tokens)" if over_context or not max_cache_len
-               else "Shorten the prompt, lower max_new_tokens (--max-new-tokens), or raise max_cache_len "
-                    "(--max-cache-len)")
-        raise ValueError(
-            f"prompt {first_index + longest // n} has {lens[longest]} tokens "
-            + (f"({run.extra_note}) " if run is not None else "") + "and "
-            f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + f". {fix}."
-        )
+    over_context = max(lens) + max_new_tokens > cfg.max_position
+    if need <= S and not over_context:
+        return S
+    longest = int(np.argmax(lens))
+    limits = []
+    if need > S:
+        held = (f"max_cache_len={max_cache_len}" if max_cache_len else
+                f"the default, capped at the model's {cfg.max_position} positions")
+        limits.append(f"it needs {need} cache slots (+{max_T + 1} for verification) but "
+                      f"the cache holds {S} ({held})")
+    if over_context:
+        limits.append(f"the model's context is {cfg.max_position} positions")
+    fix = ("Shorten the prompt or lower max_new_tokens (--max-new-tokens)" if over_context or not max_cache_len
+           else "Shorten the prompt, lower max_new_tokens (--max-new-tokens), or raise max_cache_len "
+                "(--max-cache-len)")
+    raise ValueError(
+        f"prompt {call.first_index + longest // call.n} has {lens[longest]} tokens "
+        + (f"({extra_note}) " if extra_note else "") + "and "
+        f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + f". {fix}.")
+
+
+def _eos_ids(tokenizer, cfg: ModelConfig, ignore_eos: bool, stop_token_ids) -> tuple:
     eos = () if ignore_eos else tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
     for t in stop_token_ids or ():
         if not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
             raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {cfg.vocab_size})")
-    eos = tuple(sorted(set(eos) | {int(t) for t in stop_token_ids or ()}))
+    return tuple(sorted(set(eos) | {int(t) for t in stop_token_ids or ()}))
 
-    c_before = CompiledFunctions.total_compile_s  # the target's and any draft model's
+
+def _decode_slots(engine, tokenizer, strat, drafter, ids, refs, S: int, eos: tuple, call: _Call):
+    """Every row through the slot API (`core.slots.Slots`): one insert of all rows, steps
+    until none is busy. Returns (state, drafter, budget)."""
+    first_row = call.first_index * call.n  # prompt i's sample j is sampling row (first_index + i) * n + j
+    slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, sampling=call.sampling,
+                  penalties=call.penalties, logprobs=call.logprobs, eos_ids=eos)
+    state = slots.state
+    state.t_start, state.compile_s = time.perf_counter(), 0.0  # setup and calibration are not decode time
+    requests = [Request(x, call.max_new_tokens, seed=call.seed, sampling_row=first_row + b, stop=call.stop,
+                        min_new_tokens=call.min_new_tokens, on_text=call.on_text,
+                        references=refs[b] if refs else ()) for b, x in enumerate(ids)]
+    try:
+        slots.insert(list(range(len(ids))), requests)
+        state.prefill_s = state.elapsed()  # time to the first token
+        state.t_start += slots.begin_s  # the drafter's start is setup, as the strategy's
+        while slots.busy:
+            slots.step()
+    finally:
+        if slots.drafter is not None:
+            slots.drafter.end()
+    return state, slots.drafter, slots.budget
+
+
+def _decode_run(engine, tokenizer, strat, drafter, run, ids, refs, S: int, eos: tuple, call: _Call):
+    """A strategy that drives the loop itself (`strategies.base.Run`): its prompts prefilled,
+    its components set up, its decode. Returns (state, drafter, budget)."""
     t_run = time.perf_counter()
-    if run is not None:
-        ids = run.prompts()  # e.g. the first retrieval: passages before the prompts
+    ids = run.prompts()  # e.g. the first retrieval: passages before the prompts
     t_run = time.perf_counter() - t_run
-    state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=max_new_tokens,
-                    sampling=sampling, seed=seed, first_index=first_row, eos_ids=eos,
-                    stop=stop, on_text=on_text, min_new_tokens=min_new_tokens, logprobs=logprobs,
-                    penalties=penalties, emit=run is None or not run.picks_first_token)
+    state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=call.max_new_tokens,
+                    sampling=call.sampling, seed=call.seed, first_index=call.first_index * call.n, eos_ids=eos,
+                    stop=call.stop, on_text=call.on_text, min_new_tokens=call.min_new_tokens,
+                    logprobs=call.logprobs, penalties=call.penalties, emit=not run.picks_first_token)
     state.t_start -= t_run  # decode time (and time to the first token)
     state.prefill_s += t_run
-    refs = None
-    if drafter is not None:
-        refs = [[tokenizer.encode(t, add_special_tokens=False) for t in r]
-                for r in _norm_references(references, B)]
     # the drafter's setup and auto's calibration are not decode time (nor compile time)
-    c_setup, t_setup = compiled.compile_s, time.perf_counter()
+    c_setup, t_setup = engine.compiled.compile_s, time.perf_counter()
     drafter, rule, budget = strat.setup(engine, state, drafter, refs)
-    dc = compiled.compile_s - c_setup
+    if drafter is not None:
+        drafter.begin(state, refs)
+    dc = engine.compiled.compile_s - c_setup
     state.compile_s += dc
     state.t_start += time.perf_counter() - t_setup - dc
-    calibrate_s = budget.calibrate_s
     try:
-        (run.decode if run is not None else decode)(engine, state, drafter, rule, budget)
+        run.decode(engine, state, drafter, rule, budget)
     finally:
         if drafter is not None:
             drafter.end()
+    return state, drafter, budget
+
+
+def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:
+    """Rows and the call's stats (`parts`: budget, run, drafter: their summaries)."""
     wall = state.elapsed()
-    row_stats = run.row_stats if run is not None else None
+    run = parts[1]
+    n = call.n
     outs = [
-        RowOutput(first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
+        RowOutput(call.first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
                   state.finish_s.get(r.index, wall), r.index % n, r.logprobs,
-                  row_stats(r.index) if row_stats is not None else None)
+                  run.row_stats(r.index) if run is not None else None)
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)
-    stats = dict(
-        strategy=strat.name, batch=B, prompt_bucket=prompt_bucket(max(lens), S), cache_len=S,
+    stats.update(
         forward_steps=state.steps, new_tokens=new, wall_s=wall,
         tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=state.prefill_s,
         mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
-        host_s=state.host_s, compile_s=CompiledFunctions.total_compile_s - c_before, calibrate_s=calibrate_s,
-        compilations=len(compiled.compilations),
-        mean_tree_size=float(np.mean(state.tree_sizes)) if state.tree_sizes else 0.0,
+        host_s=state.host_s, mean_tree_size=float(np.mean(state.tree_sizes)) if state.tree_sizes else 0.0,
     )
-    stats.update(budget.summary())
-    if run is not None:
-        stats.update(run.summary())
-    if drafter is not None:
-        stats.update(drafter.summary())
+    for part in parts:
+        if part is not None:
+            stats.update(part.summary())
     return GenerateOutput(outs, stats)
 
 
@@ -278,7 +345,12 @@ def _penalties(repetition, presence, frequency) -> Penalties:
     return Penalties(values["repetition_penalty"], values["presence_penalty"], values["frequency_penalty"])
 
 
-def _norm_references(references, B):
+def _norm_references(references, B: int, n: int = 1):
+    """Per row a list of texts: `references` is one text or list for every prompt, or one
+    per prompt (repeated for its n samples)."""
+    if references is not None and n > 1 and not isinstance(references, str) \
+            and not all(isinstance(r, str) for r in references):
+        references = [r for r in references for _ in range(n)]
     if references is None:
         return [[] for _ in range(B)]
     if isinstance(references, str):

@@ -5,7 +5,9 @@ implementing `Strategy`. Per call (or per inserted request) the loop asks it for
 
     drafter(engine)                    -> a `drafters.base.Drafter`, or None (plain decoding)
     max_nodes(drafter)                 -> the largest draft a step may verify (sizes the cache)
-    setup(engine, state, drafter, refs)-> (drafter, acceptance rule, `core.budget.BudgetPolicy`)
+    setup(engine, state, drafter, refs)-> (drafter, acceptance rule, `core.budget.BudgetPolicy`);
+                                          the loop's owner then begins the drafter on the
+                                          rows (`Drafter.begin`), per request or per batch
     start(tokenizer, ids, engine, spans) -> a `Run` for strategies that drive the loop
                                           themselves (retrieval: they rewrite prompts and
                                           call `core.decode.decode(..., until=)`), else None
@@ -49,6 +51,7 @@ class Strategy(Protocol):
     help: ClassVar[str]
     supports_penalties: ClassVar[bool]
     uses_question_spans: ClassVar[bool]
+    runs_own_loop: ClassVar[bool]
 
     def validate(self) -> None: ...
 
@@ -70,6 +73,7 @@ class StrategyBase:
     help: ClassVar[str] = ""
     supports_penalties: ClassVar[bool] = True  # False: its tokens come from its own distribution
     uses_question_spans: ClassVar[bool] = False  # start() gets each prompt's question span
+    runs_own_loop: ClassVar[bool] = False  # start() returns a Run that drives the decode loop
     cli_names: ClassVar[dict] = {}
     choices: ClassVar[dict] = {}
     parsers: ClassVar[dict] = {}

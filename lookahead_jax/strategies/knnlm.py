@@ -94,6 +94,7 @@ class KNNLM(StrategyBase):
 
     name = "knnlm"
     supports_penalties = False  # its tokens come from the kNN mixture (`choose`), unpenalized
+    runs_own_loop = True
     help = ("KNN-LM: the model's next-token distribution mixed with its nearest datastore entries' "
             "(--speculative: the same tokens with speculative, batch-verified searches)")
     cli_names = {}

@@ -63,14 +63,14 @@ class Lookahead(StrategyBase):
 
     def setup(self, engine, state, drafter, references=None):
         rule = TokenMatch(state.sampling)
-        drafter.begin(state, references)
         if not self.auto:
             return drafter, rule, FixedBudget(self.decoding_length)
         buckets = tuple(b for b in tree_lib.BUCKETS if b <= drafter.max_nodes)
         B, S = state.batch, state.max_len
         t0 = time.perf_counter()
         if self.calibrate:  # every bucket timed once per shape, at a typical length of this run
-            mid = int(state.lengths.max()) + state.rows[0].max_new // 2
+            # a typical length of this run (before any row is in: half the cache)
+            mid = int(state.lengths.max()) + state.rows[0].max_new // 2 if state.active.any() else None
             costs = engine.measure_verify_costs(rule, B, S, buckets, mid)
         else:
             costs = prior_costs(engine.platform, buckets)

@@ -121,6 +121,7 @@ class RaLM(StrategyBase):
 
     name = "ralm"
     uses_question_spans = True
+    runs_own_loop = True
     help = "retrieval-augmented decoding: top-1 passage before the prompt, re-retrieved every --stride tokens"
     cli_names = {}
     parsers = {"retriever": str, "corpus": str, "lookahead": auto_or_int}
@@ -186,7 +187,6 @@ class RaLM(StrategyBase):
         la = self._lookahead()
         if la is not None:
             return la.setup(engine, state, drafter, references)
-        drafter.begin(state, references)
         return drafter, TokenMatch(state.sampling), FixedBudget(drafter.max_nodes)
 
     def start(self, tokenizer, prompt_ids, engine=None, spans=None):

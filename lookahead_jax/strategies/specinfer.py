@@ -115,7 +115,6 @@ class SpecInfer(StrategyBase):
         if mss and self.lookahead_nodes:
             raise ValueError("lookahead_nodes > 0 merges trees, which are verified by matching tokens: "
                              "use temperature 0 or sampler='invariant'")
-        drafter.begin(state, references)
         rule = SpecSampling(state.sampling) if mss else TokenMatch(state.sampling)
         return drafter, rule, FixedBudget(drafter.max_nodes)
 

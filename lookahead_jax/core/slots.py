@@ -1,0 +1,260 @@
+"""Slots: a decode state with a fixed number of rows that requests enter and leave while
+the others decode (the seam a server with continuous batching drives).
+
+    slots = Slots(engine, tokenizer, n_slots=4, max_len=1024, strategy=Lookahead())
+    slots.insert(0, Request(prompt_ids, max_new_tokens=64, seed=1))  # prefill one request
+    while slots.busy:
+        for event in slots.step():      # one propose -> verify -> accept over the busy slots
+            print(event.slot, event.tokens, event.finish)
+        ...                             # insert into free slots at any time
+    row = slots.free(0)                 # its tokens, text, finish reason; the slot is free again
+
+The shape is JetStream's (prefill / insert / generate / free_resource over an opaque
+decode state of fixed slots) with speculation inside `step`: a step may emit several
+tokens per slot. Everything per request lives in its row (`decode.RowState`: prompt,
+tokens, stop strings, EOS ids, max / min new tokens, streaming callback) and in the
+drafter's per-row state (`Drafter.begin(..., rows=)` / `end(rows=)`); what outlives
+requests (the lookahead trie and its acceptance statistics, draft engines) lives in the
+engine's stores, as for `generate`.
+
+What one verify step compiles in is shared by the slots: the sampling parameters, the
+penalties, the acceptance rule, whether log-probabilities are returned, the ids that
+`min_new_tokens` bans. A request asking for other values of these gets a clear error (run
+it on `Slots` of its own). A request's strategy is the slots' strategy, or plain decoding
+(a strategy without a drafter, e.g. `Greedy()`: its rows simply get no drafts), so
+greedy and lookahead (or SpecInfer) requests share one batch. Strategies that drive the
+loop themselves (retrieval between steps: ralm, ralmspec, knnlm) run through `generate`.
+
+A request's tokens do not depend on the other slots: a row's logits do not depend on the
+other rows of a forward, and its sampling key is (seed, sampling row, position), so a
+request inserted mid-decode gives the tokens it gives alone (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .acceptance import TokenMatch
+from .budget import FixedBudget
+from .decode import DecodeState, RowState, forward_rows, step
+from .drafts import EMPTY, DraftBatch
+from .sampling import Penalties, SamplingParams
+
+FREE = "free"  # finish reason of a row no request holds
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request, prompt already encoded.
+
+    strategy: None (the slots' strategy) or a strategy object: the slots' own, or one
+    without a drafter (plain decoding). sampling_row: the row of the sampling key (default:
+    the slot); `generate` numbers rows across a whole call so batches sample alike.
+    eos_ids: token ids that end the request (default: the slots'). references: token-id
+    lists whose n-grams seed a drafting strategy's trie (e.g. retrieved passages)."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int = 128
+    strategy: object = None
+    sampling: Optional[SamplingParams] = None
+    seed: int = 0
+    sampling_row: Optional[int] = None
+    stop: Sequence[str] = ()
+    eos_ids: Optional[Sequence[int]] = None
+    min_new_tokens: int = 0
+    references: Sequence[Sequence[int]] = ()
+    on_text: Optional[Callable[[int, str], None]] = None  # (slot, text delta)
+
+
+@dataclasses.dataclass
+class SlotEvent:
+    """What one step did to one slot: the tokens it kept, and its finish reason once the
+    request is complete ("eos", "stop", "length"; None while it goes on)."""
+
+    slot: int
+    tokens: list
+    finish: Optional[str]
+
+
+def _free_row(slot: int, tokenizer) -> RowState:
+    row = RowState(slot, [0], tokenizer, set(), (), 1, None)
+    row.finish = FREE
+    return row
+
+
+class Slots:
+    """`n_slots` rows of one KV cache of `max_len` slots, decoded together (module
+    docstring). engine: a `core.engine.Engine`; strategy: a strategy object (None: plain
+    decoding); drafter: a drafter to use instead of the strategy's own; eos_ids: the ids
+    that end a request by default (and that min_new_tokens bans). `begin_s`: seconds the
+    last insert spent starting the drafter (e.g. a draft model's prefill), its compilation
+    excluded."""
+
+    def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None,
+                 sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
+                 logprobs: bool = False, eos_ids: Sequence[int] = ()):
+        if not isinstance(n_slots, int) or n_slots < 1:
+            raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
+        if strategy is not None and strategy.runs_own_loop:
+            raise ValueError(f"strategy {strategy.name!r} drives the decode loop itself (retrieval between "
+                             "steps): run it with generate(), not on Slots")
+        if penalties.on and strategy is not None and not strategy.supports_penalties:
+            raise ValueError(f"strategy {strategy.name!r} does not apply repetition / presence / frequency penalties")
+        self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
+        self.eos_ids = tuple(sorted({int(t) for t in eos_ids}))
+        self.state = DecodeState(
+            rows=[_free_row(b, tokenizer) for b in range(n_slots)], cache=engine.init_cache(n_slots, max_len),
+            lengths=np.zeros(n_slots, np.int64), root=np.zeros(n_slots, np.int32),
+            seeds=engine.put(np.zeros(n_slots, np.uint32)), rowids=engine.put(np.arange(n_slots, dtype=np.int32)),
+            sampling=sampling, max_len=max_len, ban=self.eos_ids, logprobs=bool(logprobs), penalties=penalties,
+            vocab=int(engine.config.vocab_size))
+        self.state.t_start = time.perf_counter()
+        if drafter is None and strategy is not None:
+            drafter = strategy.drafter(engine)
+        self.begin_s = 0.0
+        self.max_nodes = strategy.max_nodes(drafter) if strategy is not None else 0
+        if strategy is None:
+            self.drafter, self.rule, self.budget = None, TokenMatch(sampling), FixedBudget(0)
+        else:  # the drafter begins on each inserted request
+            self.drafter, self.rule, self.budget = strategy.setup(engine, self.state, drafter, None)
+        self._plain: set = set()  # slots whose request decodes without drafts
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def n_slots(self) -> int:
+        return self.state.batch
+
+    @property
+    def free_slots(self) -> list:
+        return [b for b, r in enumerate(self.state.rows) if r.finish == FREE]
+
+    @property
+    def busy(self) -> list:
+        """Slots whose request still decodes."""
+        return [int(b) for b in np.flatnonzero(self.state.active)]
+
+    def row(self, slot: int) -> RowState:
+        return self.state.rows[slot]
+
+    # ------------------------------------------------------------------ insert / step / free
+    def insert(self, slots, requests) -> list:
+        """Prefill `requests` (one, or a list) into the free `slots` (an int, or a list of as
+        many): their prompts are forwarded into their rows of the cache (rows of similar
+        length in one block) and each gets its first token, while the other slots keep
+        their caches. Returns the first SlotEvent of each."""
+        slots = [slots] if isinstance(slots, (int, np.integer)) else [int(s) for s in slots]
+        requests = [requests] if isinstance(requests, Request) else list(requests)
+        if len(slots) != len(requests) or len(set(slots)) != len(slots):
+            raise ValueError(f"insert: {len(slots)} distinct slots need as many requests, got {len(requests)}")
+        for s, req in zip(slots, requests):
+            self._check(s, req)
+        st = self.state
+        for s, req in zip(slots, requests):
+            eos = set(self.eos_ids if req.eos_ids is None else (int(t) for t in req.eos_ids))
+            row = RowState(s, [int(t) for t in req.prompt_ids], self.tokenizer, eos, tuple(req.stop),
+                           int(req.max_new_tokens), req.on_text)
+            row.min_new = int(req.min_new_tokens)
+            row.logprobs = [] if st.logprobs else None
+            st.rows[s] = row
+            st.finish_s.pop(s, None)
+            (self._plain.add if self._plain_request(req) else self._plain.discard)(s)
+        idx = np.asarray(slots)
+        lengths = st.lengths.copy()
+        lengths[idx] = 0
+        st.lengths = lengths
+        st.cache = st.cache.replace(length=st.cache.length.at[idx].set(0))
+        seeds, rowids = np.asarray(st.seeds).copy(), np.asarray(st.rowids).copy()
+        seeds[idx] = [np.uint32(r.seed) for r in requests]
+        rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
+        st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
+        forward_rows(self.engine, st, slots)
+        drafting = [s for s in slots if s not in self._plain]
+        if self.drafter is not None and drafting:
+            refs = [list(req.references) if s in drafting else [] for s, req in zip(slots, requests)]
+            by_row = [[] for _ in range(self.n_slots)]
+            for s, r in zip(slots, refs):
+                by_row[s] = r
+            c0, t0 = st.compile_s, time.perf_counter()
+            if len(drafting) == self.n_slots:  # every row at once (generate): a new batch
+                self.drafter.begin(st, by_row)
+            else:
+                self.drafter.begin(st, by_row, rows=drafting)
+            self.begin_s = time.perf_counter() - t0 - (st.compile_s - c0)
+        return [SlotEvent(s, list(st.rows[s].ids), st.rows[s].finish) for s in slots]
+
+    def step(self) -> list:
+        """One propose -> verify -> accept over the busy slots (several tokens per slot where
+        drafts are accepted). Returns a SlotEvent per slot that was busy."""
+        busy = self.busy
+        if not busy:
+            return []
+        drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain else self.drafter
+        result = step(self.engine, self.state, drafter, self.rule, self.budget)
+        return [SlotEvent(b, list(result.kept[b]), self.state.rows[b].finish) for b in busy]
+
+    def free(self, slot: int) -> RowState:
+        """Release `slot` (finished, or cancelled mid-decode: finish reason "abort") and
+        return its row (tokens, text, finish reason, logprobs)."""
+        row = self.state.rows[slot]
+        if row.finish == FREE:
+            raise ValueError(f"slot {slot} is already free")
+        if row.finish is None:
+            row.finish = "abort"
+        if self.drafter is not None and slot not in self._plain:
+            self.drafter.end([slot])
+        self._plain.discard(slot)
+        self.state.rows[slot] = _free_row(slot, self.tokenizer)
+        return row
+
+    # ------------------------------------------------------------------ helpers
+    def _plain_request(self, req: Request) -> bool:
+        return req.strategy is not None and req.strategy != self.strategy
+
+    def _check(self, slot: int, req: Request) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} is not in [0, {self.n_slots})")
+        if self.state.rows[slot].finish != FREE:
+            raise ValueError(f"slot {slot} holds a request: free({slot}) it first")
+        if req.sampling is not None and req.sampling != self.state.sampling:
+            raise ValueError(f"these slots decode with {self.state.sampling}; a request with {req.sampling} "
+                             "needs Slots of its own (sampling parameters are compiled into the step)")
+        if self._plain_request(req) and (req.strategy.runs_own_loop or req.strategy.drafter(self.engine) is not None):
+            raise ValueError(f"these slots run strategy {getattr(self.strategy, 'name', 'greedy')!r}; a "
+                             f"{req.strategy.name!r} request needs Slots of its own (only plain decoding "
+                             "shares them)")
+        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
+        if not 0 <= req.min_new_tokens <= req.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={req.max_new_tokens}]")
+        if req.min_new_tokens and req.eos_ids is not None and not set(req.eos_ids) <= set(self.eos_ids):
+            raise ValueError("min_new_tokens bans the slots' eos_ids: a request with other eos_ids and "
+                             "min_new_tokens needs Slots of its own")
+        ids = list(req.prompt_ids)
+        V = self.state.vocab
+        if not ids or min(ids) < 0 or max(ids) >= V:
+            raise ValueError(f"the prompt must be a non-empty list of token ids in [0, {V})")
+        need = len(ids) + req.max_new_tokens + self.max_nodes + 1
+        if need > self.state.max_len:
+            raise ValueError(f"the request needs {need} cache slots (prompt {len(ids)} + max_new_tokens "
+                             f"{req.max_new_tokens} + {self.max_nodes + 1} for verification) but the slots "
+                             f"hold {self.state.max_len}: shorten it or build Slots with a larger max_len")
+
+
+class _SkipRows:
+    """A drafter whose drafts for `rows` are dropped (plain-decoding requests among drafting
+    ones); everything else goes to `inner`."""
+
+    def __init__(self, inner, rows):
+        self.inner, self.rows = inner, rows
+        self.max_nodes = inner.max_nodes
+
+    def propose(self, state, budget: int) -> DraftBatch:
+        out = self.inner.propose(state, budget)
+        return dataclasses.replace(out, drafts=tuple(EMPTY if b in self.rows else d for b, d in enumerate(out.drafts)))
+
+    def update(self, state, step) -> None:
+        self.inner.update(state, step)

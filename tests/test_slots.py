@@ -1,0 +1,209 @@
+"""The slot API (`core.slots.Slots`): requests inserted into and freed from a decode state
+of fixed slots while the other slots decode.
+
+* A request inserted mid-decode, into any slot, gives exactly the tokens it gives alone
+  (greedy, lookahead, SpecInfer, sampling), and a freed slot is reused.
+* Greedy and lookahead (or SpecInfer) requests share one batch.
+* What cannot share a batch is a clear error; every drafter, budget policy, strategy and
+  run satisfies its protocol; the verify step's named results carry hidden states.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lookahead_jax.core.acceptance import TokenMatch
+from lookahead_jax.core.budget import AutoBudget, BudgetPolicy, FixedBudget
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.sampling import SamplingParams
+from lookahead_jax.core.slots import Request, Slots
+from lookahead_jax.drafters.base import Drafter, PerRowDrafter
+from lookahead_jax.drafters.merge import MergedDrafter
+from lookahead_jax.drafters.model import ModelDrafter
+from lookahead_jax.drafters.trie import TrieDrafter
+from lookahead_jax.generate import generate
+from lookahead_jax.models import hidden_states, init_cache
+from lookahead_jax.strategies import REGISTRY, Greedy, Lookahead, RaLM, Run, SpecInfer, Strategy
+from tiny import ByteTokenizer, load_prompts, tiny_model
+
+MAX_NEW = 24
+CACHE = 1024
+TEXTS = [p["prompt"][:300] for p in load_prompts(2)]  # 6 prompts: RAG / code / math
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def ids(tok):
+    return [tok.encode(t) for t in TEXTS]
+
+
+def alone(model, tok, i, **kw):
+    """Prompt i decoded alone by generate (sampling row i, as in a batch of all prompts)."""
+    return generate(model, tok, [TEXTS[i]], max_new_tokens=MAX_NEW, max_cache_len=CACHE, first_index=i,
+                    **kw).token_ids[0]
+
+
+def drive(slots, ids, order, max_new=MAX_NEW, seed=0, every=2, strategy=None, plain=()):
+    """Insert the prompts `order` into the slots over time: one whenever a slot is free,
+    after every `every` steps; a finished request is freed at once. Returns {prompt: ids}."""
+    queue, out, holder, n = list(order), {}, {}, 0
+    while queue or slots.busy:
+        if queue and slots.free_slots and n % every == 0:
+            i = queue.pop(0)
+            s = slots.free_slots[-1]  # the highest free slot: prompts land in varied slots
+            req = Request(ids[i], max_new, seed=seed, sampling_row=i,
+                          strategy=Greedy() if i in plain else strategy)
+            holder[s] = i
+            for ev in slots.insert(s, req):
+                if ev.finish:
+                    out[i] = slots.free(s).ids
+        for ev in slots.step():
+            if ev.finish:
+                out[holder[ev.slot]] = slots.free(ev.slot).ids
+        n += 1
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "lookahead"])
+def test_inserted_mid_decode_equals_alone(model, tok, ids, strategy):
+    strat = {"greedy": None, "lookahead": Lookahead(decoding_length=7)}[strategy]
+    slots = Slots(engine_for(model), tok, 3, CACHE, strat)
+    got = drive(slots, ids, [0, 1, 2, 3, 4, 5], strategy=strat)
+    kw = {} if strat is None else dict(strategy="lookahead", decoding_length=7)
+    for i in range(len(TEXTS)):
+        assert got[i] == alone(model, tok, i, **kw), f"prompt {i}"
+    assert slots.free_slots == [0, 1, 2]  # every slot was freed, and 6 requests used 3 slots
+
+
+def test_sampling_inserted_mid_decode_equals_alone(model, tok, ids):
+    sp = SamplingParams(0.8, 0, 0.95)
+    slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), sampling=sp)
+    got = drive(slots, ids, [3, 0, 4], seed=5, strategy=Lookahead(decoding_length=7), every=3)
+    for i in (3, 0, 4):
+        assert got[i] == alone(model, tok, i, temperature=0.8, top_p=0.95, seed=5)
+
+
+def test_specinfer_inserted_mid_decode_equals_alone(model, tok, ids):
+    draft = tiny_model("llama", seed=2)
+    strat = SpecInfer(draft_model=draft, expansion=(1, 1, 2))
+    slots = Slots(engine_for(model), tok, 2, CACHE, strat)
+    got = drive(slots, ids, [2, 5, 1], strategy=strat)
+    for i in (2, 5, 1):
+        assert got[i] == alone(model, tok, i), f"prompt {i}"
+
+
+def test_greedy_and_lookahead_share_a_batch(model, tok, ids):
+    strat = Lookahead(decoding_length=7)
+    slots = Slots(engine_for(model), tok, 3, CACHE, strat)
+    got = drive(slots, ids, [0, 1, 2, 3], strategy=strat, plain={1, 2})
+    for i in range(4):
+        assert got[i] == alone(model, tok, i)
+
+
+def test_free_mid_decode_and_reuse(model, tok, ids):
+    slots = Slots(engine_for(model), tok, 2, CACHE)
+    slots.insert([0, 1], [Request(ids[0], MAX_NEW, sampling_row=0), Request(ids[1], MAX_NEW, sampling_row=1)])
+    for _ in range(3):
+        slots.step()
+    row = slots.free(0)
+    assert row.finish == "abort" and len(row.ids) == 4  # the first token + 3 steps
+    assert slots.free_slots == [0] and slots.busy == [1]
+    with pytest.raises(ValueError, match="already free"):
+        slots.free(0)
+    slots.insert(0, Request(ids[2], MAX_NEW, sampling_row=2))  # the slot reused mid-decode
+    out = {}
+    while slots.busy:
+        for ev in slots.step():
+            if ev.finish:
+                out[ev.slot] = slots.free(ev.slot).ids
+    assert out[0] == alone(model, tok, 2) and out[1] == alone(model, tok, 1)
+
+
+def test_slot_errors(model, tok, ids):
+    eng = engine_for(model)
+    slots = Slots(eng, tok, 2, 256, Lookahead(decoding_length=7))
+    slots.insert(0, Request(ids[0][:50], 8))
+    with pytest.raises(ValueError, match="holds a request"):
+        slots.insert(0, Request(ids[1][:50], 8))
+    with pytest.raises(ValueError, match="Slots of its own"):
+        slots.insert(1, Request(ids[1][:50], 8, sampling=SamplingParams(0.7)))
+    with pytest.raises(ValueError, match="Slots of its own"):
+        slots.insert(1, Request(ids[1][:50], 8, strategy=SpecInfer(draft_model=model)))
+    with pytest.raises(ValueError, match="cache slots"):
+        slots.insert(1, Request(ids[1][:50], 250))
+    with pytest.raises(ValueError, match="not in"):
+        slots.insert(2, Request(ids[1][:50], 8))
+    with pytest.raises(ValueError, match="drives the decode loop"):
+        Slots(eng, tok, 2, 256, RaLM(retriever=_NoRetriever()))
+
+
+class _NoRetriever:
+    """Satisfies RaLM's checks; never asked anything in these tests."""
+
+    def __init__(self):
+        from lookahead_jax.retrieval.corpus import Corpus
+
+        self.corpus = Corpus.from_passages(["a passage", "another passage"])
+
+    def retrieve(self, queries, k=1):
+        raise AssertionError("never called")
+
+    def retrieve_from(self, query, ids, k=1):
+        raise AssertionError("never called")
+
+
+# ----------------------------------------------------------------------------- protocols
+def test_protocol_conformance(model):
+    eng = engine_for(model)
+    trie = TrieDrafter()
+    drafters = [trie, ModelDrafter(eng, (1, 1)), MergedDrafter(ModelDrafter(eng, (1,)), TrieDrafter(max_nodes=4)),
+                PerRowDrafter()]
+    for d in drafters:
+        assert isinstance(d, Drafter), type(d).__name__
+    for b in (FixedBudget(7), AutoBudget((0, 1, 3), {0: 1.0, 1: 1.1, 3: 1.2}, trie.acceptance)):
+        assert isinstance(b, BudgetPolicy), type(b).__name__
+    for cls in REGISTRY.values():
+        assert isinstance(cls.__new__(cls), Strategy), cls.__name__
+    from lookahead_jax.strategies.knnlm import KnnRun, KnnSpecRun
+
+    assert isinstance(KnnRun.__new__(KnnRun), Run) and isinstance(KnnSpecRun.__new__(KnnSpecRun), Run)
+    tok = ByteTokenizer()
+    for strat in (RaLM(retriever=_NoRetriever()), REGISTRY["ralmspec"](retriever=_NoRetriever())):
+        assert isinstance(strat.start(tok, [tok.encode("a question")], engine=eng), Run), strat.name
+
+
+def test_verify_step_returns_hidden_states(model):
+    """The named result of a verify step carries the final hidden state of every block
+    node when asked: those of a plain forward of the same tokens."""
+    eng = engine_for(model)
+    cfg = model.config
+    from lookahead_jax.core.tree import verify_block
+    from lookahead_jax.core.drafts import Draft
+
+    cache = init_cache(cfg, 1, 256)
+    prompt = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
+    first, cache = eng.extend(cache, prompt, np.array([8], np.int32), jnp.zeros(1, jnp.uint32),
+                              jnp.zeros(1, jnp.int32), sampling=SamplingParams(), window=16, hidden=True)
+    assert first.hidden.shape == (1, cfg.d_model) and first.logprobs is None
+    blk = verify_block(np.asarray(first.tokens), [Draft([3, 4], [-1, 0])], 2)
+    out, _ = eng.verify(cache, blk, np.ones(1, bool), jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32),
+                        rule=TokenMatch(SamplingParams()),
+                        window=128, hidden=True)
+    seq = np.concatenate([prompt[0], np.asarray(first.tokens), [3, 4]])[None].astype(np.int32)
+    L = seq.shape[1]
+    h, _ = hidden_states(model.params, jnp.asarray(seq), jnp.arange(L)[None], init_cache(cfg, 1, 256),
+                         jnp.tril(jnp.ones((1, L, 256), bool), k=0), cfg)
+    np.testing.assert_allclose(np.asarray(first.hidden[0]), np.asarray(h[0, 7]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.hidden[0]), np.asarray(h[0, 8:11]), atol=1e-4)
+    assert out.hidden.shape == (1, 3, cfg.d_model)
