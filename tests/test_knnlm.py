@@ -158,6 +158,27 @@ def test_datastore_errors(model, tok, corpus, ds, tmp_path, monkeypatch):
     assert f.exists()
 
 
+def test_missing_datastore_suggests_a_subset(model, tmp_path, monkeypatch):
+    """A missing datastore of a large corpus names a build over its first passages (minutes,
+    where the whole corpus would take hours); a small corpus is built whole."""
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
+    n = knnlm.datastore.SUGGESTED_MAX_PASSAGES
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"id": f"p{i}", "text": f"passage {i}"}) + "\n" for i in range(n + 1)))
+    with pytest.raises(DatastoreNotBuilt) as e:
+        load_datastore(model, big)
+    assert e.value.command == f"python -m lookahead_jax.knnlm build --model tiny-llama --corpus {big.resolve()} " \
+                              f"--max-passages {n}"
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"id": f"p{i}", "text": f"passage {i}"}) + "\n" for i in range(n)))
+    with pytest.raises(DatastoreNotBuilt) as e:
+        load_datastore(model, small)
+    assert "--max-passages" not in e.value.command
+    with pytest.raises(DatastoreNotBuilt) as e:  # no corpus named: the placeholder gets the subset too
+        load_datastore(model)
+    assert e.value.command.endswith(f"--corpus CORPUS.jsonl --max-passages {n}")
+
+
 # ----------------------------------------------------------------------------- search
 def test_exact_search_is_brute_force_and_ranks_ties_by_id(model, tok, ds):
     index = S.KnnIndex(ds, chunk=512)  # several chunks

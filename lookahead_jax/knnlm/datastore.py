@@ -62,6 +62,9 @@ FORMAT = 1  # meta.json layout version
 KEY_DTYPES = ("float16", "float32")
 MAX_TOKENS = 512  # tokens per passage (longer passages are cut)
 BATCH_TOKENS = 4096  # padded tokens per forward while building
+# The build command an error suggests takes the first SUGGESTED_MAX_PASSAGES passages of a
+# larger corpus (minutes on a 2-core CPU; a whole Wikipedia-sized corpus takes hours there).
+SUGGESTED_MAX_PASSAGES = 100
 F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -112,7 +115,9 @@ def datastore_dir(model, corpus: Union[Corpus, str, Path]) -> Path:
 
 def build_command(model, corpus=None, path: Union[str, Path, None] = None) -> str:
     """The command that builds the datastore (the Python call for a model or corpus that has
-    no name / file to give the command line)."""
+    no name / file to give the command line). For a corpus of more than
+    SUGGESTED_MAX_PASSAGES passages (or an unknown one) it builds over the first
+    SUGGESTED_MAX_PASSAGES only (`--max-passages`): a start that takes minutes, not hours."""
     ident = model_identity(model)
     source = getattr(corpus, "source", None) if isinstance(corpus, Corpus) else corpus
     if not ident["name"] or (corpus is not None and source is None):
@@ -120,6 +125,8 @@ def build_command(model, corpus=None, path: Union[str, Path, None] = None) -> st
         return f"lookahead_jax.knnlm.build_datastore(model, tokenizer, corpus{out})"
     cmd = ["python", "-m", "lookahead_jax.knnlm", "build", "--model", ident["name"],
            "--corpus", str(source) if source is not None else "CORPUS.jsonl"]
+    if not isinstance(corpus, Corpus) or len(corpus) > SUGGESTED_MAX_PASSAGES:
+        cmd += ["--max-passages", str(SUGGESTED_MAX_PASSAGES)]
     if ident["dtype"] != "float32":
         cmd += ["--dtype", ident["dtype"]]
     if path is not None:
