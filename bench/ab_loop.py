@@ -1,6 +1,6 @@
 """Interleaved A/B of two revisions' decode loops, in one process.
 
-    python bench/ab_loop.py                          # 465ca0f (before the refactor) vs the working tree
+    python bench/ab_loop.py                          # 8315dd5 (before the layout / slot API) vs the working tree
     python bench/ab_loop.py --new-rev HEAD           # vs the last commit, exported the same way
     python bench/ab_loop.py --smoke                  # 1 prompt, 16 tokens, saved under /tmp
 
@@ -140,6 +140,17 @@ calls: then both sides run the new kernels (the A/B compares loops, not kernels)
     return info
 
 
+def module(pkg, *names):
+    """The first of pkg.<name> that imports: a module moved between the revisions (e.g.
+    `engine` -> `core.engine`, `generate.encode_prompts` -> `prompts`)."""
+    for name in names:
+        try:
+            return importlib.import_module(f"{pkg.__name__}.{name}")
+        except ModuleNotFoundError:
+            continue
+    raise SystemExit(f"{pkg.__name__} has none of the modules {names}")
+
+
 def share_costs(pkgs, models) -> dict:
     """Give both sides' auto budget the same verify costs: measured once by the new side's
     engine (S = 512, length 256, every bucket), then each side's measuring function is
@@ -147,26 +158,32 @@ def share_costs(pkgs, models) -> dict:
     the old revision's `generate.measure_verify_costs`). Real step times still correct it
     on each side, as in normal use."""
     new, old = pkgs["new"], pkgs["old"]
-    engine_mod = importlib.import_module(new.__name__ + ".engine")
-    acc = importlib.import_module(new.__name__ + ".acceptance")
-    sampling = importlib.import_module(new.__name__ + ".sampling")
-    tree = importlib.import_module(new.__name__ + ".tree")
+    engine_mod = module(new, "core.engine", "engine")
+    acc = module(new, "core.acceptance", "acceptance")
+    sampling = module(new, "core.sampling", "sampling")
+    tree = module(new, "core.tree", "tree")
     buckets = tuple(b for b in tree.BUCKETS if b <= 64)
     engine = engine_mod.engine_for(models["new"])
     table = engine.measure_verify_costs(acc.TokenMatch(sampling.SamplingParams()), 1, 512, buckets, 256)
 
     engine_mod.Engine.measure_verify_costs = lambda self, rule, B, S, bk, *r, **k: {T: table[T] for T in bk}
-    old_gen = importlib.import_module(old.__name__ + ".generate")
-    if not hasattr(old_gen, "measure_verify_costs"):
-        raise SystemExit("the old revision has no generate.measure_verify_costs; use --calibration own")
-    old_gen.measure_verify_costs = lambda model, verify, B, S, bk, *r, **k: {T: table[T] for T in bk}
+    old_engine = module(old, "core.engine", "engine", "generate")
+    if hasattr(old_engine, "Engine"):  # revisions with an Engine (measure_verify_costs a method)
+        old_engine.Engine.measure_verify_costs = lambda self, rule, B, S, bk, *r, **k: {T: table[T] for T in bk}
+    elif hasattr(old_engine, "measure_verify_costs"):  # the oldest: a function of generate
+        old_engine.measure_verify_costs = lambda model, verify, B, S, bk, *r, **k: {T: table[T] for T in bk}
+    else:
+        raise SystemExit("the old revision has no measure_verify_costs to share; use --calibration own")
 
     # one table of observed step times too: each side's online correction (StepTimes)
     # otherwise drifts apart on noise (a slow spell during one side's run) and the two
     # budgets pick different trees for the same drafts
     times = SharedStepTimes()
     engine.step_times = times
-    models["old"].__dict__["_step_times"] = times
+    if hasattr(old_engine, "engine_for"):
+        old_engine.engine_for(models["old"]).step_times = times
+    else:
+        models["old"].__dict__["_step_times"] = times
     return dict(cost_ms={T: round(c * 1e3, 3) for T, c in table.items()}, step_times="shared")
 
 
@@ -191,7 +208,8 @@ def quartiles(xs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old-rev", default="465ca0f", help="git revision of the old side (default: before the refactor)")
+    ap.add_argument("--old-rev", default="8315dd5",
+                    help="git revision of the old side (default: before the layout / slot API change)")
     ap.add_argument("--new-rev", help="git revision of the new side (default: the installed working tree)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="float32")
@@ -237,9 +255,8 @@ def main(argv=None):
     models, toks, gens, encs, drafters = {}, {}, {}, {}, {}
     for side, pkg in pkgs.items():
         models[side], toks[side] = pkg.load(a.model, dtype=a.dtype)
-        gen_mod = importlib.import_module(pkg.__name__ + ".generate")
         gens[side] = pkg.generate  # the public function (the callable module in old revisions)
-        encs[side] = gen_mod.encode_prompts
+        encs[side] = module(pkg, "prompts", "generate").encode_prompts
         drafters[side] = importlib.import_module(pkg.__name__ + ".drafters.trie").TrieDrafter
 
     calibration = dict(mode=a.calibration)

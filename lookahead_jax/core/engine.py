@@ -18,6 +18,7 @@ explicit in/out shardings, so the cache stays where it is step after step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -33,6 +34,22 @@ from ..models import KVCache, init_cache
 from ..models.config import ModelConfig
 
 log = logging.getLogger("lookahead_jax")
+
+
+@dataclasses.dataclass
+class Stores:
+    """What outlives requests on an engine, by owner (typed, so each owner's keys are visible
+    in one place): the lookahead trie per branch length and its acceptance statistics per
+    drafter geometry (drafters/trie.py); SpecInfer's draft engines and models by name, and the
+    drafts already warned about (strategies/specinfer.py); the KNN-LM index in use, with the
+    datastore identity it was built from (strategies/knnlm.py)."""
+
+    tries: dict = dataclasses.field(default_factory=dict)  # branch_length -> NgramTrie
+    acceptance: dict = dataclasses.field(default_factory=dict)  # drafter geometry -> AcceptanceStats
+    draft_engines: dict = dataclasses.field(default_factory=dict)  # (draft, weights, no mesh) -> Engine
+    draft_models: dict = dataclasses.field(default_factory=dict)  # preset / path -> Model
+    draft_size_warned: set = dataclasses.field(default_factory=set)  # ids of drafts warned about
+    knnlm_index: Optional[tuple] = None  # (datastore identity, KnnIndex)
 
 
 def _same_leaves(a, b) -> bool:
@@ -52,7 +69,7 @@ class Engine:
         self.compiled = CompiledFunctions()
         self.verify_costs: dict = {}  # (rule, B, S, T, window) -> seconds
         self.step_times: dict = {}  # (rule, B, S) -> budget.StepTimes
-        self.shared: dict = {}  # drafter state that outlives requests (tries, statistics)
+        self.stores = Stores()  # what outlives requests (tries, statistics, draft engines, KNN-LM index)
         self._placed: Optional[tuple] = None  # (source leaves, params as the steps take them)
         self._weight_dtype = None  # storage of packed weights (None: the params' own, f32)
         self._mesh_steps: dict = {}  # jitted steps with explicit shardings (mesh only)

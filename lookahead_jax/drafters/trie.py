@@ -40,10 +40,10 @@ class TrieDrafter:
     def shared(cls, engine, branch_length: int = 12, mode: str = "hierarchical", **kw) -> "TrieDrafter":
         """A drafter over the engine's global output trie and acceptance statistics
         (created on first use; the statistics are kept per drafter geometry)."""
-        tries = engine.shared.setdefault("tries", {})
+        tries = engine.stores.tries
         if branch_length not in tries:
             tries[branch_length] = NgramTrie(branch_length=branch_length)
-        stats = engine.shared.setdefault("acceptance", {})
+        stats = engine.stores.acceptance
         geometry = (branch_length, mode, kw.get("max_nodes", 64), kw.get("max_match", 2))
         if geometry not in stats:
             stats[geometry] = AcceptanceStats()

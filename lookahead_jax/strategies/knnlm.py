@@ -185,12 +185,12 @@ def resolve_index(strat: KNNLM, engine):
     else:
         ds = load_datastore(engine.model, strat.corpus, ds)
     key = (str(Path(ds.path).resolve()), ds.meta.get("created"), ds.size)
-    hit = engine.shared.get("knnlm_index")
+    hit = engine.stores.knnlm_index
     if hit is not None and hit[0] == key:
         return hit[1]
-    engine.shared.pop("knnlm_index", None)
+    engine.stores.knnlm_index = None  # the old index goes before the new one is built
     index = KnnIndex(ds)
-    engine.shared["knnlm_index"] = (key, index)
+    engine.stores.knnlm_index = (key, index)
     return index
 
 

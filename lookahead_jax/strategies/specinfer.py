@@ -130,7 +130,7 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft weights must be 'bfloat16' or 'float32', got {weights!r}")
     by_name = isinstance(draft_model, str)
-    engines = engine.shared.setdefault("draft_engines", {})
+    engines = engine.stores.draft_engines
     key = (draft_model if by_name else id(draft_model), weights, engine.mesh is None)
     hit = engines.get(key)
     if hit is not None and (by_name or _runs(hit, draft_model)):
@@ -164,7 +164,7 @@ def load_draft(engine, draft_model, pack: bool = True):
     when it is not smaller than the target. A draft loaded by name is ours alone: with
     `pack` (one CPU device) its packed copy replaces its params (one copy in memory)."""
     if isinstance(draft_model, str):
-        cache = engine.shared.setdefault("draft_models", {})
+        cache = engine.stores.draft_models
         if draft_model not in cache:
             cache[draft_model] = _load_by_name(engine, draft_model)
         draft = cache[draft_model]
@@ -199,7 +199,7 @@ def check_draft(engine, draft, draft_model):
     import jax
 
     size = lambda m: sum(x.size for x in jax.tree.leaves(m.params))  # noqa: E731
-    warned = engine.shared.setdefault("draft_size_warned", set())
+    warned = engine.stores.draft_size_warned
     if id(draft) not in warned and size(draft) >= size(engine.model):
         warned.add(id(draft))
         log.warning("the draft model (%d params) is not smaller than the target (%d): SpecInfer "
