@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -62,13 +64,28 @@ def _fail(msg: str):
     raise SystemExit(2)
 
 
+def _undecodable(data: bytes, where: str) -> Optional[str]:
+    """An error naming `where` and its first byte that is not UTF-8, or None if `data` decodes."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lines = data.count(b"\n", 0, e.start) + 1
+        line = f", line {lines}" if b"\n" in data else ""
+        return f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset {e.start}{line}"
+    return None
+
+
 def _read_prompts_file(path: str, references_field: Optional[str]):
     prompts, refs, sources = [], [], []
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         _fail(f"cannot read --prompts-file {path}: {e.strerror}")
-    with f:
+    error = _undecodable(data, f"--prompts-file {path}")
+    if error:
+        _fail(f"{error} (save it as UTF-8)")
+    with io.StringIO(data.decode("utf-8")) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -245,6 +262,12 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
             print(f"warning: --{flag} is an option of --strategy {owners}: ignored", file=sys.stderr)
             continue
         options.append((field.name, value))
+    # argv bytes that are not UTF-8 arrive as lone surrogates (Python's surrogateescape)
+    for flag, values in (("--prompt", [a.prompt] if a.prompt is not None else []), ("--stop", a.stop)):
+        for v in values:
+            error = _undecodable(os.fsencode(v), flag)
+            if error:
+                ap.error(f"{error} (pass UTF-8 text)")
     if a.prompt is not None:
         if not a.prompt.strip():
             ap.error("--prompt is empty")

@@ -454,6 +454,45 @@ def test_prompts_file_errors(fake_load, capsys, tmp_path, lines, extra, msg):
     assert fake_load.calls == []
 
 
+@pytest.mark.parametrize("data,offset,where", [
+    ('{"prompt": "ok"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"), 17 + 15, ", line 2"),
+    (bytes(range(256)), 128, ", line 2"),  # a binary file (a newline at byte 10)
+], ids=["latin-1", "binary"])
+def test_prompts_file_that_is_not_utf8(fake_load, capsys, tmp_path, data, offset, where):
+    """A file in another encoding, or not text at all: an error naming the file and the first
+    byte that is not UTF-8, exit status 2, no UnicodeDecodeError traceback."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(data)
+    rc, out, err = run_main(capsys, "--prompts-file", str(f))
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert err == (f"error: --prompts-file {f} is not UTF-8 text: byte 0x{data[offset]:02x} at byte "
+                   f"offset {offset}{where} (save it as UTF-8)\n"), err
+
+
+def test_prompt_argument_that_is_not_utf8(fake_load, capsys):
+    """argv bytes that are not UTF-8 (Python hands them over as lone surrogates): a usage
+    error naming the flag and the byte offset. `--stop` too."""
+    latin1 = os.fsdecode("caf\u00e9 au lait".encode("latin-1"))
+    rc, out, err = run_main(capsys, "--prompt", latin1)
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert err.endswith("error: --prompt is not UTF-8 text: byte 0xe9 at byte offset 3 (pass UTF-8 text)\n"), err
+    rc, _, err = run_main(capsys, "--prompt", "hi", "--stop", "\n", "--stop", os.fsdecode(b"\xff"))
+    assert rc == 2 and "error: --stop is not UTF-8 text: byte 0xff at byte offset 0" in err, err
+
+
+def test_prompt_bytes_that_are_not_utf8_from_the_shell(tmp_path):
+    """The same through a real argv (bytes), and a Latin-1 --prompts-file: exit status 2, one
+    error line each, no traceback."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes('{"prompt": "\u00e9t\u00e9"}\n'.encode("latin-1"))
+    for args in ([b"--prompt", "\u00e9t\u00e9".encode("latin-1")], ["--prompts-file", str(f)]):
+        p = subprocess.run([sys.executable, "-m", "lookahead_jax.generate", *args], capture_output=True,
+                           timeout=300, env=dict(os.environ, LC_ALL="C.UTF-8"))
+        err = p.stderr.decode()
+        assert p.returncode == 2 and p.stdout == b"", err
+        assert "is not UTF-8 text: byte 0xe9 at byte offset" in err and "Traceback" not in err, err
+
+
 class TemplateTokenizer(ByteTokenizer):
     """Renders a real jinja chat template (the loader's sandbox) that, like Gemma's, refuses
     a system message and roles that do not alternate."""
