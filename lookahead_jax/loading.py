@@ -106,8 +106,10 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
         if _is_saved(target):
             try:
                 return _restore(target, dtype, name)
-            except Exception as e:  # a half-written or stale cache entry: rebuild it
-                log.warning("cached checkpoint at %s is unusable (%s); reconverting", target, e)
+            except Exception as e:  # a half-written, truncated or stale cache entry: rebuild it
+                reason = str(e).split(" See full TensorStore details")[0].splitlines()[0]
+                log.warning("cached checkpoint at %s is unreadable (%s): rebuilding it from the GGUF",
+                            target, reason)
                 shutil.rmtree(target, ignore_errors=True)
         from .fetch import gguf_path
 

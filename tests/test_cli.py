@@ -713,6 +713,37 @@ def test_real_model_cli_reuses_compiled_steps(real_env, real_greedy):
 
 
 
+@pytest.mark.slow
+def test_truncated_weight_cache_is_rebuilt_with_one_line(real_env, tmp_path):
+    """A preset's cached checkpoint with a file cut short (a full disk, an interrupted
+    copy): one line naming it, then the checkpoint is rebuilt from the GGUF, and nothing
+    else on stderr (orbax alone printed thousands of lines: a TensorStore spec per array and
+    asyncio tracebacks of its cancelled reads)."""
+    import shutil
+    from pathlib import Path
+
+    cache = tmp_path / "cache"
+    name = presets.DEFAULT_MODEL
+    shutil.copytree(Path(real_env["LOOKAHEAD_JAX_CACHE"]) / name, cache / name)
+    shutil.copytree(Path(real_env["LOOKAHEAD_JAX_CACHE"]) / "gguf", cache / "gguf")  # the verified GGUF
+    target = cache / name / "float32"
+    biggest = max((f for f in (target / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+    env = dict(real_env, LOOKAHEAD_JAX_CACHE=str(cache))
+    code = f"from lookahead_jax.loading import load; m, t = load({name!r}, progress=False); print(m.config.vocab_size)"
+    for run in range(2):  # rebuilt, then restored from the rebuilt checkpoint quietly
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0 and p.stdout == "49152\n", p.stderr[-3000:]
+        lines = p.stderr.splitlines()
+        if run == 0:
+            assert len(lines) == 1, p.stderr[-3000:]
+            assert f"cached checkpoint at {target} is unreadable ({biggest} has " in lines[0], lines
+            assert lines[0].endswith("when saved (truncated?)): rebuilding it from the GGUF"), lines
+        else:
+            assert lines == [], p.stderr[-3000:]
+
+
 def test_plain_prompt_to_an_instruct_model_warns_once(fake_load, capsys):
     """An instruct model (name says so, tokenizer has a chat template) given plain text
     without --chat: one warning naming --chat; none with --chat or for a base model."""
