@@ -173,7 +173,7 @@ def vector_width() -> Optional[int]:
                 _state["lib"] = lib  # keep the library loaded
             except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
                 _state["error"] = str(e)
-                log.warning("warning: CPU kernels off, decoding ~20%% slower (%s); fix the build or set "
+                log.warning("CPU kernels off, decoding ~20%% slower (%s); fix the build or set "
                             "LOOKAHEAD_JAX_CPU_KERNELS=0 to run without them", " ".join(str(e).split()))
                 return None
         if "error" in _state:
