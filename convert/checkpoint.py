@@ -119,7 +119,9 @@ def _check_files(directory: str) -> None:
             raise ValueError(f"{path} has {os.path.getsize(path)} bytes, {size} when saved (truncated?)")
 
 
-def _read_config(directory: str) -> ModelConfig:
+def read_config(directory) -> ModelConfig:
+    """The checkpoint's config, without reading its params."""
+    directory = os.fspath(directory)
     cfg_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
         raise ValueError(
@@ -152,7 +154,7 @@ def restore_checkpoint(directory, dtype=None, sharding: Any = None):
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory {directory} does not exist")
-    config = _read_config(directory)
+    config = read_config(directory)
     pdir = os.path.join(directory, PARAMS_DIR)
     if not os.path.isdir(pdir):
         raise ValueError(f"{directory}: missing the {PARAMS_DIR}/ directory of the checkpoint")

@@ -381,6 +381,14 @@ def _run(argv, prog) -> int:
     logging.getLogger("lookahead_jax").setLevel(logging.INFO if cfg.verbose else logging.WARNING)
     from .loading import load
 
+    try:  # the strategy's options are checked before the model loads (seconds)
+        strategy = cfg.strategy_object()
+        strategy.validate()
+        if hasattr(strategy, "check_target"):  # a draft model: its vocabulary against the target's
+            strategy.check_target(cfg.model)
+    except (TypeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     mesh = None
     try:
         if cfg.mesh:
@@ -396,11 +404,6 @@ def _run(argv, prog) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    try:
-        strategy = cfg.strategy_object()
-    except (TypeError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if not cfg.chat and any(isinstance(p, str) for p in cfg.prompts) and is_instruct(cfg.model, tok):
         print(f"warning: {cfg.model} is an instruct (chat) model and --chat is not set: plain prompts are "
               "sent as raw text, which such models often continue with junk. Pass --chat to wrap them "

@@ -13,17 +13,18 @@ Resolution order for `name_or_path`:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
 from . import presets
 from .convert import checkpoint as ckpt
-from .convert import load_gguf, load_hf_dir
+from .convert import config_from_gguf, load_gguf, load_hf_dir, open_gguf
 from .convert.tokenizer import Tokenizer
 from .models.config import ModelConfig
 
@@ -147,6 +148,27 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
         f"unknown model {name!r}: not a preset ({', '.join(presets.PRESETS)}), "
         "not an existing path, not an HF hub id (org/name)"
     )
+
+
+def vocab_size(name_or_path) -> Optional[int]:
+    """The vocabulary (embedding rows, `ModelConfig.vocab_size`) of the model `load` would
+    load, read without its weights in well under a second: a preset's known size, a saved
+    checkpoint's or an HF directory's config, a GGUF header. None where it is not known
+    cheaply (an HF hub id) or the name is not a model (`load` reports that)."""
+    name = str(name_or_path)
+    if name in presets.PRESETS:
+        return presets.PRESETS[name].vocab_size or None
+    path = Path(name).expanduser()
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return config_from_gguf(open_gguf(path)).vocab_size
+        if _is_saved(path):
+            return ckpt.read_config(path / "params").vocab_size
+        if (path / "config.json").is_file():
+            return ModelConfig.from_hf(json.loads((path / "config.json").read_text())).vocab_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
 
 
 def _load_from_hub(repo_id: str, dtype):

@@ -200,6 +200,18 @@ class SpecInfer:
                              f"expansion's tree has {n} nodes, a step verifies at most {tree_lib.MAX_NODES}), "
                              f"got {self.lookahead_nodes!r}")
 
+    def check_target(self, target) -> None:
+        """Before anything loads: ValueError when the draft's vocabulary and the target's
+        (`target`: a name or path as `load` takes), both read without their weights
+        (`loading.vocab_size`), are known and differ. `check_draft` checks loaded models."""
+        from .loading import vocab_size
+
+        if not isinstance(self.draft_model, str) or not isinstance(target, str):
+            return
+        dv, tv = vocab_size(self.draft_model), vocab_size(target)
+        if dv and tv and dv != tv:
+            raise ValueError(_vocab_mismatch(self.draft_model, dv, target, tv))
+
     def drafter(self, engine):
         from .drafters.model import ModelDrafter
         from .engine import engine_for
@@ -298,11 +310,8 @@ def check_draft(engine, draft, draft_model):
     otherwise); a warning (once per draft) when it is not smaller than the target."""
     tc, dc = engine.config, draft.config
     if dc.vocab_size != tc.vocab_size:
-        raise ValueError(
-            f"draft model {getattr(draft, 'name', '') or draft_model!r} has a vocabulary of {dc.vocab_size} "
-            f"tokens but the target {engine.name or 'model'} has {tc.vocab_size}: SpecInfer needs a draft "
-            "with the target's tokenizer (e.g. a smaller model of the same family, or one made by "
-            "python -m lookahead_jax.distill)")
+        raise ValueError(_vocab_mismatch(getattr(draft, 'name', '') or draft_model, dc.vocab_size,
+                                         engine.name or 'model', tc.vocab_size))
     import jax
 
     size = lambda m: sum(x.size for x in jax.tree.leaves(m.params))  # noqa: E731
@@ -312,6 +321,12 @@ def check_draft(engine, draft, draft_model):
         log.warning("the draft model (%d params) is not smaller than the target (%d): SpecInfer "
                     "will be slower than plain decoding", size(draft), size(engine.model))
     return draft
+
+
+def _vocab_mismatch(draft, draft_vocab: int, target, target_vocab: int) -> str:
+    return (f"draft model {draft!r} has a vocabulary of {draft_vocab} tokens but the target {target} has "
+            f"{target_vocab}: SpecInfer needs a draft with the target's tokenizer (e.g. a smaller model of "
+            "the same family, or one made by python -m lookahead_jax.distill)")
 
 
 def resolve(strategy, **options):

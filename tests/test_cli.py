@@ -405,6 +405,42 @@ def test_generation_errors(fake_load, capsys, argv, msg):
     assert f"error: {msg}" in err
 
 
+def test_specinfer_options_are_checked_before_the_model_loads(fake_load, tiny, capsys, tmp_path):
+    """--strategy specinfer without --draft-model, or with a draft whose vocabulary (read
+    without its weights: a preset's known size, a saved checkpoint's config) is not the
+    target's: the error comes before anything loads (loading the target took 8-9 s)."""
+    from convert import save_checkpoint
+
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer")
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert "error: strategy 'specinfer' needs a draft model" in err and "--draft-model" in err, err
+
+    draft = tmp_path / "tiny-draft"  # a saved checkpoint (save_pretrained's layout) of vocab 259
+    save_checkpoint(draft / "params", tiny.config, tiny.params)
+    (draft / "LOOKAHEAD_JAX").write_text("tiny\n")
+    assert loading.vocab_size(draft) == 259 and loading.vocab_size(presets.DEFAULT_MODEL) == 49152
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", str(draft))
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert err == (f"error: draft model {str(draft)!r} has a vocabulary of 259 tokens but the target "
+                   f"{presets.DEFAULT_MODEL} has 49152: SpecInfer needs a draft with the target's tokenizer "
+                   "(e.g. a smaller model of the same family, or one made by python -m lookahead_jax.distill)\n"), err
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", str(draft),
+                            "--model", str(draft), "--max-new-tokens", "2", "--json")  # same vocabulary: runs
+    assert rc == 0 and fake_load.calls[0][0] == str(draft), err
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_preset_vocab_size_is_its_gguf_embedding(name):
+    """A preset's vocab_size (SpecInfer's check before loading) is its GGUF's embedding rows."""
+    from convert import config_from_gguf, open_gguf
+    from lookahead_jax import fetch
+
+    if fetch.status(name) != "fetched":  # not assembled and hashed here (GBs for some)
+        pytest.skip(f"{name}: {fetch.status(name)}")
+    path = fetch.gguf_path(name)
+    assert presets.PRESETS[name].vocab_size == config_from_gguf(open_gguf(path)).vocab_size
+
+
 def test_oversize_prompt(fake_load, capsys, tmp_path):
     fake_load.model = tiny_model("llama", seed=2, max_position=64)
     f = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 20}])  # 101 tokens
