@@ -53,6 +53,7 @@ class CliConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
+    references_field: Optional[str] = None
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -285,6 +286,7 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), sources=tuple(sources),
         min_new_tokens=a.min_new_tokens, logprobs=a.logprobs, repetition_penalty=a.repetition_penalty,
         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+        references_field=a.references_field,
     )
 
 
@@ -372,6 +374,25 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         return 130
 
 
+def warn_unused_options(cfg: CliConfig, strategy) -> None:
+    """One warning line per option given that the chosen strategy (or greedy decoding) does
+    not use here (options of another strategy are warned about while parsing)."""
+    if cfg.references_field and not getattr(strategy, "takes_references", False):
+        print(f"warning: --references-field is not used by --strategy {cfg.strategy} (references seed "
+              "an n-gram trie: lookahead, specinfer with --lookahead-nodes, ralm/ralmspec with --lookahead): "
+              "ignored", file=sys.stderr)
+    if cfg.temperature <= 0:  # greedy: the argmax, whatever the sampling filters keep
+        for flag, given in (("--top-k", cfg.top_k != 0), ("--top-p", cfg.top_p != 1.0)):
+            if given:
+                print(f"warning: {flag} is not used at --temperature 0 (greedy decoding): ignored", file=sys.stderr)
+    unused = getattr(strategy, "unused_options", lambda greedy: {})(cfg.temperature <= 0)
+    for field, _ in cfg.options:
+        if field in unused:
+            flag = type(strategy).cli_names.get(field, field.replace("_", "-"))
+            print(f"warning: --{flag} is not used by --strategy {cfg.strategy} {unused[field]}: ignored",
+                  file=sys.stderr)
+
+
 def _run(argv, prog) -> int:
     cfg = parse_args(argv, prog)
     # the root logger may be configured already by a dependency (basicConfig is then a
@@ -389,6 +410,7 @@ def _run(argv, prog) -> int:
     except (TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    warn_unused_options(cfg, strategy)
     mesh = None
     try:
         if cfg.mesh:

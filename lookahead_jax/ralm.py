@@ -175,6 +175,10 @@ class RaLM:
 
             _int_in("lookahead", la, 0, tree_lib.MAX_NODES)
 
+    @property
+    def takes_references(self) -> bool:  # they seed lookahead's trie
+        return self.lookahead != 0
+
     def _lookahead(self):
         from .strategies import Lookahead
 

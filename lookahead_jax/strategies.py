@@ -41,6 +41,7 @@ class Greedy:
     name = "greedy"
     help = "plain decoding"
     cli_names = {}
+    takes_references = False  # whether `references` (texts that seed an n-gram trie) are used
 
     def validate(self) -> None:
         pass
@@ -84,9 +85,15 @@ class Lookahead:
                      "(default false)",
     }
 
+    takes_references = True
+
     @property
     def auto(self) -> bool:
         return self.decoding_length == "auto"
+
+    def unused_options(self, greedy: bool) -> dict:
+        """{field: why} for fields this configuration does not use (the CLI warns when given)."""
+        return {} if self.auto else {"calibrate": "with a fixed --decoding-length (it times auto's tree sizes)"}
 
     def validate(self) -> None:
         dl = self.decoding_length
@@ -181,6 +188,14 @@ class SpecInfer:
     def __post_init__(self):
         if isinstance(self.expansion, (str, list)):
             object.__setattr__(self, "expansion", _expansion(self.expansion))
+
+    @property
+    def takes_references(self) -> bool:  # they seed the merged n-gram trie
+        return bool(self.lookahead_nodes)
+
+    def unused_options(self, greedy: bool) -> dict:
+        """{field: why} for fields this configuration does not use (the CLI warns when given)."""
+        return {"sampler": "at --temperature 0 (greedy verification)"} if greedy else {}
 
     def validate(self) -> None:
         from .drafters.model import check_expansion

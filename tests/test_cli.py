@@ -353,6 +353,48 @@ def test_references_field(fake_load, tiny, capsys, tmp_path):
     assert row["forward_steps"] < row["new_tokens"]
 
 
+@pytest.mark.parametrize("argv,warning", [
+    (["--references-field", "passage"], "--references-field is not used by --strategy greedy"),
+    (["--strategy", "specinfer", "--draft-model", "tiny", "--references-field", "passage"],
+     "--references-field is not used by --strategy specinfer"),
+    (["--strategy", "specinfer", "--draft-model", "tiny", "--sampler", "invariant"],
+     "--sampler is not used by --strategy specinfer at --temperature 0 (greedy verification): ignored"),
+    (["--strategy", "lookahead", "--decoding-length", "4", "--calibrate"],
+     "--calibrate is not used by --strategy lookahead with a fixed --decoding-length"),
+    (["--decoding-length", "4"], "--decoding-length is an option of --strategy lookahead: ignored"),
+    (["--top-p", "0.9"], "--top-p is not used at --temperature 0 (greedy decoding): ignored"),
+    (["--strategy", "lookahead", "--references-field", "passage"], None),
+    (["--strategy", "specinfer", "--draft-model", "tiny", "--lookahead-nodes", "4", "--references-field",
+      "passage", "--sampler", "invariant", "--temperature", "0.7"], None),
+])
+def test_options_the_strategy_ignores_warn_once(fake_load, capsys, tmp_path, argv, warning):
+    """Every option the chosen strategy does not use is one warning line naming the option
+    and the strategy (and the run goes on); options it uses give none."""
+    # a model of its own: a draft loaded by name keeps only its packed bf16 weights, and here the
+    # draft is the target
+    fake_load.model = tiny_model("llama", seed=2)
+    f = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "hi", "passage": "a passage"}] * 2)
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "2", "--json", *argv)
+    assert rc == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    if warning is None:
+        assert warnings == [], err
+    else:
+        assert len(warnings) == 1 and warning in warnings[0], err
+
+
+def test_knnlm_speculation_stride_without_speculative_warns(capsys):
+    from lookahead_jax.cli import parse_args, warn_unused_options
+
+    cfg = parse_args(["--prompt", "hi", "--strategy", "knnlm", "--speculation-stride", "4"])
+    warn_unused_options(cfg, cfg.strategy_object())
+    assert capsys.readouterr().err == ("warning: --speculation-stride is not used by --strategy knnlm "
+                                       "without --speculative: ignored\n")
+    cfg = parse_args(["--prompt", "hi", "--strategy", "knnlm", "--speculation-stride", "4", "--speculative"])
+    warn_unused_options(cfg, cfg.strategy_object())
+    assert capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------- errors
 def test_unknown_model_lists_presets(capsys):
     rc, out, err = run_main(capsys, "--model", "no-such-model", "--prompt", "hi")
@@ -424,6 +466,7 @@ def test_specinfer_options_are_checked_before_the_model_loads(fake_load, tiny, c
     assert err == (f"error: draft model {str(draft)!r} has a vocabulary of 259 tokens but the target "
                    f"{presets.DEFAULT_MODEL} has 49152: SpecInfer needs a draft with the target's tokenizer "
                    "(e.g. a smaller model of the same family, or one made by python -m lookahead_jax.distill)\n"), err
+    fake_load.model = tiny_model("llama", seed=2)  # its own: the draft (the same model) is packed to bf16
     rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", str(draft),
                             "--model", str(draft), "--max-new-tokens", "2", "--json")  # same vocabulary: runs
     assert rc == 0 and fake_load.calls[0][0] == str(draft), err
