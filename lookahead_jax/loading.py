@@ -142,23 +142,32 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
             "directory (config.json + *.safetensors)"
         )
 
-    if "/" in name and not name.startswith((".", "/", "~")):
+    if _is_hub_id(name):
         return _load_from_hub(name, dtype)
-    raise ValueError(
-        f"unknown model {name!r}: not a preset ({', '.join(presets.PRESETS)}), "
-        "not an existing path, not an HF hub id (org/name)"
-    )
+    raise ValueError(_unknown(name))
+
+
+def _is_hub_id(name: str) -> bool:
+    return "/" in name and not name.startswith((".", "/", "~"))
+
+
+def _unknown(name: str) -> str:
+    return (f"unknown model {name!r}: not a preset ({', '.join(presets.PRESETS)}), "
+            "not an existing path, not an HF hub id (org/name)")
 
 
 def vocab_size(name_or_path) -> Optional[int]:
     """The vocabulary (embedding rows, `ModelConfig.vocab_size`) of the model `load` would
     load, read without its weights in well under a second: a preset's known size, a saved
     checkpoint's or an HF directory's config, a GGUF header. None where it is not known
-    cheaply (an HF hub id) or the name is not a model (`load` reports that)."""
+    cheaply (an HF hub id, a path that is not a model: `load` reports that); ValueError, as
+    from `load`, for a name that is none of preset, path and hub id."""
     name = str(name_or_path)
     if name in presets.PRESETS:
         return presets.PRESETS[name].vocab_size or None
     path = Path(name).expanduser()
+    if not path.exists() and not _is_hub_id(name):
+        raise ValueError(_unknown(name))
     try:
         if path.is_file() and path.suffix == ".gguf":
             return config_from_gguf(open_gguf(path)).vocab_size

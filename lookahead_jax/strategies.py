@@ -218,12 +218,17 @@ class SpecInfer:
     def check_target(self, target) -> None:
         """Before anything loads: ValueError when the draft's vocabulary and the target's
         (`target`: a name or path as `load` takes), both read without their weights
-        (`loading.vocab_size`), are known and differ. `check_draft` checks loaded models."""
+        (`loading.vocab_size`), are known and differ, or when the draft's name is no model.
+        `check_draft` checks loaded models."""
         from .loading import vocab_size
 
         if not isinstance(self.draft_model, str) or not isinstance(target, str):
             return
-        dv, tv = vocab_size(self.draft_model), vocab_size(target)
+        try:
+            dv = vocab_size(self.draft_model)
+        except ValueError as e:
+            raise ValueError(f"cannot load draft model {self.draft_model!r}: {e}") from e
+        tv = vocab_size(target)
         if dv and tv and dv != tv:
             raise ValueError(_vocab_mismatch(self.draft_model, dv, target, tv))
 

@@ -355,16 +355,16 @@ def test_references_field(fake_load, tiny, capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,warning", [
     (["--references-field", "passage"], "--references-field is not used by --strategy greedy"),
-    (["--strategy", "specinfer", "--draft-model", "tiny", "--references-field", "passage"],
+    (["--strategy", "specinfer", "--draft-model", "org/tiny", "--references-field", "passage"],
      "--references-field is not used by --strategy specinfer"),
-    (["--strategy", "specinfer", "--draft-model", "tiny", "--sampler", "invariant"],
+    (["--strategy", "specinfer", "--draft-model", "org/tiny", "--sampler", "invariant"],
      "--sampler is not used by --strategy specinfer at --temperature 0 (greedy verification): ignored"),
     (["--strategy", "lookahead", "--decoding-length", "4", "--calibrate"],
      "--calibrate is not used by --strategy lookahead with a fixed --decoding-length"),
     (["--decoding-length", "4"], "--decoding-length is an option of --strategy lookahead: ignored"),
     (["--top-p", "0.9"], "--top-p is not used at --temperature 0 (greedy decoding): ignored"),
     (["--strategy", "lookahead", "--references-field", "passage"], None),
-    (["--strategy", "specinfer", "--draft-model", "tiny", "--lookahead-nodes", "4", "--references-field",
+    (["--strategy", "specinfer", "--draft-model", "org/tiny", "--lookahead-nodes", "4", "--references-field",
       "passage", "--sampler", "invariant", "--temperature", "0.7"], None),
 ])
 def test_options_the_strategy_ignores_warn_once(fake_load, capsys, tmp_path, argv, warning):
@@ -466,6 +466,9 @@ def test_specinfer_options_are_checked_before_the_model_loads(fake_load, tiny, c
     assert err == (f"error: draft model {str(draft)!r} has a vocabulary of 259 tokens but the target "
                    f"{presets.DEFAULT_MODEL} has 49152: SpecInfer needs a draft with the target's tokenizer "
                    "(e.g. a smaller model of the same family, or one made by python -m lookahead_jax.distill)\n"), err
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", "qwen-0.5b")
+    assert rc == 2 and out == "" and fake_load.calls == []  # a typo
+    assert err.startswith("error: cannot load draft model 'qwen-0.5b': unknown model 'qwen-0.5b': not a preset"), err
     fake_load.model = tiny_model("llama", seed=2)  # its own: the draft (the same model) is packed to bf16
     rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", str(draft),
                             "--model", str(draft), "--max-new-tokens", "2", "--json")  # same vocabulary: runs
