@@ -2,7 +2,8 @@
 
 Directory layout:
 
-    <directory>/model_config.json   ModelConfig.to_dict(), written after the params commit
+    <directory>/model_config.json   ModelConfig.to_dict() and the size of every params file,
+                                    written after the params commit (restore checks the sizes)
     <directory>/params/             orbax StandardCheckpointer checkpoint of the pytree
 
 Restore builds the target pytree from the config (`models.param_shapes`), so the stored
@@ -92,11 +93,35 @@ def save_checkpoint(directory, config: ModelConfig, params, *, overwrite: bool =
         ckptr.save(pdir, params, force=overwrite)
         ckptr.wait_until_finished()
     with open(cfg_path, "w") as f:
-        json.dump({"format": FORMAT, "config": config.to_dict()}, f, indent=1)
+        json.dump({"format": FORMAT, "config": config.to_dict(), "files": _file_sizes(pdir)}, f, indent=1)
     return directory
 
 
-def _read_config(directory: str) -> ModelConfig:
+def _file_sizes(pdir: str) -> dict:
+    """{path relative to pdir: size in bytes} of every file orbax wrote."""
+    return {os.path.relpath(os.path.join(d, n), pdir): os.path.getsize(os.path.join(d, n))
+            for d, _, names in os.walk(pdir) for n in names}
+
+
+def _check_files(directory: str) -> None:
+    """ValueError naming the first params file that is missing or not the size it was saved
+    with (a truncated copy, a full disk). Checked before orbax reads anything: orbax's error
+    for a short file is a TensorStore spec per array plus asyncio tracebacks from its
+    cancelled reads. (Checkpoints saved before the sizes were recorded are not checked.)"""
+    with open(os.path.join(directory, CONFIG_FILE)) as f:
+        files = json.load(f).get("files") or {}
+    pdir = os.path.join(directory, PARAMS_DIR)
+    for rel, size in sorted(files.items()):
+        path = os.path.join(pdir, rel)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} is missing")
+        if os.path.getsize(path) != size:
+            raise ValueError(f"{path} has {os.path.getsize(path)} bytes, {size} when saved (truncated?)")
+
+
+def read_config(directory) -> ModelConfig:
+    """The checkpoint's config, without reading its params."""
+    directory = os.fspath(directory)
     cfg_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(cfg_path):
         raise ValueError(
@@ -129,10 +154,11 @@ def restore_checkpoint(directory, dtype=None, sharding: Any = None):
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         raise ValueError(f"checkpoint directory {directory} does not exist")
-    config = _read_config(directory)
+    config = read_config(directory)
     pdir = os.path.join(directory, PARAMS_DIR)
     if not os.path.isdir(pdir):
         raise ValueError(f"{directory}: missing the {PARAMS_DIR}/ directory of the checkpoint")
+    _check_files(directory)
 
     with ocp.StandardCheckpointer() as ckptr:
         try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -19,7 +21,7 @@ from .core.engine import engine_for
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
 from .generate import generate
 from .prompts import check_messages
-from .strategies import REGISTRY
+from .strategies import REGISTRY, SpecInfer
 
 log = logging.getLogger("lookahead_jax")
 
@@ -52,6 +54,7 @@ class CliConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
+    references_field: Optional[str] = None
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -63,13 +66,28 @@ def _fail(msg: str):
     raise SystemExit(2)
 
 
+def _undecodable(data: bytes, where: str) -> Optional[str]:
+    """An error naming `where` and its first byte that is not UTF-8, or None if `data` decodes."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lines = data.count(b"\n", 0, e.start) + 1
+        line = f", line {lines}" if b"\n" in data else ""
+        return f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset {e.start}{line}"
+    return None
+
+
 def _read_prompts_file(path: str, references_field: Optional[str]):
     prompts, refs, sources = [], [], []
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         _fail(f"cannot read --prompts-file {path}: {e.strerror}")
-    with f:
+    error = _undecodable(data, f"--prompts-file {path}")
+    if error:
+        _fail(f"{error} (save it as UTF-8)")
+    with io.StringIO(data.decode("utf-8")) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -246,6 +264,12 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
             print(f"warning: --{flag} is an option of --strategy {owners}: ignored", file=sys.stderr)
             continue
         options.append((field.name, value))
+    # argv bytes that are not UTF-8 arrive as lone surrogates (Python's surrogateescape)
+    for flag, values in (("--prompt", [a.prompt] if a.prompt is not None else []), ("--stop", a.stop)):
+        for v in values:
+            error = _undecodable(os.fsencode(v), flag)
+            if error:
+                ap.error(f"{error} (pass UTF-8 text)")
     if a.prompt is not None:
         if not a.prompt.strip():
             ap.error("--prompt is empty")
@@ -263,6 +287,7 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
         stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), sources=tuple(sources),
         min_new_tokens=a.min_new_tokens, logprobs=a.logprobs, repetition_penalty=a.repetition_penalty,
         presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+        references_field=a.references_field,
     )
 
 
@@ -309,6 +334,36 @@ def _row_json(r, n: int) -> dict:
 
 
 def main(argv=None, prog: Optional[str] = None) -> int:
+    """The command: 0 done, 2 bad input; Ctrl-C is exit status 130 and one line, keeping
+    what was printed (streamed text, the finished rows' JSON), without a traceback."""
+    try:
+        return _run(argv, prog)
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def warn_unused_options(cfg: CliConfig, strategy) -> None:
+    """One warning line per option given that the chosen strategy (or greedy decoding) does
+    not use here (options of another strategy are warned about while parsing)."""
+    if cfg.references_field and not strategy.takes_references:
+        print(f"warning: --references-field is not used by --strategy {cfg.strategy} (references seed "
+              "an n-gram trie: lookahead, specinfer with --lookahead-nodes, ralm/ralmspec with --lookahead): "
+              "ignored", file=sys.stderr)
+    if cfg.temperature <= 0:  # greedy: the argmax, whatever the sampling filters keep
+        for flag, given in (("--top-k", cfg.top_k != 0), ("--top-p", cfg.top_p != 1.0)):
+            if given:
+                print(f"warning: {flag} is not used at --temperature 0 (greedy decoding): ignored", file=sys.stderr)
+    unused = strategy.unused_options(cfg.temperature <= 0)
+    for field, _ in cfg.options:
+        if field in unused:
+            flag = type(strategy).cli_names.get(field, field.replace("_", "-"))
+            print(f"warning: --{flag} is not used by --strategy {cfg.strategy} {unused[field]}: ignored",
+                  file=sys.stderr)
+
+
+def _run(argv, prog) -> int:
     cfg = parse_args(argv, prog)
     # the root logger may be configured already by a dependency (basicConfig is then a
     # no-op and the root's WARNING level would drop -v's INFO records): set the level on
@@ -317,6 +372,15 @@ def main(argv=None, prog: Optional[str] = None) -> int:
     logging.getLogger("lookahead_jax").setLevel(logging.INFO if cfg.verbose else logging.WARNING)
     from .loading import load
 
+    try:  # the strategy's options are checked before the model loads (seconds)
+        strategy = cfg.strategy_object()
+        strategy.validate()
+        if isinstance(strategy, SpecInfer):  # a draft model: its vocabulary against the target's
+            strategy.check_target(cfg.model)
+    except (TypeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    warn_unused_options(cfg, strategy)
     mesh = None
     try:
         if cfg.mesh:
@@ -332,11 +396,6 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    try:
-        strategy = cfg.strategy_object()
-    except (TypeError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if not cfg.chat and any(isinstance(p, str) for p in cfg.prompts) and is_instruct(cfg.model, tok):
         print(f"warning: {cfg.model} is an instruct (chat) model and --chat is not set: plain prompts are "
               "sent as raw text, which such models often continue with junk. Pass --chat to wrap them "

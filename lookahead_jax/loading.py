@@ -13,17 +13,18 @@ Resolution order for `name_or_path`:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax.numpy as jnp
 
 from . import presets
 from .convert import checkpoint as ckpt
-from .convert import load_gguf, load_hf_dir
+from .convert import config_from_gguf, load_gguf, load_hf_dir, open_gguf
 from .convert.tokenizer import Tokenizer
 from .models.config import ModelConfig
 
@@ -106,8 +107,10 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
         if _is_saved(target):
             try:
                 return _restore(target, dtype, name)
-            except Exception as e:  # a half-written or stale cache entry: rebuild it
-                log.warning("cached checkpoint at %s is unusable (%s); reconverting", target, e)
+            except Exception as e:  # a half-written, truncated or stale cache entry: rebuild it
+                reason = str(e).split(" See full TensorStore details")[0].splitlines()[0]
+                log.warning("cached checkpoint at %s is unreadable (%s): rebuilding it from the GGUF",
+                            target, reason)
                 shutil.rmtree(target, ignore_errors=True)
         from .fetch import gguf_path
 
@@ -139,12 +142,42 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
             "directory (config.json + *.safetensors)"
         )
 
-    if "/" in name and not name.startswith((".", "/", "~")):
+    if _is_hub_id(name):
         return _load_from_hub(name, dtype)
-    raise ValueError(
-        f"unknown model {name!r}: not a preset ({', '.join(presets.PRESETS)}), "
-        "not an existing path, not an HF hub id (org/name)"
-    )
+    raise ValueError(_unknown(name))
+
+
+def _is_hub_id(name: str) -> bool:
+    return "/" in name and not name.startswith((".", "/", "~"))
+
+
+def _unknown(name: str) -> str:
+    return (f"unknown model {name!r}: not a preset ({', '.join(presets.PRESETS)}), "
+            "not an existing path, not an HF hub id (org/name)")
+
+
+def vocab_size(name_or_path) -> Optional[int]:
+    """The vocabulary (embedding rows, `ModelConfig.vocab_size`) of the model `load` would
+    load, read without its weights in well under a second: a preset's known size, a saved
+    checkpoint's or an HF directory's config, a GGUF header. None where it is not known
+    cheaply (an HF hub id, a path that is not a model: `load` reports that); ValueError, as
+    from `load`, for a name that is none of preset, path and hub id."""
+    name = str(name_or_path)
+    if name in presets.PRESETS:
+        return presets.PRESETS[name].vocab_size or None
+    path = Path(name).expanduser()
+    if not path.exists() and not _is_hub_id(name):
+        raise ValueError(_unknown(name))
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return config_from_gguf(open_gguf(path)).vocab_size
+        if _is_saved(path):
+            return ckpt.read_config(path / "params").vocab_size
+        if (path / "config.json").is_file():
+            return ModelConfig.from_hf(json.loads((path / "config.json").read_text())).vocab_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
 
 
 def _load_from_hub(repo_id: str, dtype):

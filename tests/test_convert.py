@@ -526,8 +526,26 @@ def test_checkpoint_malformed_directories(small_model, tmp_path):
     with pytest.raises(ValueError, match=r"does not match the config.*missing \['layers\.2"):
         convert.restore_checkpoint(d)
 
+    def unsized(d):  # a checkpoint saved before the file sizes were recorded: orbax finds the damage
+        blob = json.loads((d / "model_config.json").read_text())
+        del blob["files"]
+        (d / "model_config.json").write_text(json.dumps(blob))
+
+    d = tmp_path / "truncated"  # a params file cut short: named, before orbax reads anything
+    shutil.copytree(good, d)
+    biggest = max((f for f in (d / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    size = biggest.stat().st_size
+    with open(biggest, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(ValueError, match=f"^{biggest} has {size // 2} bytes, {size} when saved"):
+        convert.restore_checkpoint(d)
+    biggest.unlink()
+    with pytest.raises(ValueError, match=f"^{biggest} is missing$"):
+        convert.restore_checkpoint(d)
+
     d = tmp_path / "gutted"  # params/ emptied: no orbax metadata
     shutil.copytree(good, d)
+    unsized(d)
     for name in os.listdir(d / "params"):
         p = d / "params" / name
         shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -536,6 +554,7 @@ def test_checkpoint_malformed_directories(small_model, tmp_path):
 
     d = tmp_path / "no_data"  # metadata intact, array data gone
     shutil.copytree(good, d)
+    unsized(d)
     shutil.rmtree(d / "params" / "ocdbt.process_0")
     with pytest.raises(ValueError, match="could not restore the params.*incomplete or corrupt"):
         convert.restore_checkpoint(d)

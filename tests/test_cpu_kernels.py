@@ -115,6 +115,33 @@ def test_a_failing_build_falls_back_to_dot(tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), LOOKAHEAD_JAX_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    # not silently slower: one warning line naming the cause and the way out
+    warnings = [ln for ln in out.stderr.splitlines() if "CPU kernels off" in ln]
+    assert len(warnings) == 1 and "no C++ compiler found" in warnings[0], out.stderr[-2000:]
+    assert "LOOKAHEAD_JAX_CPU_KERNELS=0" in warnings[0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_cached_kernel_is_rebuilt(tmp_path, damage):
+    """A cached library cut short (a full disk, an interrupted copy: dlopen of it can die
+    of SIGBUS) or overwritten is found, deleted and rebuilt: the kernels are on, quietly."""
+    from lookahead_jax.presets import cache_root
+
+    built = ck._build()
+    cached = tmp_path / built.relative_to(cache_root())
+    cached.parent.mkdir(parents=True)
+    data = built.read_bytes()
+    cached.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"not a library\n" * 100)
+    code = ("from lookahead_jax.models import cpu_kernels as ck; import jax, jax.numpy as jnp;"
+            "print(ck.vector_width());"
+            "print('lookahead_matmul' in jax.jit(ck.matmul).lower(jnp.ones((2, 64)), jnp.ones((64, 32))).as_text())")
+    env = dict(os.environ, LOOKAHEAD_JAX_CACHE=str(tmp_path))
+    env.pop("LOOKAHEAD_JAX_CPU_KERNELS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(WIDTH), "True"] and "warning" not in out.stderr, out.stderr[-2000:]
+    ck._check_elf(cached)  # a whole library again
 
 
 @needs_kernel

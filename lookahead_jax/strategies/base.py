@@ -74,6 +74,7 @@ class StrategyBase:
     supports_penalties: ClassVar[bool] = True  # False: its tokens come from its own distribution
     uses_question_spans: ClassVar[bool] = False  # start() gets each prompt's question span
     runs_own_loop: ClassVar[bool] = False  # start() returns a Run that drives the decode loop
+    takes_references: ClassVar[bool] = False  # whether `references` (texts that seed an n-gram trie) are used
     cli_names: ClassVar[dict] = {}
     choices: ClassVar[dict] = {}
     parsers: ClassVar[dict] = {}
@@ -91,3 +92,7 @@ class StrategyBase:
 
     def start(self, tokenizer, prompt_ids, engine=None, spans=None) -> Optional[Run]:
         return None
+
+    def unused_options(self, greedy: bool) -> dict:
+        """{field: why} for fields this configuration does not use (the CLI warns when given)."""
+        return {}

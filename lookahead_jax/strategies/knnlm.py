@@ -119,6 +119,12 @@ class KNNLM(StrategyBase):
         if isinstance(self.speculative, str):
             object.__setattr__(self, "speculative", self.speculative.lower() in ("1", "true", "yes", ""))
 
+    takes_references = False
+
+    def unused_options(self, greedy: bool) -> dict:
+        """{field: why} for fields this configuration does not use (the CLI warns when given)."""
+        return {} if self.speculative else {"speculation_stride": "without --speculative"}
+
     def validate(self) -> None:
         from ..retrieval.corpus import Corpus
         from ..knnlm.datastore import Datastore

@@ -43,9 +43,15 @@ class Lookahead(StrategyBase):
                      "(default false)",
     }
 
+    takes_references = True
+
     @property
     def auto(self) -> bool:
         return self.decoding_length == "auto"
+
+    def unused_options(self, greedy: bool) -> dict:
+        """{field: why} for fields this configuration does not use (the CLI warns when given)."""
+        return {} if self.auto else {"calibrate": "with a fixed --decoding-length (it times auto's tree sizes)"}
 
     def validate(self) -> None:
         dl = self.decoding_length

@@ -163,6 +163,10 @@ class RaLM(StrategyBase):
 
             number_in("lookahead", la, 0, tree_lib.MAX_NODES)
 
+    @property
+    def takes_references(self) -> bool:  # they seed lookahead's trie
+        return self.lookahead != 0
+
     def _lookahead(self):
         from . import Lookahead
 

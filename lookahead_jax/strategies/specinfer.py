@@ -77,6 +77,14 @@ class SpecInfer(StrategyBase):
         if isinstance(self.expansion, (str, list)):
             object.__setattr__(self, "expansion", _expansion(self.expansion))
 
+    @property
+    def takes_references(self) -> bool:  # they seed the merged n-gram trie
+        return bool(self.lookahead_nodes)
+
+    def unused_options(self, greedy: bool) -> dict:
+        """{field: why} for fields this configuration does not use (the CLI warns when given)."""
+        return {"sampler": "at --temperature 0 (greedy verification)"} if greedy else {}
+
     def validate(self) -> None:
         from ..drafters.model import check_expansion
 
@@ -94,6 +102,23 @@ class SpecInfer(StrategyBase):
             raise ValueError(f"lookahead_nodes must be an integer in [0, {tree_lib.MAX_NODES - n}] (the "
                              f"expansion's tree has {n} nodes, a step verifies at most {tree_lib.MAX_NODES}), "
                              f"got {self.lookahead_nodes!r}")
+
+    def check_target(self, target) -> None:
+        """Before anything loads: ValueError when the draft's vocabulary and the target's
+        (`target`: a name or path as `load` takes), both read without their weights
+        (`loading.vocab_size`), are known and differ, or when the draft's name is no model.
+        `check_draft` checks loaded models."""
+        from ..loading import vocab_size
+
+        if not isinstance(self.draft_model, str) or not isinstance(target, str):
+            return
+        try:
+            dv = vocab_size(self.draft_model)
+        except ValueError as e:
+            raise ValueError(f"cannot load draft model {self.draft_model!r}: {e}") from e
+        tv = vocab_size(target)
+        if dv and tv and dv != tv:
+            raise ValueError(_vocab_mismatch(self.draft_model, dv, target, tv))
 
     def drafter(self, engine):
         from ..drafters.model import ModelDrafter
@@ -191,11 +216,8 @@ def check_draft(engine, draft, draft_model):
     otherwise); a warning (once per draft) when it is not smaller than the target."""
     tc, dc = engine.config, draft.config
     if dc.vocab_size != tc.vocab_size:
-        raise ValueError(
-            f"draft model {getattr(draft, 'name', '') or draft_model!r} has a vocabulary of {dc.vocab_size} "
-            f"tokens but the target {engine.name or 'model'} has {tc.vocab_size}: SpecInfer needs a draft "
-            "with the target's tokenizer (e.g. a smaller model of the same family, or one made by "
-            "python -m lookahead_jax.distill)")
+        raise ValueError(_vocab_mismatch(getattr(draft, 'name', '') or draft_model, dc.vocab_size,
+                                         engine.name or 'model', tc.vocab_size))
     import jax
 
     size = lambda m: sum(x.size for x in jax.tree.leaves(m.params))  # noqa: E731
@@ -205,3 +227,9 @@ def check_draft(engine, draft, draft_model):
         log.warning("the draft model (%d params) is not smaller than the target (%d): SpecInfer "
                     "will be slower than plain decoding", size(draft), size(engine.model))
     return draft
+
+
+def _vocab_mismatch(draft, draft_vocab: int, target, target_vocab: int) -> str:
+    return (f"draft model {draft!r} has a vocabulary of {draft_vocab} tokens but the target {target} has "
+            f"{target_vocab}: SpecInfer needs a draft with the target's tokenizer (e.g. a smaller model of "
+            "the same family, or one made by python -m lookahead_jax.distill)")
