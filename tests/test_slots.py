@@ -86,6 +86,7 @@ def test_inserted_mid_decode_equals_alone(model, tok, ids, strategy):
     assert slots.free_slots == [0, 1, 2]  # every slot was freed, and 6 requests used 3 slots
 
 
+@pytest.mark.slow
 def test_sampling_inserted_mid_decode_equals_alone(model, tok, ids):
     sp = SamplingParams(0.8, 0, 0.95)
     slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), sampling=sp)
@@ -94,6 +95,7 @@ def test_sampling_inserted_mid_decode_equals_alone(model, tok, ids):
         assert got[i] == alone(model, tok, i, temperature=0.8, top_p=0.95, seed=5)
 
 
+@pytest.mark.slow
 def test_specinfer_inserted_mid_decode_equals_alone(model, tok, ids):
     draft = tiny_model("llama", seed=2)
     strat = SpecInfer(draft_model=draft, expansion=(1, 1, 2))
