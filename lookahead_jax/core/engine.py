@@ -215,10 +215,10 @@ class Engine:
 
     def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, sel=None):
+               counts=None, sel=None, top_logprobs: int = 0):
         """`verify.extend_step` through the compiled-function table (name "prefill").
         suppress [B] / ban (min_new_tokens), penalties with seen [B,V] / counts [B,V], and
-        logprobs: see `verify.py`; off by default (the same executable as without them).
+        logprobs, top_logprobs: see `verify.py`; off by default (the same executable as without them).
         sel [G]: only these cache rows (the per-row arguments then have G rows; see
         `verify.extend_step`)."""
         from .verify import jitted_extend
@@ -230,15 +230,17 @@ class Engine:
             args += (None,) * (9 - len(args)) + (self.arg(np.asarray(sel, np.int32)),)
         if logprobs:
             static["logprobs"] = True
+        if top_logprobs:
+            static["top_logprobs"] = int(top_logprobs)
         fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling),
-                                args, 2 if logprobs else 1, static)
+                                args, 1 + bool(logprobs) + 2 * bool(top_logprobs), static)
         return self.compiled("prefill", fn, *args, **static)
 
     def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None):
+               counts=None, top_logprobs: int = 0):
         """`verify.verify_step` on a packed `tree.VerifyBlock` (suppress / ban, penalties /
-        seen / counts, logprobs: see `verify.py`; off by default)."""
+        seen / counts, logprobs, top_logprobs: see `verify.py`; off by default)."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
@@ -250,8 +252,10 @@ class Engine:
         args = self._options(args, static, [probs], suppress, ban, penalties, seen, counts)
         if logprobs:
             static["logprobs"] = True
+        if top_logprobs:
+            static["top_logprobs"] = int(top_logprobs)
         fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule),
-                                args, 4 if logprobs else 3, static)
+                                args, 3 + bool(logprobs) + 2 * bool(top_logprobs), static)
         return self.compiled("verify", fn, *args, **static)
 
     def measure_verify_costs(self, rule, B: int, S: int, buckets, length: Optional[int] = None,

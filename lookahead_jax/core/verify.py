@@ -44,6 +44,11 @@ strategy stays exact with them (all off by default: the step is then unchanged):
 * static `logprobs`: also return the model's log-probability of every emitted token
   (log_softmax of the raw logits, before temperature / top-k / top-p / bans) at the node
   that chose it: the values plain decoding computes for the same token at the same place.
+* static `top_logprobs` = k > 0: also return the k most likely ids and their
+  log-probabilities (`top_k_logprobs` of the same raw logits) where each emitted token
+  was chosen (`extend_step`: after every forwarded token, the prompt's included). The
+  tokens are those of the step without it; the first id is the raw logits' argmax (the
+  greedy pick where no penalty or ban applies).
 """
 
 from __future__ import annotations
@@ -105,12 +110,22 @@ def token_logprobs(logits, picks):
     return chosen - jax.nn.logsumexp(lf, axis=-1)
 
 
+def top_k_logprobs(logits, k: int):
+    """The k most likely ids after each position: logits [B,T,V] -> (log-probs [B,T,k] f32,
+    descending; ids [B,T,k] int32)."""
+    v, i = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    return v, i.astype(jnp.int32)
+
+
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
                 draft_probs=None, suppress=None, seen=None, counts=None, *, config: ModelConfig, rule,
-                window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None):
+                window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None,
+                top_logprobs: int = 0):
     """Returns (emitted [B,1+T] int32 (-1 past n), n_emitted [B] int32, path [B,1+T] int32
     (block indices of the accepted nodes root..best, then 0), cache); with `logprobs`,
-    (emitted, n_emitted, path, logprobs [B,1+T] f32 of the emitted tokens, cache).
+    (emitted, n_emitted, path, logprobs [B,1+T] f32 of the emitted tokens, cache); with
+    `top_logprobs` = k, also (top log-probs [B,1+T,k] f32, their ids [B,1+T,k]; 0 and -1
+    past n) before the cache.
 
     rule: the acceptance rule (`acceptance.TokenMatch`, ...), static. draft_probs: the
     drafts' distributions for rules that need them (None: deterministic drafts).
@@ -136,6 +151,8 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
         out = (bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32))
         if logprobs:
             out += (token_logprobs(raw, bonus[:, None]),)
+        if top_logprobs:
+            out += top_k_logprobs(raw, top_logprobs)
         return out + (advance(cache, n_emit),)
 
     # path[d] = index of the accepted node at depth d (d = 0..n_acc); rest 0
@@ -149,16 +166,21 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     d = jnp.arange(T1)[None, :]
     emitted = jnp.where(d < n_acc[:, None], nxt, jnp.where(d == n_acc[:, None], bonus[:, None], -1))
     cache = commit(cache, path, n_emit)
-    if logprobs:  # emitted[d] was chosen at the path's node of depth d
+    out = (emitted, n_emit, path)
+    if logprobs or top_logprobs:  # emitted[d] was chosen at the path's node of depth d
         at_path = jnp.take_along_axis(raw, path[:, :, None], axis=1)  # [B,1+T,V]
-        lp = jnp.where(d <= n_acc[:, None], token_logprobs(at_path, emitted), 0.0)
-        return emitted, n_emit, path, lp, cache
-    return emitted, n_emit, path, cache
+        kept = d <= n_acc[:, None]  # [B,1+T]
+    if logprobs:
+        out += (jnp.where(kept, token_logprobs(at_path, emitted), 0.0),)
+    if top_logprobs:
+        v, i = top_k_logprobs(at_path, top_logprobs)
+        out += (jnp.where(kept[..., None], v, 0.0), jnp.where(kept[..., None], i, -1))
+    return out + (cache,)
 
 
 def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None,
                 sel=None, *, config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True,
-                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None):
+                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None, top_logprobs: int = 0):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
@@ -172,7 +194,10 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     prefill reads only its own P slots). suppress/ban, logprobs, penalties: as in
     `verify_step` (with logprobs: (next token, its log-probability [B], cache)); seen /
     counts cover the whole context up to the last forwarded token (the token picked here
-    follows it).
+    follows it). top_logprobs = k: also (top log-probs [B,P,k] f32, their ids [B,P,k]) of
+    the distribution after every forwarded token (position n_new-1: the one the next token
+    is picked from; padding positions past it hold junk), before the cache: what a teacher
+    needs over a whole prompt (distillation).
 
     sel [G] (optional): the block is for cache rows `sel` only; every per-row argument
     (tokens, n_new, seed, row, suppress, seen, counts) and output then has G rows. The
@@ -201,16 +226,23 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
         cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
                         v=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.v, cache.v)),
                         length=full.length.at[sel].set(cache.length))
+    out = (nxt,)
     if logprobs:
-        return nxt, token_logprobs(raw, nxt[:, None])[:, 0], cache
-    return nxt, cache
+        out += (token_logprobs(raw, nxt[:, None])[:, 0],)
+    if top_logprobs:
+        every = logits_from_hidden(params, h, config)  # [B,P,V]
+        # at n_new - 1 the very logits the pick above came from (a [B,P] matmul may round differently)
+        last_pos = (jnp.arange(P)[None, :] == jnp.maximum(n_new - 1, 0)[:, None])[..., None]  # [B,P,1]
+        out += top_k_logprobs(jnp.where(last_pos, raw, every), top_logprobs)
+    return out + (cache,)
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_extend(config: ModelConfig, sampling: SamplingParams):
     """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
     return jax.jit(functools.partial(extend_step, config=config, sampling=sampling),
-                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs", "penalties"))
+                   donate_argnums=(1,),
+                   static_argnames=("window", "emit", "ban", "logprobs", "penalties", "top_logprobs"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +253,7 @@ def jitted_verify_step(config: ModelConfig, rule):
         rule = TokenMatch(rule)
     return jax.jit(
         functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
-        static_argnames=("window", "ban", "logprobs", "penalties"),
+        static_argnames=("window", "ban", "logprobs", "penalties", "top_logprobs"),
     )
 
 
