@@ -589,9 +589,9 @@ class TemplateTokenizer(ByteTokenizer):
         "{% if add_generation_prompt %}<assistant>{% endif %}")
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
-        from lookahead_jax.convert.tokenizer import _compile_chat_template
+        from lookahead_jax.convert.chat_template import compile_chat_template
 
-        return _compile_chat_template(self.chat_template).render(
+        return compile_chat_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt)
 
 

@@ -322,3 +322,58 @@ def test_mixed_length_batch_prefills_rows_apart_with_the_same_tokens(model, tok,
         np.testing.assert_allclose(r.logprobs, o.logprobs, rtol=1e-5, atol=1e-5)
     if not sampling:  # rows alone (sampling is keyed by the row's index in its batch)
         assert out.token_ids == [generate(model, tok, [t], **kw).token_ids[0] for t in texts]
+
+
+def test_top_logprobs_are_the_forward_top_k(model, tok):
+    """`top_logprobs` (extend: after every forwarded token; verify: where each emitted
+    token was chosen, drafted ones included) are the top-k log-probabilities of one
+    teacher-forced forward over the same tokens, and the steps' tokens are unchanged."""
+    import jax
+    import jax.numpy as jnp
+
+    from lookahead_jax.core.acceptance import TokenMatch
+    from lookahead_jax.core.tree import verify_block
+    from lookahead_jax.models import forward, init_cache
+
+    engine, k, S = Engine(model), 5, 128
+    prompt = tok.encode(TEXTS[1])[:30]
+    ctx = prompt + generate(model, tok, [prompt], max_new_tokens=8, max_cache_len=S).token_ids[0]
+    n = len(prompt)
+    T = len(ctx)  # the reference: one causal forward over prompt + greedy continuation
+    causal = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]
+    logits, _ = forward(model.params, jnp.asarray([ctx]), jnp.arange(T)[None], init_cache(model.config, 1, T),
+                        causal, model.config)
+    ref = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))  # [T,V]
+
+    def check(v, i, positions):  # the k best of the reference, ids up to near-ties
+        np.testing.assert_allclose(v, np.sort(ref[positions], axis=-1)[:, ::-1][:, :k], atol=1e-4)
+        np.testing.assert_allclose(np.take_along_axis(ref[positions], i, axis=-1), v, atol=1e-4)
+        assert list(i[:, 0]) == list(ref[positions].argmax(-1))
+
+    P = D.prompt_bucket(n, S)
+    seeds, rows = engine.put(np.zeros(1, np.uint32)), engine.put(np.zeros(1, np.int32))
+    block = np.zeros((1, P), np.int32)
+    block[0, :n] = prompt
+    greedy = SamplingParams()
+    outs = [engine.extend(engine.init_cache(1, S), block, np.array([n], np.int32), seeds, rows, sampling=greedy,
+                          window=P, **kw) for kw in ({}, {"top_logprobs": k})]
+    out, _ = outs[1]
+    nxt, v, i = out.tokens, out.top_logprobs, out.top_ids
+    assert int(outs[0][0].tokens[0]) == int(nxt[0]) == ctx[n]
+    check(np.asarray(v)[0, :n], np.asarray(i)[0, :n], np.arange(n))
+
+    # a tree after the root ctx[n]: a wrong first token, then the next three (accepted: the
+    # path is block nodes 0, 2, 3, 4, not the first ones)
+    drafts = [Draft([(ctx[n + 1] + 1) % 200, ctx[n + 1], ctx[n + 2], ctx[n + 3]], [-1, -1, 1, 2])]
+    res = []
+    for kw in ({}, {"top_logprobs": k}):
+        cache = engine.extend(engine.init_cache(1, S), block, np.array([n], np.int32), seeds, rows,
+                              sampling=greedy, window=P)[-1]
+        res.append(engine.verify(cache, verify_block(np.array([ctx[n]]), drafts, 4), np.ones(1, bool), seeds,
+                                 rows, rule=TokenMatch(greedy), window=S, **kw))
+    out, _ = res[1]
+    emitted, n_emit, path, v, i = out.tokens, out.n, out.path, out.top_logprobs, out.top_ids
+    assert int(n_emit[0]) == int(res[0][0].n[0]) == 4 and list(np.asarray(path)[0, :4]) == [0, 2, 3, 4]
+    assert list(np.asarray(emitted)[0, :4]) == list(np.asarray(res[0][0].tokens)[0, :4]) == ctx[n + 1:n + 5]
+    check(np.asarray(v)[0, :4], np.asarray(i)[0, :4], np.arange(n, n + 4))
+    assert (np.asarray(i)[0, 4:] == -1).all() and (np.asarray(v)[0, 4:] == 0).all()

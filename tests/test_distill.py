@@ -71,7 +71,7 @@ def test_teacher_data_is_the_targets_greedy_output(setup):
     target, tok, train, _, _ = setup
     prompts = train["humaneval"] + train["nq_rag"][:1]
     ids = [tok.encode(p) for p in prompts]  # 4 rows: the distill runs' chunk shape (one compile)
-    exs = D.teacher_chunk(target, target.params, ids, 12, 64, 8, tok.eos_token_ids, batch=4)
+    exs = D.teacher_chunk(target, ids, 12, 64, 8, tok.eos_token_ids, batch=4)
     out = lj.generate(target, tok, prompts, max_new_tokens=12)
     for ex, row, x in zip(exs, out.rows, ids):
         n = len(ex["tokens"])

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
+from lookahead_jax.convert.gguf_tokenizer import byte_to_unicode
 from lookahead_jax.convert.tokenizer import (
     NoChatTemplateError,
     Tokenizer,
-    _byte_to_unicode,
     read_gguf_metadata,
 )
 
@@ -180,7 +180,7 @@ def hf_smol_digits(hf_smol):
 def _roundtrips(tok: Tokenizer, s: str) -> bool:
     """SmolLM2's byte-level vocabulary lacks 21 of the 256 bytes (e.g. 0xF1: planes 4-15), so
     text using them cannot round-trip; everything else must."""
-    spell = _byte_to_unicode()
+    spell = byte_to_unicode()
     return all(tok.token_to_id(spell[b]) is not None for b in set(s.encode("utf-8")))
 
 
@@ -602,15 +602,15 @@ def _training_text() -> list[str]:
 def test_generated_merges_match_transformers():
     """Merges recovered from a sentencepiece vocabulary, including tied scores."""
     tub = pytest.importorskip("transformers.tokenization_utils_base")
-    from lookahead_jax.convert.tokenizer import _ranked_merges
+    from lookahead_jax.convert.gguf_tokenizer import ranked_merges
 
     tokens = ["<unk>", "a", "b", "c", "ab", "bc", "abc", "ca", "cab", "bca", "aa", "aaa", "c a"]
     scores = [0.0, -1, -1, -1, -2, -2, -3, -2, -4, -4, -5, -5, -6]
     vocab = {t: i for i, t in enumerate(tokens)}
-    ours = _ranked_merges(tokens, vocab, dict(zip(tokens, scores)))
+    ours = ranked_merges(tokens, vocab, dict(zip(tokens, scores)))
     assert ours == tub.generate_merges(vocab, dict(zip(tokens, scores)))
     rank = {t: -i for i, t in enumerate(tokens)}
-    assert _ranked_merges(tokens, vocab, rank) == tub.generate_merges(vocab, rank)
+    assert ranked_merges(tokens, vocab, rank) == tub.generate_merges(vocab, rank)
 
 
 def test_qwen2_pretokenizer_matches_transformers():

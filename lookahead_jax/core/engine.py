@@ -233,11 +233,11 @@ class Engine:
 
     def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, sel=None, hidden: bool = False):
+               counts=None, sel=None, hidden: bool = False, top_logprobs: int = 0):
         """`verify.extend_step` through the compiled-function table (name "prefill"): returns
         (`verify.ExtendOut`, cache). suppress [B] / ban (min_new_tokens), penalties with seen
-        [B,V] / counts [B,V], logprobs and hidden: see `verify.py`; off by default (the same
-        executable as without them).
+        [B,V] / counts [B,V], logprobs, hidden and top_logprobs: see `verify.py`; off by
+        default (the same executable as without them).
         sel [G]: only these cache rows (the per-row arguments then have G rows; see
         `verify.extend_step`)."""
         from .verify import jitted_extend
@@ -248,15 +248,17 @@ class Engine:
         if sel is not None:  # after suppress, seen, counts (absent ones as None)
             args += (None,) * (9 - len(args)) + (self.arg(np.asarray(sel, np.int32)),)
         static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
+        if top_logprobs:
+            static["top_logprobs"] = int(top_logprobs)
         fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling), args, static)
         return self.compiled("prefill", fn, *args, **static)
 
     def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, hidden: bool = False):
+               counts=None, hidden: bool = False, top_logprobs: int = 0):
         """`verify.verify_step` on a packed `tree.VerifyBlock`: returns (`verify.VerifyOut`,
-        cache). suppress / ban, penalties / seen / counts, logprobs, hidden: see `verify.py`;
-        off by default."""
+        cache). suppress / ban, penalties / seen / counts, logprobs, hidden, top_logprobs: see
+        `verify.py`; off by default."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
@@ -267,6 +269,8 @@ class Engine:
             probs = draft_probs if isinstance(draft_probs, jax.Array) else self.arg(draft_probs)
         args = self._options(args, static, [probs], suppress, ban, penalties, seen, counts)
         static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
+        if top_logprobs:
+            static["top_logprobs"] = int(top_logprobs)
         fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule), args, static)
         return self.compiled("verify", fn, *args, **static)
 

@@ -44,6 +44,11 @@ strategy stays exact with them (all off by default: the step is then unchanged):
 * static `logprobs`: also return the model's log-probability of every emitted token
   (log_softmax of the raw logits, before temperature / top-k / top-p / bans) at the node
   that chose it: the values plain decoding computes for the same token at the same place.
+* static `top_logprobs` = k > 0: also return the k most likely ids and their
+  log-probabilities (`top_k_logprobs` of the same raw logits) where each emitted token
+  was chosen (`extend_step`: after every forwarded token, the prompt's included). The
+  tokens are those of the step without it; the first id is the raw logits' argmax (the
+  greedy pick where no penalty or ban applies).
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ class VerifyOut(NamedTuple):
     path: jax.Array  # [B,1+T] int32 block indices of the accepted nodes root..best, then 0
     logprobs: Optional[jax.Array] = None  # [B,1+T] f32 of the emitted tokens (logprobs=True)
     hidden: Optional[jax.Array] = None  # [B,1+T,D] final hidden state of every block node (hidden=True)
+    top_logprobs: Optional[jax.Array] = None  # [B,1+T,k] f32 where each emitted token was chosen (0 past n)
+    top_ids: Optional[jax.Array] = None  # [B,1+T,k] int32 their ids (-1 past n)
 
 
 class ExtendOut(NamedTuple):
@@ -123,12 +130,21 @@ class ExtendOut(NamedTuple):
     tokens: jax.Array  # [B] int32 the next token of each row (0 with emit=False)
     logprobs: Optional[jax.Array] = None  # [B] f32 its log-probability (logprobs=True)
     hidden: Optional[jax.Array] = None  # [B,D] final hidden state of each row's last forwarded token (hidden=True)
+    top_logprobs: Optional[jax.Array] = None  # [B,P,k] f32 after every forwarded token (top_logprobs=k)
+    top_ids: Optional[jax.Array] = None  # [B,P,k] int32 their ids
+
+
+def top_k_logprobs(logits, k: int):
+    """The k most likely ids after each position: logits [B,T,V] -> (log-probs [B,T,k] f32,
+    descending; ids [B,T,k] int32)."""
+    v, i = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    return v, i.astype(jnp.int32)
 
 
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
                 draft_probs=None, suppress=None, seen=None, counts=None, *, config: ModelConfig, rule,
                 window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None,
-                hidden: bool = False):
+                hidden: bool = False, top_logprobs: int = 0):
     """Returns (`VerifyOut`, cache): the emitted tokens, their count and the accepted path;
     with `logprobs` their log-probabilities, with `hidden` the final hidden state of every
     block node (e.g. for a drafter that drafts from the target's features).
@@ -155,8 +171,9 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
     n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
     if T1 == 1:  # plain decoding
+        top = top_k_logprobs(raw, top_logprobs) if top_logprobs else (None, None)
         out = VerifyOut(bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32),
-                        token_logprobs(raw, bonus[:, None]) if logprobs else None, h if hidden else None)
+                        token_logprobs(raw, bonus[:, None]) if logprobs else None, h if hidden else None, *top)
         return out, advance(cache, n_emit)
 
     # path[d] = index of the accepted node at depth d (d = 0..n_acc); rest 0
@@ -170,16 +187,22 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     d = jnp.arange(T1)[None, :]
     emitted = jnp.where(d < n_acc[:, None], nxt, jnp.where(d == n_acc[:, None], bonus[:, None], -1))
     cache = commit(cache, path, n_emit)
-    lp = None
-    if logprobs:  # emitted[d] was chosen at the path's node of depth d
+    lp, top = None, (None, None)
+    if logprobs or top_logprobs:  # emitted[d] was chosen at the path's node of depth d
         at_path = jnp.take_along_axis(raw, path[:, :, None], axis=1)  # [B,1+T,V]
-        lp = jnp.where(d <= n_acc[:, None], token_logprobs(at_path, emitted), 0.0)
-    return VerifyOut(emitted, n_emit, path, lp, h if hidden else None), cache
+        kept = d <= n_acc[:, None]  # [B,1+T]
+    if logprobs:
+        lp = jnp.where(kept, token_logprobs(at_path, emitted), 0.0)
+    if top_logprobs:
+        v, i = top_k_logprobs(at_path, top_logprobs)
+        top = (jnp.where(kept[..., None], v, 0.0), jnp.where(kept[..., None], i, -1))
+    return VerifyOut(emitted, n_emit, path, lp, h if hidden else None, *top), cache
 
 
 def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None,
                 sel=None, *, config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True,
-                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None, hidden: bool = False):
+                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None, hidden: bool = False,
+                top_logprobs: int = 0):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
@@ -194,7 +217,10 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     prefill reads only its own P slots). suppress/ban, logprobs, penalties: as in
     `verify_step`; seen /
     counts cover the whole context up to the last forwarded token (the token picked here
-    follows it).
+    follows it). top_logprobs = k: also the top log-probs [B,P,k] and their ids of the
+    distribution after every forwarded token (position n_new-1: the one the next token is
+    picked from; padding positions past it hold junk): what a teacher needs over a whole
+    prompt (distillation).
 
     sel [G] (optional): the block is for cache rows `sel` only; every per-row argument
     (tokens, n_new, seed, row, suppress, seen, counts) and output then has G rows. The
@@ -223,15 +249,22 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
         cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
                         v=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.v, cache.v)),
                         length=full.length.at[sel].set(cache.length))
+    top = (None, None)
+    if top_logprobs:
+        every = logits_from_hidden(params, h, config)  # [B,P,V]
+        # at n_new - 1 the very logits the pick above came from (a [B,P] matmul may round differently)
+        last_pos = (jnp.arange(P)[None, :] == jnp.maximum(n_new - 1, 0)[:, None])[..., None]  # [B,P,1]
+        top = top_k_logprobs(jnp.where(last_pos, raw, every), top_logprobs)
     return ExtendOut(nxt, token_logprobs(raw, nxt[:, None])[:, 0] if logprobs else None,
-                     last[:, 0] if hidden else None), cache
+                     last[:, 0] if hidden else None, *top), cache
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_extend(config: ModelConfig, sampling: SamplingParams):
     """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
     return jax.jit(functools.partial(extend_step, config=config, sampling=sampling),
-                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs", "penalties", "hidden"))
+                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs", "penalties", "hidden",
+                                                        "top_logprobs"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,7 +275,7 @@ def jitted_verify_step(config: ModelConfig, rule):
         rule = TokenMatch(rule)
     return jax.jit(
         functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
-        static_argnames=("window", "ban", "logprobs", "penalties", "hidden"),
+        static_argnames=("window", "ban", "logprobs", "penalties", "hidden", "top_logprobs"),
     )
 
 
