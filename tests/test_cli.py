@@ -452,7 +452,7 @@ def test_specinfer_options_are_checked_before_the_model_loads(fake_load, tiny, c
     """--strategy specinfer without --draft-model, or with a draft whose vocabulary (read
     without its weights: a preset's known size, a saved checkpoint's config) is not the
     target's: the error comes before anything loads (loading the target took 8-9 s)."""
-    from convert import save_checkpoint
+    from lookahead_jax.convert import save_checkpoint
 
     rc, out, err = run_main(capsys, "--prompt", "hi", "--strategy", "specinfer")
     assert rc == 2 and out == "" and fake_load.calls == []
@@ -479,7 +479,7 @@ def test_specinfer_options_are_checked_before_the_model_loads(fake_load, tiny, c
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
 def test_preset_vocab_size_is_its_gguf_embedding(name):
     """A preset's vocab_size (SpecInfer's check before loading) is its GGUF's embedding rows."""
-    from convert import config_from_gguf, open_gguf
+    from lookahead_jax.convert import config_from_gguf, open_gguf
     from lookahead_jax import fetch
 
     if fetch.status(name) != "fetched":  # not assembled and hashed here (GBs for some)

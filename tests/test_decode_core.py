@@ -88,6 +88,9 @@ class Recording:
         self.calls["end"] += 1
         self.inner.end()
 
+    def summary(self):
+        return self.inner.summary()
+
 
 @pytest.fixture(scope="module")
 def greedy(model, tok):
