@@ -306,7 +306,7 @@ class KnnRun:
             r.steps += 1
             r.accept([int(tok[b])], [float(lp[b])])
             state.root[b] = tok[b]
-        state._mark_finished()
+        state.mark_finished()
 
     def _real_step(self, state, active):
         """A step with a real search for every active row: returns its true ids [B,k]."""
@@ -321,7 +321,7 @@ class KnnRun:
     # ---- hooks
     def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
         while True:
-            state._mark_finished()
+            state.mark_finished()
             active = state.active
             if not active.any():
                 return
@@ -464,14 +464,14 @@ class KnnSpecRun(KnnRun):
                 state.cache = state.cache.replace(length=state.cache.length.at[b].set(length))
                 checking.discard(b)
         self._pending = [None] * B
-        state._mark_finished()
+        state.mark_finished()
         self.verify_s += self._clock() - t0
 
     def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
 
         stream = FinalTextStream(state, self.tok)
         final = lambda st, b: len(st.rows[b].ids) if self._pending[b] is None else self._pending[b]  # noqa: E731
-        state._mark_finished()
+        state.mark_finished()
         active = state.active
         if active.any():  # the first token of every row: a real search (the caches are empty)
             true = self._real_step(state, active)

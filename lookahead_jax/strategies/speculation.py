@@ -38,9 +38,8 @@ class FinalTextStream:
         self.sent = {}
         for r in state.rows:
             if r.on_text is not None:
-                self.on_text[r.index] = r.on_text
-                self.sent[r.index] = r.text[:getattr(r, "_sent", 0)]
-                r.on_text = None
+                self.sent[r.index] = r.streamed_text
+                self.on_text[r.index] = r.detach_stream()
 
     def flush(self, state, final_upto) -> None:
         for b, cb in self.on_text.items():
