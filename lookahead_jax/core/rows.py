@@ -7,6 +7,18 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 
+def stop_holdback(text: str, end: int, stops, floor: int = 0) -> int:
+    """The end of text[:end] that is safe to stream: a tail that could still grow into one of
+    the stop strings (a proper prefix of it, no earlier than `floor`) is held back.
+    # "ab<" with stop "<|end|>" -> 2"""
+    for s in stops:
+        for k in range(min(len(s) - 1, end - floor), 0, -1):
+            if text[end - k:end] == s[:k]:
+                end -= k
+                break
+    return end
+
+
 class _FullDecode:
     """Streaming fallback for tokenizers without an incremental detokenizer: decodes the
     whole output each step (O(length) per step)."""
@@ -99,13 +111,7 @@ class RowState:
         if self.on_text is None:
             return
         text = self.text if self.finish else self._buf
-        end = len(text)
-        if not self.finish:  # hold back a tail that could still become a stop string
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end - self._sent), 0, -1):
-                    if text[end - k:end] == s[:k]:
-                        end -= k
-                        break
+        end = len(text) if self.finish else stop_holdback(text, len(text), self.stop, self._sent)
         if end > self._sent:
             self.on_text(self.index, text[self._sent:end])
             self._sent = end

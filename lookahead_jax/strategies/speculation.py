@@ -27,6 +27,8 @@ import dataclasses
 
 import numpy as np
 
+from ..core.rows import stop_holdback
+
 MAX_SPECULATION_STRIDE = 16
 RALM_DEFAULT_STRIDE = 3  # ralmspec's s before OS3 has measurements
 KNNLM_DEFAULT_STRIDE = 4  # speculative knnlm's
@@ -193,12 +195,7 @@ class FinalTextStream:
                 end = len(text)
                 while end and text[end - 1] == "\ufffd":
                     end -= 1
-                for s in r.stop:
-                    for k in range(min(len(s) - 1, end), 0, -1):
-                        if text[end - k:end] == s[:k]:
-                            end -= k
-                            break
-                text = text[:end]
+                text = text[:stop_holdback(text, end, r.stop)]
             sent = self.sent[b]
             if len(text) > len(sent) and text.startswith(sent):
                 cb(b, text[len(sent):])
