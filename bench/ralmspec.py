@@ -210,25 +210,18 @@ def run(lj, model, tok, x, a, retriever=None, **kw) -> tuple:
     s = out.stats
     rec = dict(time_s=dt - s["compile_s"], wall_s=s["wall_s"], compile_s=s["compile_s"],
                forward_steps=s["forward_steps"], new_tokens=s["new_tokens"])
-    k = s.get("retrieval")
-    if isinstance(k, dict):  # knnlm: out.stats["retrieval"]
+    k = s.get("retrieval") or {}  # the run's counters (strategies/speculation.py: one shape)
+    if "searches" in k:  # knnlm: searches of its datastore
         rec.update(retrieval_s=k["search_s"], full_index_queries=k["searches"], retrieval_calls=k["search_calls"])
-        if k.get("speculative"):
-            rec.update(verify_s=k["verify_s"], speculation_s=k["speculation_s"], speculations=k["speculations"],
-                       speculation_checks=k["speculation_checks"], speculation_hits=k["speculation_hits"],
-                       tokens_kept=k["tokens_kept"], rollbacks=k["rollbacks"], rollback_tokens=k["rollback_tokens"],
-                       mean_speculation_stride=k["mean_speculation_stride"])
-    elif "retrieval_s" in s:  # ralm / ralmspec: RalmRun.summary()
-        rec.update(retrieval_s=s["retrieval_s"], full_index_queries=s["retrievals"],
-                   retrieval_calls=s["retrieval_calls"], reprefills=s["reprefills"],
+    elif "retrievals" in k:  # ralm / ralmspec: calls to the full index
+        rec.update(retrieval_s=k["retrieval_s"], full_index_queries=k["retrievals"],
+                   retrieval_calls=k["retrieval_calls"], reprefills=k["reprefills"],
                    passage_changes=sum(len(h) - 1 for h in s["passages"]))
-        if "speculations" in s:
-            checks = s["speculation_checks"]
-            rec.update(verify_s=s["verify_s"], speculation_s=s["speculation_s"], speculations=s["speculations"],
-                       speculation_checks=checks,
-                       speculation_hits=round((s["speculation_accuracy"] or 0.0) * checks),
-                       rollbacks=s["rollbacks"], rollback_tokens=s["rollback_tokens"],
-                       mean_speculation_stride=s["mean_speculation_stride"])
+    if "speculations" in k:  # ralmspec, speculative knnlm (SpeculationStats)
+        rec.update({x: k[x] for x in ("verify_s", "speculation_s", "speculations", "speculation_checks",
+                                      "speculation_hits", "rollbacks", "rollback_tokens", "mean_speculation_stride")})
+        if "tokens_kept" in k:  # knnlm: checked positions whose token stood
+            rec["tokens_kept"] = k["tokens_kept"]
     return out, rec
 
 

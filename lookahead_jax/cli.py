@@ -22,6 +22,7 @@ from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entr
 from .generate import generate
 from .prompts import check_messages
 from .strategies import REGISTRY, SpecInfer
+from .strategies.speculation import merge_counters
 
 log = logging.getLogger("lookahead_jax")
 
@@ -439,12 +440,8 @@ def _run(argv, prog) -> int:
                 print(f"--- prompt {r.prompt_index}{sample}\n{r.text}", flush=True)
         for k in totals:
             totals[k] += out.stats[k]
-        if "retrieval" in out.stats:  # knnlm
+        if "retrieval" in out.stats:  # a retrieval strategy's counters (one shape: speculation.py)
             retrieval.append(out.stats["retrieval"])
-        elif "retrieval_s" in out.stats:  # ralm / ralmspec: their counters (passages are per row)
-            from .strategies.ralm import COUNTERS
-
-            retrieval.append({k: v for k, v in out.stats.items() if k in COUNTERS})
         row_tokens += sum(r.new_tokens for r in out.rows)
         row_steps += sum(r.forward_steps for r in out.rows)
     summary = dict(
@@ -458,7 +455,7 @@ def _run(argv, prog) -> int:
         compilations=len(engine_for(model, mesh).compiled.compilations),
     )
     if retrieval:
-        summary["retrieval"] = _merge_counters(retrieval)
+        summary["retrieval"] = merge_counters(retrieval)
     if cfg.json:
         print(json.dumps({"summary": summary}), flush=True)
     else:
@@ -473,20 +470,6 @@ def _run(argv, prog) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def _merge_counters(parts: list) -> dict:
-    """Per-batch counters as one: numbers summed (bools and text from the first batch), the
-    speculation accuracy recomputed from its sums; per-batch means (mean_*) averaged."""
-    out = dict(parts[0])
-    for k, v in out.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            vals = [p.get(k) or 0 for p in parts]
-            out[k] = round(sum(vals) / len(vals), 4) if k.startswith("mean_") else \
-                (round(sum(vals), 4) if isinstance(v, float) else sum(vals))
-    if out.get("speculation_checks"):
-        out["speculation_accuracy"] = round(out.get("speculation_hits", 0) / out["speculation_checks"], 4)
-    return out
 
 
 def _retrieval_errors() -> tuple:

@@ -258,6 +258,29 @@ def test_forced_output_tokens(model, tok):
     assert state.rows[0].ids[1 + len(forced):][:5] == want
 
 
+def test_accept_after_rollback_replaces_a_token(model, tok):
+    """rollback to a slot an earlier step wrote, then accept(cache=None) of another token
+    (knnlm's correction): the row's token there is replaced, its length restored, no step
+    counted, the other row untouched, and decoding on gives plain decoding's tokens of the
+    edited sequence."""
+    engine = engine_for(model)
+    state = _state(model, tok, [TEXTS[2][:50], TEXTS[1][:30]])
+    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 6)
+    r0 = state.rows[0]
+    n, steps, row1, keep = int(state.lengths[0]), state.steps, list(state.rows[1].ids), r0.ids[:-1]
+    t = next(x for x in tok.encode("QR", add_special_tokens=False) if x != r0.ids[-1])
+    D.rollback(state, [0], n - 1)
+    assert D.accept(state, [0], [t]) == [[t]]
+    assert r0.ids == keep + [t] and int(state.root[0]) == t and state.steps == steps
+    assert int(state.lengths[0]) == n == int(np.asarray(state.cache.length)[0])
+    assert state.rows[1].ids == row1
+    with pytest.raises(ValueError, match="live rows"):
+        D.accept(state, [0, 1], [t])
+    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= len(keep) + 6)
+    want = generate(model, tok, [r0.prompt_ids + keep + [t]], max_new_tokens=5, max_cache_len=256).token_ids[0]
+    assert r0.ids[len(keep) + 1:][:5] == want
+
+
 class CountingTokenizer(ByteTokenizer):
     eos_token_ids = frozenset()
 

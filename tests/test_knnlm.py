@@ -28,7 +28,8 @@ from lookahead_jax.core.engine import engine_for
 from lookahead_jax import KNNLM
 from lookahead_jax.knnlm import DatastoreNotBuilt, StaleDatastore, build_datastore, load_datastore
 from lookahead_jax.knnlm import search as S
-from lookahead_jax.strategies.knnlm import KnnSpecRun, os3_stride
+from lookahead_jax.strategies.knnlm import KnnSpecRun
+from lookahead_jax.strategies.speculation import os3_stride_knnlm as os3_stride
 from lookahead_jax.models import hidden_states, init_cache, logits_from_hidden
 from lookahead_jax.retrieval import Corpus, CorpusError
 from tiny import ByteTokenizer, load_prompts, tiny_model

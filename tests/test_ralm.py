@@ -20,7 +20,8 @@ import lookahead_jax.core.decode as D
 from lookahead_jax.generate import generate
 from lookahead_jax import retrieval as R
 from lookahead_jax.core.engine import engine_for
-from lookahead_jax.strategies.ralm import RaLM, RaLMSpec, os3_stride
+from lookahead_jax.strategies import RaLM, RaLMSpec
+from lookahead_jax.strategies.speculation import os3_stride
 from tiny import load_prompts
 
 MAX_NEW = 24

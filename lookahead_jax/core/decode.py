@@ -9,7 +9,7 @@ every row (its last emitted token, not yet in the cache); the committed cache le
 (host mirror of `cache.length`). Invariant per row: cache slots 0..length-1 hold
 `context[:length]` and `root = context[length]`, where context = prompt + generated.
 
-Three state edits serve outer loops (retrieval-augmented decoding, chunked prefill):
+State edits for outer loops (retrieval-augmented decoding, chunked prefill):
 
 * `rollback(state, rows, to_length)`: set the rows back to `to_length` committed slots;
   the cache just sets `length` back (slots past it are overwritten later), the generated
@@ -20,6 +20,9 @@ Three state edits serve outer loops (retrieval-augmented decoding, chunked prefi
 * `replace_prompt(engine, state, rows, prompts, keep_generated)`: a new prompt for the
   rows (e.g. another retrieved passage before the question), their first generated ids
   kept, the context forwarded again from slot 0 (its last token left as the root).
+* `accept(state, rows, tokens, cache=)` (with `set_logprob`): for a strategy whose own
+  jitted step forwards the roots and picks each token (knnlm): commit the roots, append
+  the tokens as the new roots.
 
 One step of `decode`: the drafter proposes a `DraftBatch` for the active rows; the
 budget policy caps it (`budget.FixedBudget`, `budget.AutoBudget`); the drafts are packed
@@ -42,6 +45,7 @@ from . import tree as tree_lib
 from .acceptance import TokenMatch
 from .budget import FixedBudget
 from .drafts import DraftBatch
+from .rows import RowState
 from .sampling import Penalties, SamplingParams
 from .verify import window_for
 
@@ -93,124 +97,6 @@ def prefill_groups(lengths: dict, S: int) -> list:
         groups.append([b for P in buckets[cut[j]:j] for b in by_bucket[P]])
         j = cut[j]
     return groups[::-1]
-
-
-# ----------------------------------------------------------------------------- rows
-class _FullDecode:
-    """Streaming fallback for tokenizers without an incremental detokenizer: decodes the
-    whole output each step (O(length) per step)."""
-
-    def __init__(self, tokenizer):
-        self.tok, self.sent = tokenizer, ""
-
-    def step(self, ids) -> str:
-        text = self.tok.decode(ids, skip_special_tokens=True)
-        end = len(text)
-        while end > len(self.sent) and text[end - 1] == "\ufffd":  # half a UTF-8 character
-            end -= 1
-        if not text.startswith(self.sent) or end <= len(self.sent):
-            return ""
-        out, self.sent = text[len(self.sent):end], text[:end]
-        return out
-
-    def flush(self) -> str:
-        return ""
-
-
-class RowState:
-    """Host state of one batch row: generated ids, finish detection, streamed text.
-
-    Text arrives through the tokenizer's incremental detokenizer (`Tokenizer.stream`:
-    O(new tokens) per step); a tail that could still become a stop string is held back,
-    and only verified tokens are ever turned into text. `text` is final once the row
-    finishes (the decoded output, cut before the first stop string)."""
-
-    def __init__(self, index, prompt_ids, tokenizer, eos_ids, stop, max_new, on_text):
-        self.index, self.prompt_ids, self.tok = index, list(prompt_ids), tokenizer
-        self.eos_ids, self.stop, self.max_new, self.on_text = eos_ids, stop, max_new, on_text
-        self.ids: list = []
-        self.logprobs: Optional[list] = None  # per generated id, when asked for (DecodeState.logprobs)
-        self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
-        self.finish: Optional[str] = None
-        self.steps = 0
-        self.text = ""
-        self._buf = ""  # text of the ids so far (from the detokenizer)
-        self._sent = 0  # characters of _buf handed to on_text
-        stream = getattr(tokenizer, "stream", None)
-        self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(tokenizer)
-
-    def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def accept(self, new: Sequence[int], logprobs: Optional[Sequence[float]] = None) -> list:
-        """Append emitted tokens (and their log-probabilities, when the row keeps them) up
-        to EOS / stop / max length; returns those kept."""
-        kept = []
-        for t in new:
-            if self.finish:
-                break
-            t = int(t)
-            kept.append(t)
-            self.ids.append(t)
-            if t in self.eos_ids:
-                self.finish = "eos"
-            elif len(self.ids) >= self.max_new:
-                self.finish = "length"
-        if not kept:
-            return kept
-        if self.logprobs is not None:
-            self.logprobs += [float(x) for x in logprobs[:len(kept)]]
-        seen = len(self._buf)
-        self._buf += self._det.step(self.ids)
-        if self.stop and any(s in self._buf[max(0, seen - len(s) + 1):] for s in self.stop):
-            # the shortest token prefix whose text holds a stop string (the detokenizer may
-            # have held back a few tokens: look from a little before this step's tokens)
-            first = len(self.ids) - len(kept)
-            for n in range(max(1, first - 8), len(self.ids) + 1):
-                if any(s in self._decode(self.ids[:n]) for s in self.stop):
-                    break
-            del kept[max(0, n - first):]
-            del self.ids[n:]
-            if self.logprobs is not None:
-                del self.logprobs[n:]
-            self.finish = "stop"
-        if self.finish:
-            text = self._decode(self.ids)
-            if self.finish == "stop":
-                text = text[: min(text.find(s) for s in self.stop if s in text)]
-            self.text = text
-            self._buf = text if text.startswith(self._buf[:self._sent]) else self._buf
-        else:
-            self.text = self._buf
-        self._stream()
-        return kept
-
-    def _stream(self):
-        if self.on_text is None:
-            return
-        text = self.text if self.finish else self._buf
-        end = len(text)
-        if not self.finish:  # hold back a tail that could still become a stop string
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end - self._sent), 0, -1):
-                    if text[end - k:end] == s[:k]:
-                        end -= k
-                        break
-        if end > self._sent:
-            self.on_text(self.index, text[self._sent:end])
-            self._sent = end
-
-    def truncate(self, n_ids: int) -> None:
-        """Keep the first n_ids generated tokens (rollback); the row is live again."""
-        del self.ids[n_ids:]
-        if self.logprobs is not None:
-            del self.logprobs[n_ids:]
-        self.finish = None
-        self._buf = self.text = self._decode(self.ids)
-        stream = getattr(self.tok, "stream", None)
-        self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(self.tok)
-        self._det.step(self.ids)
-        self._sent = min(self._sent, len(self._buf))
 
 
 # ----------------------------------------------------------------------------- state
@@ -299,7 +185,7 @@ class DecodeState:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start - self.compile_s
 
-    def _mark_finished(self):
+    def mark_finished(self) -> None:  # the finish time of rows that just finished
         for r in self.rows:
             if r.finish and r.index not in self.finish_s:
                 self.finish_s[r.index] = self.elapsed()
@@ -439,8 +325,52 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
             continue
         r.accept([nxt_all[b]], None if lps_all is None else [lps_all[b]])
         state.root[b] = nxt_all[b]
-    state._mark_finished()
+    state.mark_finished()
     return nxt_all[rows]
+
+
+def accept(state: DecodeState, rows: Sequence[int], tokens, logprobs=None, cache=None) -> list:
+    """Commit each row's root and append the token picked after it, for a strategy whose own
+    jitted step forwards the roots and picks the tokens (knnlm). cache: that step's cache
+    (it donated `state.cache`), its length advanced for `rows`: one step, counted. None:
+    the roots' K/V are already in `state.cache` at slot `lengths[b]` (e.g. after `rollback`
+    to that slot, to replace the token picked there): the length advances, no step is
+    counted. tokens[i] is cut at EOS / stop / length as every step's (`RowState.accept`).
+    Returns the ids each row kept."""
+    rows = [int(b) for b in rows]
+    if len(tokens) != len(rows) or any(state.rows[b].finish for b in rows):
+        raise ValueError(f"accept: {len(rows)} live rows need as many tokens, got {len(tokens)} "
+                         f"(finished: {[b for b in rows if state.rows[b].finish]})")
+    lengths = state.lengths.copy()
+    lengths[rows] += 1
+    state.lengths = lengths
+    if cache is not None:
+        state.cache, state.steps = cache, state.steps + 1
+    else:
+        state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].add(1))
+    kept = []
+    for i, b in enumerate(rows):
+        state.rows[b].steps += cache is not None
+        kept.append(state.rows[b].accept([int(tokens[i])], None if logprobs is None else [float(logprobs[i])]))
+        state.root[b] = int(tokens[i])
+    state.mark_finished()
+    return kept
+
+
+def set_logprob(state: DecodeState, b: int, i: int, value: float) -> None:
+    """Replace the log-probability of row b's generated id i (e.g. knnlm's, re-derived with
+    the true neighbours); nothing when the row keeps none."""
+    if state.rows[b].logprobs is not None:
+        state.rows[b].logprobs[i] = float(value)
+
+
+def call_compiled(engine, state: DecodeState, name: str, fn, *args, **static):
+    """`engine.compiled(name, fn, ...)` for a strategy's own jitted step; its compilation
+    counted as the state's (kept out of decode time)."""
+    c0 = engine.compiled.compile_s
+    out = engine.compiled(name, fn, *args, **static)
+    state.compile_s += engine.compiled.compile_s - c0
+    return out
 
 
 def rollback(state: DecodeState, rows: Sequence[int], to_length: int, drafter=None) -> None:
@@ -532,7 +462,7 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
     if budget is None:
         budget = FixedBudget(drafter.max_nodes if drafter is not None else 0)
     while True:
-        state._mark_finished()
+        state.mark_finished()
         if not state.active.any() or (until is not None and until(state)):
             break
         step(engine, state, drafter, rule, budget)
@@ -576,5 +506,5 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
         drafter.update(state, result)
     budget.score(state)
     state.host_s += time.perf_counter() - h0
-    state._mark_finished()
+    state.mark_finished()
     return result

@@ -11,7 +11,7 @@ the others decode (the seam a server with continuous batching drives).
 
 The shape is JetStream's (prefill / insert / generate / free_resource over an opaque
 decode state of fixed slots) with speculation inside `step`: a step may emit several
-tokens per slot. Everything per request lives in its row (`decode.RowState`: prompt,
+tokens per slot. Everything per request lives in its row (`rows.RowState`: prompt,
 tokens, stop strings, EOS ids, max / min new tokens, streaming callback) and in the
 drafter's per-row state (`Drafter.begin(..., rows=)` / `end(rows=)`); what outlives
 requests (the lookahead trie and its acceptance statistics, draft engines) lives in the
@@ -40,7 +40,8 @@ import numpy as np
 
 from .acceptance import TokenMatch
 from .budget import FixedBudget
-from .decode import DecodeState, RowState, forward_rows, step
+from .decode import DecodeState, forward_rows, step
+from .rows import RowState
 from .drafts import EMPTY, DraftBatch
 from .sampling import Penalties, SamplingParams
 

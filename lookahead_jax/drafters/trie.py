@@ -66,6 +66,10 @@ class TrieDrafter:
             if state.rows[row].ids:
                 self.trie.insert_output(state.rows[row].ids, req)
 
+    def add_input(self, row: int, tokens) -> None:
+        """More input n-grams for row's request (e.g. a passage retrieved while decoding)."""
+        self.trie.insert_input(tokens, self._req[row])
+
     def propose(self, state, budget: int) -> DraftBatch:
         return DraftBatch(tuple(
             self.trie.retrieve(state.context(b), budget, self.branch_length, self.mode, self._req[b],

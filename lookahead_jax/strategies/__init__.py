@@ -1,7 +1,7 @@
 """Decoding strategies and their registry: what a `generate` call plugs into the one loop.
 
 A strategy is a frozen dataclass of its own options implementing `base.Strategy`; one
-module each (greedy, lookahead, specinfer, ralm, knnlm). This file only lists them and
+module each (greedy, lookahead, specinfer, ralm, ralmspec, knnlm). This file only lists them and
 resolves a name + flat options to an object; it is imported by nothing below it.
 
     generate(model, tok, prompts, strategy=Lookahead(decoding_length=7))
@@ -21,7 +21,8 @@ from .base import Run, Strategy, StrategyBase
 from .greedy import Greedy
 from .knnlm import KNNLM
 from .lookahead import Lookahead
-from .ralm import RaLM, RaLMSpec
+from .ralm import RaLM
+from .ralmspec import RaLMSpec
 from .specinfer import SpecInfer
 
 log = logging.getLogger("lookahead_jax")

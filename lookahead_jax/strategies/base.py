@@ -29,8 +29,10 @@ class Run(Protocol):
     in errors; picks_first_token: prefill must not choose the first token (the run picks
     every token itself); prompts(): the rows' prompts before prefill (e.g. with the first
     retrieved passage); decode(...): instead of `core.decode.decode`; row_stats(b) /
-    summary(): per-row and per-call counters (one shape for every run: see
-    `strategies.retrieval_stats`)."""
+    summary(): per-row and per-call stats; a retrieval run's per-call counters go under
+    "retrieval", with the speculation counters of `speculation.SpeculationStats` (one
+    shape for ralmspec and speculative knnlm; the CLI sums them over batches with
+    `speculation.merge_counters`)."""
 
     extra_tokens: int
     extra_note: str

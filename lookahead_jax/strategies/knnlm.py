@@ -37,12 +37,15 @@ by plain's pick, keyed for sampling by (seed, row, position) like the rest of th
 Tokens after p stand only when the token at p is plain's. Log-probabilities are taken from
 the pick with the true neighbours.
 
-OS3 (`speculation_stride="auto"`): a round of s speculative steps and one verification
-resolves E(s) = (1 - g^s) / (1 - g) positions (g: the measured chance that a position keeps
-its token) in s a + b seconds (a: a speculative step, b: a verification), and
-s = argmax_{1..16} E(s) / (s a + b); s = 4 until a and b are measured.
+OS3 (`speculation_stride="auto"`, speculation.py's KNN-LM form): a round of s speculative
+steps and one verification resolves E(s) = (1 - g^s) / (1 - g) positions (g: the measured
+chance that a position keeps its token) in s a + b seconds (a: a speculative step, b: a
+verification), and s = argmax_{1..16} E(s) / (s a + b); s = 4 until a and b are measured.
 
-Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`).
+Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`). The
+decode state is edited only through decode.py's public edits: `accept` (the roots this
+run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
+a wrong token's position, then `accept` of the right one), `set_logprob`.
 """
 
 from __future__ import annotations
@@ -54,13 +57,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.decode import accept, call_compiled, rollback, set_logprob
 from .base import StrategyBase
-from .speculation import FinalTextStream, auto_or_int, number_in
+from .speculation import (KNNLM_DEFAULT_STRIDE, FinalTextStream, SpeculationStats, auto_or_int,
+                          check_speculation_stride, number_in, os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
-DEFAULT_SPECULATION_STRIDE = 4
-MAX_SPECULATION_STRIDE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,7 @@ class KNNLM(StrategyBase):
     knn_temperature: float = 1.0
     knn_search: str = "exact"
     speculative: bool = False
-    speculation_stride: object = DEFAULT_SPECULATION_STRIDE
+    speculation_stride: object = KNNLM_DEFAULT_STRIDE
     knn_cache_next: int = 8
 
     name = "knnlm"
@@ -141,12 +144,7 @@ class KNNLM(StrategyBase):
             raise ValueError(f"knn_search must be one of {', '.join(SEARCHES)}, got {self.knn_search!r}")
         if not isinstance(self.speculative, bool):
             raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
-        if self.speculation_stride != "auto":
-            try:
-                number_in("speculation_stride", self.speculation_stride, 1, MAX_SPECULATION_STRIDE)
-            except ValueError:
-                raise ValueError(f"speculation_stride must be 'auto' or an integer in [1, {MAX_SPECULATION_STRIDE}], "
-                                 f"got {self.speculation_stride!r}") from None
+        check_speculation_stride(self.speculation_stride)
         number_in("knn_cache_next", self.knn_cache_next, 1, 1024)
 
     # ---- the strategy protocol (generate.py): no drafter, plain verification
@@ -237,28 +235,26 @@ class KnnRun:
     def prompts(self) -> list:
         return self.orig
 
-    # ---- device calls (compilations counted by the engine, kept out of decode time)
+    # ---- device calls (`call_compiled`: compilations kept out of decode time)
     def _call(self, state, name, fn, *args, **static):
-        c0 = self.engine.compiled.compile_s
-        out = self.engine.compiled(name, fn, *args, **static)
-        state.compile_s += self.engine.compiled.compile_s - c0
-        return out
+        return call_compiled(self.engine, state, name, fn, *args, **static)
 
     def _clock(self) -> float:
         """Seconds on the host clock less the compilation seen so far (timers exclude it)."""
         return time.perf_counter() - self.engine.compiled.compile_s
 
     def _forward(self, state, active):
-        """Forward every row's root; the active rows' lengths advance by one."""
+        """Forward every row's root: (h [B,D], logits [B,V], the new cache, its length
+        advanced for the active rows). The step donates `state.cache`: its new cache goes
+        to `accept` (`_accept`) with the tokens picked; nothing reads the state's cache
+        in between."""
         from ..knnlm.search import forward_fn
 
         eng = self.engine
-        h, logits, state.cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
-                                            state.cache, eng.arg(state.root), eng.arg(active))
+        h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
+                                      state.cache, eng.arg(state.root), eng.arg(active))
         h.block_until_ready()  # the search timers below time the search, not this forward
-        state.lengths = state.lengths + active
-        state.steps += 1
-        return h, logits
+        return h, logits, cache
 
     def _search(self, state, h, need=None):
         """True neighbour ids [Q,k] of the queries h [Q,D] (device or host array); `need`
@@ -307,28 +303,24 @@ class KnnRun:
         tok, lp = self._call(state, "knn_choose", choose, *args, **static)
         return np.asarray(tok), np.asarray(lp)
 
-    def _accept(self, state, active, tok, lp) -> None:
-        for b in np.flatnonzero(active):
-            r = state.rows[b]
-            r.steps += 1
-            r.accept([int(tok[b])], [float(lp[b])])
-            state.root[b] = tok[b]
-        state._mark_finished()
+    def _accept(self, state, active, tok, lp, cache) -> None:
+        rows = np.flatnonzero(active)
+        accept(state, rows, tok[rows], lp[rows], cache=cache)
 
     def _real_step(self, state, active):
         """A step with a real search for every active row: returns its true ids [B,k]."""
         pos = state.lengths.copy()
-        h, logits = self._forward(state, active)
+        h, logits, cache = self._forward(state, active)
         ids = self._search(state, h, need=active)
         self.row_searches += active
         tok, lp = self._choose(state, h, logits, ids, pos)
-        self._accept(state, active, tok, lp)
+        self._accept(state, active, tok, lp, cache)
         return ids
 
     # ---- hooks
     def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
         while True:
-            state._mark_finished()
+            state.mark_finished()
             active = state.active
             if not active.any():
                 return
@@ -349,24 +341,18 @@ class KnnRun:
 
 class KnnSpecRun(KnnRun):
     """One generate call of speculative KNN-LM (module docstring): KnnRun plus per row the
-    speculation cache, the round's steps and the counters."""
+    speculation cache, the round's steps and the counters (`SpeculationStats`, as
+    ralmspec's; `row_kept`: checks whose token stood, OS3's g)."""
 
     def __init__(self, strat: KNNLM, tokenizer, prompt_ids, engine):
         super().__init__(strat, tokenizer, prompt_ids, engine)
         B = len(self.orig)
         self.M = max(SPEC_CACHE, self.k)
         self.cache = [collections.OrderedDict() for _ in range(B)]
-        self.row_spec = np.zeros(B, np.int64)  # speculative steps per row
-        self.row_checks = np.zeros(B, np.int64)
-        self.row_hits = np.zeros(B, np.int64)  # speculated neighbours == true neighbours
+        self.stats = SpeculationStats(B)
         self.row_kept = np.zeros(B, np.int64)  # checks whose token stood
-        self.row_rollbacks = np.zeros(B, np.int64)
-        self.row_rollback_tokens = np.zeros(B, np.int64)
-        self.verify_calls = 0
-        self.verify_s = 0.0
-        self.spec_s = 0.0
+        self.step_s = 0.0  # seconds of the speculative steps (OS3's a)
         self.spec_steps = 0
-        self.s_used = []
         self._pending = [None] * B  # generated ids before the row's first unverified token
 
     # ---- the cache
@@ -393,11 +379,11 @@ class KnnSpecRun(KnnRun):
         s = self.strat.speculation_stride
         if s != "auto":
             return int(s)
-        if not self.verify_calls or not self.spec_steps:
-            return DEFAULT_SPECULATION_STRIDE
-        checks = int(self.row_checks.sum())
-        g = (int(self.row_kept.sum()) + 1) / (checks + 2)
-        return os3_stride(g, self.spec_s / self.spec_steps, self.verify_s / self.verify_calls)
+        st = self.stats
+        if not st.verify_calls or not self.spec_steps:
+            return KNNLM_DEFAULT_STRIDE
+        g = (int(self.row_kept.sum()) + 1) / (int(st.checks.sum()) + 2)
+        return os3_stride_knnlm(g, self.step_s / self.spec_steps, st.verify_s / st.verify_calls)
 
     # ---- steps
     def _spec_step(self, state, active, cand) -> _Step:
@@ -406,32 +392,38 @@ class KnnSpecRun(KnnRun):
         t0 = self._clock()
         pos = state.lengths.copy()
         nids = [len(r.ids) for r in state.rows]
-        h, logits = self._forward(state, active)
-        spec = self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
-                          self.index.n_valid, k=self.k)
+        h, logits, cache = self._forward(state, active)
+        t1 = self._clock()
+        spec = np.asarray(self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
+                                     self.index.n_valid, k=self.k))
+        self.stats.spec_s += self._clock() - t1
+        self.stats.spec_calls += 1
         tok, lp = self._choose(state, h, logits, spec, pos)
         for b in np.flatnonzero(active):
             if self._pending[b] is None:
                 self._pending[b] = nids[b]
-        self._accept(state, active, tok, lp)
-        self.row_spec += active
-        self.spec_s += self._clock() - t0
+        self._accept(state, active, tok, lp, cache)
+        self.stats.speculations += active
+        self.step_s += self._clock() - t0
         self.spec_steps += 1
         return _Step(h, logits, spec, tok, active.copy(), pos, nids)
 
     def _verify(self, state, steps: list) -> None:
         """One batched real search over the round's stored hidden states; per row the first
-        position whose token changes is cut back (module docstring)."""
+        position whose token changes is cut back (module docstring): `rollback` to that
+        position (its slot holds the K/V of a correct prefix), then `accept` of the token
+        picked with the true neighbours."""
         import jax.numpy as jnp
 
         t0 = self._clock()
+        st_ = self.stats
         T, B = len(steps), state.batch
         Tp = 1 << (T - 1).bit_length()  # queries padded to a power of two of rounds: few shapes
         hs = [st.h for st in steps] + [jnp.zeros_like(steps[0].h)] * (Tp - T)
         need = np.concatenate([st.active for st in steps] + [np.zeros(B, bool)] * (Tp - T))
         true = self._search(state, jnp.concatenate(hs, axis=0), need=need).reshape(Tp, B, self.k)[:T]
-        self.verify_calls += 1
-        spec = np.stack([np.asarray(st.spec) for st in steps])  # [T,B,k]
+        st_.verify_calls += 1
+        spec = np.stack([st.spec for st in steps])  # [T,B,k]
         checking = set(np.flatnonzero(np.any([st.active for st in steps], axis=0)).tolist())
         self.row_searches += np.sum([st.active for st in steps], axis=0)
         for t, st in enumerate(steps):
@@ -441,10 +433,10 @@ class KnnSpecRun(KnnRun):
                 if not st.active[b] or st.nids[b] >= len(r.ids):  # the row had ended before t
                     checking.discard(b)
                     continue
-                self.row_checks[b] += 1
+                st_.checks[b] += 1
                 self._insert(b, true[t, b])
                 if np.array_equal(spec[t, b], true[t, b]):
-                    self.row_hits[b] += 1
+                    st_.hits[b] += 1
                     self.row_kept[b] += 1
                 else:
                     fix.append(b)
@@ -452,33 +444,23 @@ class KnnSpecRun(KnnRun):
                 continue
             tok, lp = self._choose(state, st.h, st.logits, true[t], st.pos)
             for b in fix:
-                r = state.rows[b]
                 if tok[b] == st.tok[b]:  # other neighbours, the same token: later positions stand
                     self.row_kept[b] += 1
-                    if r.logprobs is not None:
-                        r.logprobs[st.nids[b]] = float(lp[b])
+                    set_logprob(state, b, st.nids[b], lp[b])
                     continue
-                self.row_rollbacks[b] += 1
-                self.row_rollback_tokens[b] += len(r.ids) - st.nids[b]
-                r.truncate(st.nids[b])
-                r.accept([int(tok[b])], [float(lp[b])])
-                state.root[b] = tok[b]
-                state.finish_s.pop(b, None)
-                length = int(st.pos[b]) + 1  # slots 0..pos hold the correct prefix
-                lengths = state.lengths.copy()
-                lengths[b] = length
-                state.lengths = lengths
-                state.cache = state.cache.replace(length=state.cache.length.at[b].set(length))
+                st_.rolled_back(b, len(state.rows[b].ids) - st.nids[b])
+                rollback(state, [b], int(st.pos[b]))  # the position's own input is the root again
+                accept(state, [b], [tok[b]], [lp[b]])  # its slot was written from a correct prefix
                 checking.discard(b)
         self._pending = [None] * B
-        state._mark_finished()
-        self.verify_s += self._clock() - t0
+        state.mark_finished()
+        st_.verify_s += self._clock() - t0
 
     def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
 
         stream = FinalTextStream(state, self.tok)
         final = lambda st, b: len(st.rows[b].ids) if self._pending[b] is None else self._pending[b]  # noqa: E731
-        state._mark_finished()
+        state.mark_finished()
         active = state.active
         if active.any():  # the first token of every row: a real search (the caches are empty)
             true = self._real_step(state, active)
@@ -499,37 +481,14 @@ class KnnSpecRun(KnnRun):
                     break
             if not steps:
                 break
-            self.s_used.append(s)
+            self.stats.strides.append(s)
             self._verify(state, steps)
         stream.flush(state, final)
 
     def row_stats(self, b: int) -> dict:
-        out = super().row_stats(b)
-        checks = int(self.row_checks[b])
-        out.update(speculations=int(self.row_spec[b]), speculation_checks=checks,
-                   speculation_accuracy=round(int(self.row_hits[b]) / checks, 4) if checks else None,
-                   rollbacks=int(self.row_rollbacks[b]), rollback_tokens=int(self.row_rollback_tokens[b]))
-        return out
+        return dict(super().row_stats(b), **self.stats.row_stats(b))
 
     def summary(self) -> dict:
         out = super().summary()
-        checks = int(self.row_checks.sum())
-        out["retrieval"].update(
-            speculations=int(self.row_spec.sum()), speculation_checks=checks,
-            speculation_hits=int(self.row_hits.sum()),
-            speculation_accuracy=round(int(self.row_hits.sum()) / checks, 4) if checks else None,
-            tokens_kept=int(self.row_kept.sum()), rollbacks=int(self.row_rollbacks.sum()),
-            rollback_tokens=int(self.row_rollback_tokens.sum()), verify_calls=self.verify_calls,
-            verify_s=round(self.verify_s, 4), speculation_s=round(self.spec_s, 4),
-            mean_speculation_stride=round(float(np.mean(self.s_used)), 3) if self.s_used else 0.0,
-        )
+        out["retrieval"].update(self.stats.summary(), tokens_kept=int(self.row_kept.sum()))
         return out
-
-
-def os3_stride(g: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
-    """argmax over s in 1..max_s of E(s) / (s a + b), E(s) = (1 - g^s) / (1 - g) (module
-    docstring). # g 0.9, a 1, b 2 -> 6 (rate: s=1 .333, 3 .542, 5 .5850, 6 .5857, 7 .5797)"""
-    g = min(max(g, 0.0), 1.0 - 1e-9)
-    s = np.arange(1, max_s + 1)
-    rate = (1 - g ** s) / (1 - g) / (s * a + b)
-    return int(s[int(np.argmax(rate))])

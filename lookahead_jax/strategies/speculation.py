@@ -1,9 +1,37 @@
-"""What the retrieval strategies (ralm / ralmspec, knnlm) share: option checks and the
-stream that hands `on_text` only text no later retrieval can change."""
+"""What the retrieval strategies (ralm / ralmspec, knnlm) share: option checks, OS3 (the
+speculation stride) and its constants, the speculation counters (`SpeculationStats`, one
+shape for both), and the stream that hands `on_text` only text no later retrieval can
+change.
+
+OS3 (RaLMSpec, Zhang et al. ICML'24) picks the speculation stride s of the next round:
+the number of positions a round resolves, E(s), over the round's seconds, T(s), both from
+g, the measured chance that a speculation is right ((hits + 1) / (checks + 2)), a (the
+seconds of one speculated position) and b (of one verification). Three forms:
+
+* RaLMSpec (`os3_stride`): a round decodes s + 1 strides (one after its real boundary, one
+  after each of its s speculated boundaries): E(s) = (1 - g^(s+1)) / (1 - g),
+  T(s) = (s + 1) a + b.
+* RaLMSpec with asynchronous verification (`os3_stride(..., asynchronous=True)`): the
+  verification of a round overlaps the first stride of the next (a miss wastes it):
+  E(s) = (1 - g^s) / (1 - g), T(s) = s a + g^s max(0, b - a) + (1 - g^s) max(a, b).
+* KNN-LM (`os3_stride_knnlm`): every position of a round is speculated and the
+  verification adds none: E(s) = (1 - g^s) / (1 - g), T(s) = s a + b.
+
+s = argmax over 1..MAX_SPECULATION_STRIDE; until a and b are measured a round uses the
+strategy's default (RALM_DEFAULT_STRIDE, KNNLM_DEFAULT_STRIDE).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+from ..core.rows import stop_holdback
+
+MAX_SPECULATION_STRIDE = 16
+RALM_DEFAULT_STRIDE = 3  # ralmspec's s before OS3 has measurements
+KNNLM_DEFAULT_STRIDE = 4  # speculative knnlm's
 
 
 def number_in(name, v, lo, hi, integer: bool = True) -> None:
@@ -26,6 +54,120 @@ def auto_or_int(v):
     return v
 
 
+def check_speculation_stride(v) -> None:
+    """A ValueError unless v is "auto" or an integer in [1, MAX_SPECULATION_STRIDE]."""
+    if v != "auto":
+        try:
+            number_in("speculation_stride", v, 1, MAX_SPECULATION_STRIDE)
+        except ValueError:
+            raise ValueError(f"speculation_stride must be 'auto' or an integer in [1, {MAX_SPECULATION_STRIDE}], "
+                             f"got {v!r}") from None
+
+
+# ----------------------------------------------------------------------------- OS3
+def os3_stride(gamma: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE,
+               asynchronous: bool = False) -> int:
+    """RaLMSpec's OS3: argmax over s in 1..max_s of E(s) / T(s) (module docstring).
+    Synchronous: E(s) = (1 - gamma^(s+1)) / (1 - gamma), T(s) = (s + 1) a + b
+    # gamma 0.9, a 1, b 2 -> 5 (E/T: s=1 .475, 3 .573, 4 .585, 5 .586, 6 .580).
+    Asynchronous: E(s) = (1 - gamma^s) / (1 - gamma),
+    T(s) = s a + gamma^s max(0, b - a) + (1 - gamma^s) max(a, b)."""
+    gamma = min(max(gamma, 0.0), 1.0 - 1e-9)
+    s = np.arange(1, max_s + 1)
+    if asynchronous:
+        g = gamma ** s
+        rate = (1 - g) / (1 - gamma) / (s * a + g * max(0.0, b - a) + (1 - g) * max(a, b))
+    else:
+        rate = (1 - gamma ** (s + 1)) / (1 - gamma) / ((s + 1) * a + b)
+    return int(s[int(np.argmax(rate))])
+
+
+def os3_stride_knnlm(g: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
+    """KNN-LM's OS3: argmax over s in 1..max_s of E(s) / (s a + b), E(s) = (1 - g^s) / (1 - g)
+    (module docstring). # g 0.9, a 1, b 2 -> 6 (rate: s=1 .333, 3 .542, 5 .5850, 6 .5857, 7 .5797)"""
+    g = min(max(g, 0.0), 1.0 - 1e-9)
+    s = np.arange(1, max_s + 1)
+    rate = (1 - g ** s) / (1 - g) / (s * a + b)
+    return int(s[int(np.argmax(rate))])
+
+
+# ----------------------------------------------------------------------------- counters
+@dataclasses.dataclass
+class SpeculationStats:
+    """The speculation counters of one call, the same for ralmspec and speculative knnlm.
+
+    Per row: speculations made, checked by a verification (`checks`; those dropped by an
+    earlier rollback are never checked), right (`hits`: the speculated passage / neighbours
+    equal the true ones), rollbacks and the generated tokens they took back. Per call:
+    verifications (calls, seconds), speculative lookups (calls, seconds), the stride of
+    every round started; with asynchronous verification the seconds decoding waited for a
+    verification and the speculations made while one was in flight."""
+
+    batch: int
+    verify_calls: int = 0
+    verify_s: float = 0.0
+    spec_calls: int = 0
+    spec_s: float = 0.0
+    verify_wait_s: float = 0.0
+    overlapped: int = 0
+    strides: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        z = lambda: np.zeros(self.batch, np.int64)  # noqa: E731
+        self.speculations, self.checks, self.hits = z(), z(), z()
+        self.rollbacks, self.rollback_tokens = z(), z()
+
+    def accuracy(self, b=None) -> float:
+        """OS3's running chance that a speculation is right, (hits + 1) / (checks + 2), of row
+        b or of every row."""
+        hits, checks = (self.hits, self.checks) if b is None else (self.hits[b], self.checks[b])
+        return (int(np.sum(hits)) + 1) / (int(np.sum(checks)) + 2)
+
+    def rolled_back(self, b: int, tokens: int) -> None:
+        self.rollbacks[b] += 1
+        self.rollback_tokens[b] += tokens
+
+    def row_stats(self, b: int) -> dict:
+        checks = int(self.checks[b])
+        return dict(speculations=int(self.speculations[b]), speculation_checks=checks,
+                    speculation_accuracy=round(int(self.hits[b]) / checks, 4) if checks else None,
+                    rollbacks=int(self.rollbacks[b]), rollback_tokens=int(self.rollback_tokens[b]))
+
+    def summary(self, asynchronous: bool = False) -> dict:
+        checks, hits = int(self.checks.sum()), int(self.hits.sum())
+        out = dict(
+            speculations=int(self.speculations.sum()), speculation_checks=checks, speculation_hits=hits,
+            speculation_accuracy=round(hits / checks, 4) if checks else None,
+            mean_speculation_stride=round(float(np.mean(self.strides)), 3) if self.strides else 0.0,
+            rollbacks=int(self.rollbacks.sum()), rollback_tokens=int(self.rollback_tokens.sum()),
+            verify_calls=self.verify_calls, verify_s=round(self.verify_s, 4), speculation_s=round(self.spec_s, 4),
+        )
+        if asynchronous:
+            out.update(verify_wait_s=round(self.verify_wait_s, 4), speculations_while_verifying=self.overlapped)
+        return out
+
+
+# settings a retrieval run reports beside its counters under stats["retrieval"] (the same
+# in every batch of a call: `merge_counters` keeps them, never sums them)
+SETTINGS = frozenset({"datastore", "entries", "k", "knn_lambda", "knn_temperature", "search", "speculative"})
+
+
+def merge_counters(parts: list) -> dict:
+    """Per-batch stats["retrieval"] of one strategy as one: counters summed (settings, bools
+    and text from the first batch), per-batch means (mean_*) averaged, the speculation
+    accuracy recomputed from its sums."""
+    out = dict(parts[0])
+    for k, v in out.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in SETTINGS:
+            vals = [p.get(k) or 0 for p in parts]
+            out[k] = round(sum(vals) / len(vals), 4) if k.startswith("mean_") else \
+                (round(sum(vals), 4) if isinstance(v, float) else sum(vals))
+    if out.get("speculation_checks"):
+        out["speculation_accuracy"] = round(out.get("speculation_hits", 0) / out["speculation_checks"], 4)
+    return out
+
+
+# ----------------------------------------------------------------------------- streaming
 class FinalTextStream:
     """Hands on_text only text that is final: the rows' own streaming is switched off and
     each flush sends the text of the tokens no retrieval can change (all of it once the row
@@ -38,9 +180,8 @@ class FinalTextStream:
         self.sent = {}
         for r in state.rows:
             if r.on_text is not None:
-                self.on_text[r.index] = r.on_text
-                self.sent[r.index] = r.text[:getattr(r, "_sent", 0)]
-                r.on_text = None
+                self.sent[r.index] = r.streamed_text
+                self.on_text[r.index] = r.detach_stream()
 
     def flush(self, state, final_upto) -> None:
         for b, cb in self.on_text.items():
@@ -54,12 +195,7 @@ class FinalTextStream:
                 end = len(text)
                 while end and text[end - 1] == "\ufffd":
                     end -= 1
-                for s in r.stop:
-                    for k in range(min(len(s) - 1, end), 0, -1):
-                        if text[end - k:end] == s[:k]:
-                            end -= k
-                            break
-                text = text[:end]
+                text = text[:stop_holdback(text, end, r.stop)]
             sent = self.sent[b]
             if len(text) > len(sent) and text.startswith(sent):
                 cb(b, text[len(sent):])

@@ -1,0 +1,139 @@
+"""Host state of one batch row (`RowState`): its prompt, generated ids, finish reason and
+streamed text. Its fields are edited only through `decode.py` (the loop and the state
+edits), which holds the rows of a batch in `DecodeState`."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+def stop_holdback(text: str, end: int, stops, floor: int = 0) -> int:
+    """The end of text[:end] that is safe to stream: a tail that could still grow into one of
+    the stop strings (a proper prefix of it, no earlier than `floor`) is held back.
+    # "ab<" with stop "<|end|>" -> 2"""
+    for s in stops:
+        for k in range(min(len(s) - 1, end - floor), 0, -1):
+            if text[end - k:end] == s[:k]:
+                end -= k
+                break
+    return end
+
+
+class _FullDecode:
+    """Streaming fallback for tokenizers without an incremental detokenizer: decodes the
+    whole output each step (O(length) per step)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.sent = tokenizer, ""
+
+    def step(self, ids) -> str:
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        end = len(text)
+        while end > len(self.sent) and text[end - 1] == "\ufffd":  # half a UTF-8 character
+            end -= 1
+        if not text.startswith(self.sent) or end <= len(self.sent):
+            return ""
+        out, self.sent = text[len(self.sent):end], text[:end]
+        return out
+
+    def flush(self) -> str:
+        return ""
+
+
+class RowState:
+    """Host state of one batch row: generated ids, finish detection, streamed text.
+
+    Text arrives through the tokenizer's incremental detokenizer (`Tokenizer.stream`:
+    O(new tokens) per step); a tail that could still become a stop string is held back,
+    and only verified tokens are ever turned into text. `text` is final once the row
+    finishes (the decoded output, cut before the first stop string)."""
+
+    def __init__(self, index, prompt_ids, tokenizer, eos_ids, stop, max_new, on_text):
+        self.index, self.prompt_ids, self.tok = index, list(prompt_ids), tokenizer
+        self.eos_ids, self.stop, self.max_new, self.on_text = eos_ids, stop, max_new, on_text
+        self.ids: list = []
+        self.logprobs: Optional[list] = None  # per generated id, when asked for (DecodeState.logprobs)
+        self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
+        self.finish: Optional[str] = None
+        self.steps = 0
+        self.text = ""
+        self._buf = ""  # text of the ids so far (from the detokenizer)
+        self._sent = 0  # characters of _buf handed to on_text
+        stream = getattr(tokenizer, "stream", None)
+        self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(tokenizer)
+
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def accept(self, new: Sequence[int], logprobs: Optional[Sequence[float]] = None) -> list:
+        """Append emitted tokens (and their log-probabilities, when the row keeps them) up
+        to EOS / stop / max length; returns those kept."""
+        kept = []
+        for t in new:
+            if self.finish:
+                break
+            t = int(t)
+            kept.append(t)
+            self.ids.append(t)
+            if t in self.eos_ids:
+                self.finish = "eos"
+            elif len(self.ids) >= self.max_new:
+                self.finish = "length"
+        if not kept:
+            return kept
+        if self.logprobs is not None:
+            self.logprobs += [float(x) for x in logprobs[:len(kept)]]
+        seen = len(self._buf)
+        self._buf += self._det.step(self.ids)
+        if self.stop and any(s in self._buf[max(0, seen - len(s) + 1):] for s in self.stop):
+            # the shortest token prefix whose text holds a stop string (the detokenizer may
+            # have held back a few tokens: look from a little before this step's tokens)
+            first = len(self.ids) - len(kept)
+            for n in range(max(1, first - 8), len(self.ids) + 1):
+                if any(s in self._decode(self.ids[:n]) for s in self.stop):
+                    break
+            del kept[max(0, n - first):]
+            del self.ids[n:]
+            if self.logprobs is not None:
+                del self.logprobs[n:]
+            self.finish = "stop"
+        if self.finish:
+            text = self._decode(self.ids)
+            if self.finish == "stop":
+                text = text[: min(text.find(s) for s in self.stop if s in text)]
+            self.text = text
+            self._buf = text if text.startswith(self._buf[:self._sent]) else self._buf
+        else:
+            self.text = self._buf
+        self._stream()
+        return kept
+
+    def _stream(self):
+        if self.on_text is None:
+            return
+        text = self.text if self.finish else self._buf
+        end = len(text) if self.finish else stop_holdback(text, len(text), self.stop, self._sent)
+        if end > self._sent:
+            self.on_text(self.index, text[self._sent:end])
+            self._sent = end
+
+    @property
+    def streamed_text(self) -> str:  # the text already handed to on_text
+        return self.text[:self._sent]
+
+    def detach_stream(self):
+        """Switch the row's own streaming off (a caller streams final text); its on_text."""
+        on_text, self.on_text = self.on_text, None
+        return on_text
+
+    def truncate(self, n_ids: int) -> None:
+        """Keep the first n_ids generated tokens (rollback); the row is live again."""
+        del self.ids[n_ids:]
+        if self.logprobs is not None:
+            del self.logprobs[n_ids:]
+        self.finish = None
+        self._buf = self.text = self._decode(self.ids)
+        stream = getattr(self.tok, "stream", None)
+        self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(self.tok)
+        self._det.step(self.ids)
+        self._sent = min(self._sent, len(self._buf))
