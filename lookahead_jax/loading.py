@@ -35,7 +35,18 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass
 class Model:
-    """A loaded decoder: static config + params pytree (+ where it came from)."""
+    """A decoder: static config + params pytree (+ where it came from). `load` returns one;
+    it is also how your own params reach `generate` (colab/train_and_eval.ipynb):
+
+        model = lj.Model(config, params)   # once: a models.ModelConfig and its params pytree
+        ...                                # in the eval loop of your training code:
+        model.params = params              # the current params, as they are
+        out = lj.generate(model, tokenizer, prompts, strategy="lookahead")
+
+    Keep the one `Model`: its engine (`engine_for`) keeps the compiled steps and measured
+    costs, and remakes its device copy of the params (`Engine.params`) whenever a leaf of
+    `model.params` is another array than at the last call, so each eval decodes with the
+    params it was given."""
 
     config: ModelConfig
     params: Any

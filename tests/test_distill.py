@@ -198,3 +198,18 @@ def test_init_and_packing():
     assert b["idx"][0, :11].tolist() == list(range(3, 9)) + list(range(24, 29))
     assert b["label"][0, :11].tolist() == list(range(4, 10)) + list(range(15, 20))
     assert b["weight"][3].sum() == 0  # the fourth row is padding
+
+
+def test_split_prompts_small_files(tmp_path):
+    """A file shorter than 2 x EVAL_POOL (the repository's data/ samples) holds out its first
+    half for evaluation and trains on the rest; a source with no record for training is
+    refused with an error naming the fix (it used to end in "no training examples")."""
+    rows = [{"question": f"q{i}", "answer": "a"} for i in range(20)]
+    (tmp_path / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, evals = D.split_prompts(tmp_path, 8, 4, sources=("gsm8k",))
+    text = lambda ps: [p[0]["content"].split("\n")[0] for p in ps]  # noqa: E731
+    assert text(evals["gsm8k"]) == ["q0", "q1", "q2", "q3"]
+    assert len(train["gsm8k"]) == 8 and {int(q[1:]) for q in text(train["gsm8k"])} <= set(range(10, 20))
+    (tmp_path / "gsm8k_test.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no training prompt.*--data"):
+        D.split_prompts(tmp_path, 8, 4, sources=("gsm8k",))

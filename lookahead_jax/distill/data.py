@@ -65,16 +65,23 @@ def source_prompts(data_dir, source: str) -> list:
 def split_prompts(data_dir, n_train: int, n_eval: int, seed: int = 0,
                   sources: Sequence[str] = SOURCES, fits: Optional[Callable] = None) -> tuple[dict, dict]:
     """({source: train prompts}, {source: eval prompts}): eval prompts are the first
-    `n_eval` of each source's first `EVAL_POOL` records, train prompts `n_train` drawn
-    (seeded) from the records after them; only prompts with `fits(prompt)` true."""
+    `n_eval` of each source's first `EVAL_POOL` records (the first half of a file with
+    fewer than 2 x EVAL_POOL records, such as the repository's data/ samples), train
+    prompts `n_train` drawn (seeded) from the records after them; only prompts with
+    `fits(prompt)` true."""
     fits = fits or (lambda p: True)
     train, evals = {}, {}
     for s in sources:
         rows = source_prompts(data_dir, s)
-        pool = rows[EVAL_POOL:]
+        cut = min(EVAL_POOL, len(rows) // 2)
+        pool = rows[cut:]
         order = np.random.default_rng(seed).permutation(len(pool))
         train[s] = _first(fits, (pool[i] for i in order), n_train)
-        evals[s] = _first(fits, rows[:EVAL_POOL], n_eval)
+        evals[s] = _first(fits, rows[:cut], n_eval)
+        if n_train and not train[s]:
+            raise ValueError(f"source {s!r}: no training prompt among its {len(rows)} records "
+                             f"(the first {cut} are held out for evaluation); pass --data a folder "
+                             "with more records, or leave the source out of --sources")
     return train, evals
 
 
