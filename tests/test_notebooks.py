@@ -14,7 +14,6 @@ without it the notebooks that load it are skipped, with the reason."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import jax
