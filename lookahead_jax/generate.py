@@ -357,10 +357,16 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)
+    # time to the first token (prefill, compilation excluded as from wall_s), and the rate
+    # after it: the tokens after each row's first over the time after the first token
+    # (tokens_per_s mixes the two: a long prompt or a first run's one-off costs sink it)
+    ttft = min(state.prefill_s, wall)
+    later = sum(max(o.new_tokens - 1, 0) for o in outs)
     stats = dict(
         strategy=strat.name, batch=B, prompt_bucket=prompt_bucket(max(lens), S), cache_len=S,
         forward_steps=state.steps, new_tokens=new, wall_s=wall,
-        tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=state.prefill_s,
+        tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=state.prefill_s, ttft_s=ttft,
+        decode_tokens_per_s=later / (wall - ttft) if later and wall > ttft else 0.0,
         mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
         host_s=state.host_s, compile_s=compiled.compile_s - c_before, calibrate_s=calibrate_s,
         compilations=len(compiled.compilations),
