@@ -89,6 +89,8 @@ def _disk_key(name, jitted, args, static) -> Optional[str]:
     if fid is None:
         return None
     leaves, treedef = jax.tree.flatten(args)
+    if any(len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1 for x in leaves):
+        return None  # a mesh step: its jit carries out_shardings the key does not see
     sig = tuple((x.shape, str(x.dtype), str(getattr(x, "sharding", None))) if hasattr(x, "shape")
                 else (type(x).__name__,) for x in leaves)
     text = repr((name, fid, str(treedef), sig, sorted((k, repr(v)) for k, v in static.items()), _environment()))
