@@ -134,14 +134,20 @@ class Engine:
             self._weight_dtype = dtype
             self._placed = None  # repacked at the next use
 
-    def keep_packed_only(self) -> bool:
+    def keep_packed_only(self, consume: bool = False) -> bool:
         """Make the packed copy (see `params`) the model's own params, so that one copy of
         the weights stays in memory instead of two (the 1.5B Qwen in f32: ~7 GB instead of
         ~14 GB). Same values; `models.transformer.unpack_params` gives the plain arrays
         back. Returns whether anything changed (nothing does where no packing applies:
         GPU/TPU, bf16, a mesh, or params packed already, as `lj.load` returns them).
-        The packed copy is made beside the plain one (a moment with both): to pack
-        without that peak, `loading.pack_for_cpu(model)` before the first use."""
+        The packed copy is made beside the plain one (a moment with both) unless
+        `consume`: then plain params are packed weight by weight into place
+        (`pack_params(consume=True)`: the dicts of the old `model.params` are emptied of
+        them; for params nobody else holds, e.g. a draft loaded by name)."""
+        if consume and self.mesh is None and not is_packed(self.model.params) and packs(self.model.params):
+            from .models.transformer import pack_params
+
+            self.model.params = pack_params(self.model.params, self._weight_dtype, consume=True)
         placed = self.params
         if placed is self.model.params or self.mesh is not None:
             return False

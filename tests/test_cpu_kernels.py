@@ -502,3 +502,24 @@ def test_load_keeps_one_copy_of_the_weights(tmp_path):
     lj.save_pretrained(packed_model, tok, tmp_path / "again")
     again, _ = lj.load(str(tmp_path / "again"), keep_unpacked=True)
     assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(plain)))
+
+
+@needs_kernel
+def test_keep_packed_only_consume_packs_in_place():
+    """keep_packed_only(consume=True) (a draft loaded by name) packs the plain params
+    weight by weight into the engine's storage dtype: the same packed weights as the
+    copying path, the old layer dicts emptied of them (nothing keeps the plain copy)."""
+    from tiny import tiny_model
+
+    from lookahead_jax.engine import Engine, _packed_dtype
+
+    a, b = tiny_model("llama", seed=4), tiny_model("llama", seed=4)
+    old_layer = b.params["layers"][0]
+    ea, eb = Engine(a), Engine(b)
+    ea.weight_dtype = eb.weight_dtype = "bfloat16"
+    assert ea.keep_packed_only() and eb.keep_packed_only(consume=True)
+    assert _packed_dtype(a.params) == _packed_dtype(b.params) == jnp.bfloat16
+    assert not set(old_layer) & {"qkv", "o", "gate_up", "down"} and "attn_norm" in old_layer
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+    assert eb.params is b.params
