@@ -274,13 +274,7 @@ def enable_compilation_cache(subdir: str = "xla") -> Optional[str]:
     folder per machine and CPU (entries are native code for this CPU), unless the user configured a cache already
     (JAX_COMPILATION_CACHE_DIR) or set LOOKAHEAD_JAX_XLA_CACHE=0. The library itself never
     changes JAX's global configuration. Returns the directory used, or None. (The test
-    suite uses it too, with `subdir="xla-tests"`.)
-
-    The CLI's own folder (subdir "xla") also turns on the executable cache
-    (`compile.enable_executable_cache`, under `exe/` beside it): a warm process then loads
-    its steps without tracing them (JAX's cache still traces and lowers each one to find
-    it: ~0.3-0.5 s per step, and lookahead has several). Not for the tests' folder: tests
-    switch kernels and shapes in one process in ways the key does not track."""
+    suite uses it too, with `subdir="xla-tests"`.)"""
     import os
     import platform
 
@@ -299,13 +293,6 @@ def enable_compilation_cache(subdir: str = "xla") -> Optional[str]:
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    if subdir == "xla":
-        from .compile import enable_executable_cache
-
-        try:
-            enable_executable_cache(cache_root() / "exe" / path.name)
-        except OSError as e:
-            log.warning("no executable cache (%s)", e)
     return str(path)
 
 
