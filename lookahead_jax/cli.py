@@ -416,6 +416,8 @@ def _run(argv, prog) -> int:
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)
     row_tokens = row_steps = 0  # tokens per step is per row: a batched forward of 4 greedy rows is 1.0, not 4
+    ttft = None  # the first batch's time to its first token
+    decode_tokens, decode_s = 0, 0.0  # tokens after each row's first, and the time after the first token
     retrieval = []  # per batch, the strategy's retrieval counters (knnlm, ralm, ralmspec)
     # one answer at a time streams; several samples of a prompt would interleave
     streaming = not cfg.json and cfg.batch_size == 1 and cfg.n == 1
@@ -443,12 +445,17 @@ def _run(argv, prog) -> int:
         if "retrieval" in out.stats:  # a retrieval strategy's counters (one shape: speculation.py)
             retrieval.append(out.stats["retrieval"])
         row_tokens += sum(r.new_tokens for r in out.rows)
+        ttft = out.stats["ttft_s"] if ttft is None else ttft
+        decode_tokens += sum(max(r.new_tokens - 1, 0) for r in out.rows)
+        decode_s += out.stats["wall_s"] - out.stats["ttft_s"]
         row_steps += sum(r.forward_steps for r in out.rows)
     summary = dict(
         model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
         new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
         tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
-        prefill_s=round(totals["prefill_s"], 4), forward_steps=totals["forward_steps"],
+        prefill_s=round(totals["prefill_s"], 4), ttft_s=round(ttft or 0.0, 4),
+        decode_tokens_per_s=round(decode_tokens / decode_s, 3) if decode_tokens and decode_s > 0 else 0.0,
+        forward_steps=totals["forward_steps"],
         tokens_per_step=round(row_tokens / row_steps, 3) if row_steps else 0.0,
         compile_s=round(totals["compile_s"], 3), calibrate_s=round(totals["calibrate_s"], 3),
         host_s=round(totals["host_s"], 4),
@@ -463,7 +470,8 @@ def _run(argv, prog) -> int:
         # auto's calibration of verify costs), which a user waits for all the same
         print(
             f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
-            f"{summary['tokens_per_s']:.1f} tok/s; {summary['forward_steps']} forward steps, "
+            f"{summary['tokens_per_s']:.1f} tok/s (first token {summary['ttft_s']:.2f} s, then "
+            f"{summary['decode_tokens_per_s']:.1f} tok/s); {summary['forward_steps']} forward steps, "
             f"{summary['tokens_per_step']:.2f} tokens/step"
             + (" per row" if cfg.batch_size > 1 or cfg.n > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
             + (f", calibration {summary['calibrate_s']:.1f} s" if summary["calibrate_s"] else "") + "]",

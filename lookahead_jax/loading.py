@@ -8,6 +8,15 @@ Resolution order for `name_or_path`:
    an HF directory (config.json + safetensors), or a `.gguf` file;
 3. an HF hub id ("org/name"): downloaded with huggingface_hub when online (clear error when
    not), then treated as an HF directory.
+
+Memory: on one CPU device in float32 with the CPU kernels on, the model `load` returns
+holds its layer weights (and an untied lm_head) already packed for the matmul kernel
+(`models.transformer.pack_params`, packed weight by weight as it loads): ONE copy of the
+weights, which decode with bitwise the same logits. (An `Engine` over plain f32 params
+keeps a packed copy beside them: two copies, ~14 GB instead of ~7 GB for the 1.5B Qwen.)
+Such `model.params` hold `cpu_kernels.PackedWeight` leaves: for plain arrays (training,
+comparing weights with another library) load with `keep_unpacked=True`, or take
+`models.transformer.unpack_params(model.params)` (a plain copy).
 """
 
 from __future__ import annotations
@@ -46,7 +55,10 @@ class Model:
     Keep the one `Model`: its engine (`engine_for`) keeps the compiled steps and measured
     costs, and remakes its device copy of the params (`Engine.params`) whenever a leaf of
     `model.params` is another array than at the last call, so each eval decodes with the
-    params it was given."""
+    params it was given. `params` may hold `PackedWeight` leaves (`load`'s default on CPU,
+    see the module docstring); a Model you build yourself keeps its params as you pass
+    them (its Engine packs a copy beside them; `engine_for(model).keep_packed_only()` keeps
+    one copy)."""
 
     config: ModelConfig
     params: Any
@@ -78,9 +90,12 @@ def parse_dtype(dtype) -> Any:
 
 
 def save_pretrained(model: Model, tokenizer: Tokenizer, directory) -> Path:
-    """Write an orbax checkpoint + config + tokenizer that `load(directory)` restores."""
+    """Write an orbax checkpoint + config + tokenizer that `load(directory)` restores
+    (packed params are stored plain: the checkpoint does not depend on the CPU kernels)."""
+    from .models.transformer import unpack_params
+
     directory = Path(directory).absolute()
-    ckpt.save_checkpoint(directory / "params", model.config, model.params)
+    ckpt.save_checkpoint(directory / "params", model.config, unpack_params(model.params))
     tokenizer.save(directory / "tokenizer")
     (directory / "LOOKAHEAD_JAX").write_text(f"{model.name}\n")
     return directory
@@ -96,18 +111,43 @@ def _restore(path: Path, dtype, name: str):
 
 
 def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress: bool = True,
-         mesh=None):
+         mesh=None, keep_unpacked: bool = False):
     """Load (model, tokenizer). See the module docstring for what `name_or_path` may be.
 
     mesh: a ("data", "model") `jax.sharding.Mesh` (`sharding.make_mesh`): the params are
     placed on it by the rule table (heads / MLP columns over "model"); pass the same mesh
-    to `generate` to split batch rows and the KV cache over "data"."""
+    to `generate` to split batch rows and the KV cache over "data".
+    keep_unpacked: return plain arrays even where the CPU kernels would run packed weights
+    (module docstring, "Memory"); generate then packs a copy at its first call (two copies
+    of the weights in memory)."""
     if mesh is not None:
         from .core.sharding import shard_params
 
-        model, tok = load(name_or_path, dtype, progress=progress)
+        model, tok = load(name_or_path, dtype, progress=progress, keep_unpacked=True)
         model.params = shard_params(model.params, model.config, mesh)
         return model, tok
+    model, tok = _load(name_or_path, dtype, progress)
+    if not keep_unpacked:
+        pack_for_cpu(model)
+    return model, tok
+
+
+def pack_for_cpu(model) -> bool:
+    """Pack `model.params` in place for the CPU kernels where `Engine.params` would run a
+    packed copy (one CPU device, f32, kernels on): each weight is replaced by its packed
+    form as it is made (`pack_params(consume=True)`), so the model never holds two copies.
+    Returns whether it packed anything. `model.params` is rebound to the packed dict; the
+    dicts it held before are emptied of the packed weights (do not keep using them)."""
+    from .core.engine import is_packed, packs
+    from .models.transformer import pack_params
+
+    if is_packed(model.params) or not packs(model.params):
+        return False
+    model.params = pack_params(model.params, consume=True)
+    return True
+
+
+def _load(name_or_path, dtype, progress: bool):
     dtype = parse_dtype(dtype)
     dname = jnp.dtype(dtype).name
     if not name_or_path or not str(name_or_path).strip():

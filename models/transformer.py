@@ -150,7 +150,7 @@ def _dense(x, w):
 PACKED_LEAVES = ("qkv", "o", "gate_up", "down")  # per layer; plus an untied lm_head
 
 
-def pack_params(params, dtype=None):
+def pack_params(params, dtype=None, *, consume: bool = False):
     """The params with every layer weight (and an untied lm_head) as a
     `cpu_kernels.PackedWeight`: the layout the CPU matmul kernel reads fastest. For f32
     inference on one CPU device (`lookahead_jax.runtime_params` decides and caches it);
@@ -159,14 +159,19 @@ def pack_params(params, dtype=None):
         packed = pack_params(params); forward(packed, ...) == forward(params, ...)
     `dtype=jnp.bfloat16`: the packed weights stored in bf16, computed in f32 (half the
     bytes per step; NOT the same values: for draft models only, `Engine.weight_dtype`).
+    consume=True: `params` is the caller's to give up (e.g. just loaded): each weight is
+    dropped from its dict (`params` and its layer dicts) as soon as its packed copy exists,
+    so packing needs one weight of extra memory, not a second copy of the model (`params`
+    is left holding only the leaves that are not packed). Without it `params` is unchanged.
     """
     def one(w):
         return cpu_kernels.pack(w, dtype) if cpu_kernels.pack_width(int(np.prod(w.shape[1:]))) else w
 
-    out = dict(params, layers=[{k: one(v) if k in PACKED_LEAVES else v for k, v in p.items()}
+    take = (lambda d, k: d.pop(k)) if consume else (lambda d, k: d[k])
+    out = dict(params, layers=[{k: one(take(p, k)) if k in PACKED_LEAVES else p[k] for k in list(p)}
                                for p in params["layers"]])
     if "lm_head" in params:
-        out["lm_head"] = one(params["lm_head"])
+        out["lm_head"] = one(take(params, "lm_head"))
     elif cpu_kernels.pack_width(params["embed"].shape[0]):
         # tied: the output layer as a packed e.T beside the embedding table (lookups keep
         # reading `embed`). One sequential pass over columns of e.T reads the 49k x 576

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -30,8 +31,8 @@ from tiny import ByteTokenizer, tiny_model
 ROW_FIELDS = {"prompt_index", "text", "token_ids", "new_tokens", "finish_reason", "forward_steps",
               "mean_accepted_tokens", "wall_s", "tokens_per_s"}
 SUMMARY_FIELDS = {"model", "strategy", "dtype", "prompts", "new_tokens", "wall_s", "tokens_per_s",
-                  "prefill_s", "forward_steps", "tokens_per_step", "compile_s", "calibrate_s", "host_s",
-                  "compilations"}
+                  "prefill_s", "ttft_s", "decode_tokens_per_s", "forward_steps", "tokens_per_step",
+                  "compile_s", "calibrate_s", "host_s", "compilations"}
 PROMPTS = ["Hello there", "Once upon a time", "2+2="]
 
 
@@ -137,6 +138,7 @@ def test_lookahead_auto_summary_shows_steps_and_calibration(fake_load, capsys):
     line = err.strip().splitlines()[-1]
     assert "tok/s" in line and "forward steps" in line and "tokens/step" in line, line
     assert "compile" in line and "calibration" not in line, line
+    assert re.search(r"first token \d+\.\d\d s, then \d+\.\d tok/s", line), line
     rc, _, err = run_main(capsys, *args, "--calibrate", "true")
     line = err.strip().splitlines()[-1]
     assert rc == 0 and "calibration" in line, line
@@ -146,6 +148,10 @@ def test_lookahead_auto_summary_shows_steps_and_calibration(fake_load, capsys):
     assert rc == 0 and summary["calibrate_s"] > 0 and summary["compile_s"] > 0
     assert summary["forward_steps"] == rows[0]["forward_steps"]
     assert summary["tokens_per_step"] == round(rows[0]["new_tokens"] / rows[0]["forward_steps"], 3)
+    # time to the first token, then the rate of the tokens after it (over the time after it)
+    assert 0 < summary["ttft_s"] < summary["wall_s"] and summary["decode_tokens_per_s"] > 0
+    later_s = (rows[0]["new_tokens"] - 1) / summary["decode_tokens_per_s"]
+    assert abs(summary["ttft_s"] + later_s - summary["wall_s"]) < 0.01 * summary["wall_s"] + 1e-3
     rc, out, err = run_main(capsys, *args, "--json")
     assert rc == 0 and parse_json_lines(out)[1]["calibrate_s"] == 0
 

@@ -479,3 +479,74 @@ def test_runtime_params_are_packed_once_and_follow_the_params():
     mb = tiny_model("llama")
     mb.params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mb.params)
     assert runtime_params(mb) is mb.params
+
+
+@needs_kernel
+def test_load_keeps_one_copy_of_the_weights(tmp_path):
+    """`lj.load` packs the layer weights as it loads (one CPU device, f32): after load and
+    generate, the live jax arrays hold ONE copy of the weights; with keep_unpacked=True
+    they hold the plain weights and the packed copy generate makes beside them (so the
+    count can tell them apart). The tokens are the same; unpack_params gives the plain
+    arrays back, bitwise; save_pretrained of the packed model stores plain arrays."""
+    import gc
+
+    from test_distill import byte_tokenizer
+    from tiny import tiny_model
+
+    import lookahead_jax as lj
+    from lookahead_jax.core.engine import is_packed
+    from lookahead_jax.models.transformer import PACKED_LEAVES, unpack_params
+
+    t = tiny_model("llama", n_layers=4, d_ff=512)
+    tok = byte_tokenizer()
+    lj.save_pretrained(lj.Model(t.config, t.params, "tiny"), tok, tmp_path / "m")
+    plain = jax.tree.map(np.asarray, t.params)
+    weights = sum(x.nbytes for x in jax.tree.leaves(plain))
+    packed_bytes = sum(v.nbytes for p in plain["layers"] for k, v in p.items() if k in PACKED_LEAVES)
+    del t
+    gc.collect()
+
+    def live() -> int:
+        gc.collect()
+        return sum(x.nbytes for x in jax.live_arrays())
+
+    def held(**kw):
+        before = live()
+        model, tok2 = lj.load(str(tmp_path / "m"), **kw)
+        out = lj.generate(model, tok2, ["def f(x):", "Hello"], max_new_tokens=8)
+        return live() - before, model, out.token_ids
+
+    one, packed_model, ids = held()
+    assert is_packed(packed_model.params)
+    assert weights <= one < weights + 0.2 * packed_bytes, (one, weights, packed_bytes)
+    two, plain_model, ids_plain = held(keep_unpacked=True)
+    assert not is_packed(plain_model.params)
+    assert two >= weights + 0.9 * packed_bytes, (two, weights, packed_bytes)
+    assert ids == ids_plain
+    back = unpack_params(packed_model.params)
+    assert jax.tree.structure(back) == jax.tree.structure(plain)
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(plain)))
+    lj.save_pretrained(packed_model, tok, tmp_path / "again")
+    again, _ = lj.load(str(tmp_path / "again"), keep_unpacked=True)
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(plain)))
+
+
+@needs_kernel
+def test_keep_packed_only_consume_packs_in_place():
+    """keep_packed_only(consume=True) (a draft loaded by name) packs the plain params
+    weight by weight into the engine's storage dtype: the same packed weights as the
+    copying path, the old layer dicts emptied of them (nothing keeps the plain copy)."""
+    from tiny import tiny_model
+
+    from lookahead_jax.core.engine import Engine, _packed_dtype
+
+    a, b = tiny_model("llama", seed=4), tiny_model("llama", seed=4)
+    old_layer = b.params["layers"][0]
+    ea, eb = Engine(a), Engine(b)
+    ea.weight_dtype = eb.weight_dtype = "bfloat16"
+    assert ea.keep_packed_only() and eb.keep_packed_only(consume=True)
+    assert _packed_dtype(a.params) == _packed_dtype(b.params) == jnp.bfloat16
+    assert not set(old_layer) & {"qkv", "o", "gate_up", "down"} and "attn_norm" in old_layer
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+    assert eb.params is b.params

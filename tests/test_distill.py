@@ -116,7 +116,7 @@ def test_distill_lowers_loss_and_loads(setup, tmp_path):
     assert res["eval"]["all"]["positions"] > 0
     assert [e["step"] for e in res["evals"]] == [0, 4, 8]
 
-    model, tok2 = lj.load(str(out))
+    model, tok2 = lj.load(str(out), keep_unpacked=True)  # plain arrays, to compare with the trained ones
     assert model.config == target.config.replace(n_layers=2) == res["config"]
     got, want = jax.tree.leaves_with_path(model.params), jax.tree.leaves_with_path(res["params"])
     assert [p for p, _ in got] == [p for p, _ in want]

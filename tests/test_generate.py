@@ -431,6 +431,9 @@ def test_greedy_stats_and_compilations(tok):
     assert s["compile_s"] == pytest.approx(engine_for(m).compiled.compile_s)
     assert s["tokens_per_s"] == pytest.approx(8 / s["wall_s"])
     assert 0 < s["prefill_s"] < s["wall_s"]  # time to the first token, part of the wall time
+    # time to the first token, and the rate after it: the 7 later tokens over the rest of the time
+    assert s["ttft_s"] == s["prefill_s"]
+    assert s["decode_tokens_per_s"] == pytest.approx(7 / (s["wall_s"] - s["ttft_s"]))
 
     # same shapes (other prompts of the same bucket): no compilation at all
     for prompt in ("Hi", "Another prompt."):
@@ -446,6 +449,8 @@ def test_greedy_stats_and_compilations(tok):
     assert b.stats["forward_steps"] == 8 and b.stats["new_tokens"] == 24
     assert [r.forward_steps for r in b.rows] == [8, 8, 8]
     assert b.stats["mean_accepted_tokens"] == 1.0
+    assert 0 < b.stats["ttft_s"] < b.stats["wall_s"]  # the batch's rows get their first tokens together
+    assert b.stats["decode_tokens_per_s"] == pytest.approx(21 / (b.stats["wall_s"] - b.stats["ttft_s"]))
     n = b.stats["compilations"]
     generate(m, tok, PROMPTS[::-1], max_new_tokens=8)
     assert engine_for(m).compiled.compilations.__len__() == n

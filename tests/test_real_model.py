@@ -74,7 +74,7 @@ TIE = 1e-3
 @pytest.fixture(scope="module", params=QWEN)
 def qwen(request):
     """Our greedy and lookahead tokens for one Qwen preset; the model is freed before HF's
-    is built (1.5B in f32: ~7 GB of params plus the CPU kernels' packed copy)."""
+    is built (1.5B in f32: ~7 GB of params, packed for the CPU kernels as `lj.load` loads them)."""
     name = request.param
     if status(name) == "not installed":
         pytest.skip(f"{name} not installed: {fetch_command(name)}")

@@ -101,20 +101,27 @@ class Engine:
         f32 with the CPU kernels on, a copy with the layer weights packed for the matmul
         kernel (`models.transformer.pack_params`: ~2x faster weight reads, the same
         values; a second copy of those weights in memory; `LOOKAHEAD_JAX_CPU_KERNELS=0`
-        turns kernels and packing off); otherwise `model.params` itself."""
+        turns kernels and packing off); otherwise `model.params` itself. A model from
+        `lj.load` comes packed already (`loading.pack_for_cpu`): then these ARE
+        `model.params`, one copy of the weights; a Model you build with plain arrays keeps
+        them and gets the packed copy beside them (`keep_packed_only` to drop them)."""
         leaves = jax.tree.leaves(self.model.params)
         if self._placed is not None and _same_leaves(self._placed[0], leaves):
             return self._placed[1]
         out = self.model.params
-        if _is_packed(out):  # `keep_packed_only` made the packed copy the model's params
+        if self.mesh is not None:
+            from .sharding import shard_params
+
+            if is_packed(out):  # packed for one CPU (`lj.load`): the rule table shards plain arrays
+                from .models.transformer import unpack_params
+
+                out = unpack_params(out)
+            out = shard_params(out, self.config, self.mesh)
+        elif is_packed(out):  # `lj.load` or `keep_packed_only` made the packed copy the model's params
             if self._weight_dtype is not None:
                 from ..models.transformer import cast_packed
 
                 out = cast_packed(out, self._weight_dtype)
-        elif self.mesh is not None:
-            from .sharding import shard_params
-
-            out = shard_params(out, self.config, self.mesh)
         elif _packable(leaves):
             from ..models.transformer import pack_params
 
@@ -144,12 +151,20 @@ class Engine:
             self._weight_dtype = dtype
             self._placed = None  # repacked at the next use
 
-    def keep_packed_only(self) -> bool:
+    def keep_packed_only(self, consume: bool = False) -> bool:
         """Make the packed copy (see `params`) the model's own params, so that one copy of
         the weights stays in memory instead of two (the 1.5B Qwen in f32: ~7 GB instead of
         ~14 GB). Same values; `models.transformer.unpack_params` gives the plain arrays
         back. Returns whether anything changed (nothing does where no packing applies:
-        GPU/TPU, bf16, a mesh)."""
+        GPU/TPU, bf16, a mesh, or params packed already, as `lj.load` returns them).
+        The packed copy is made beside the plain one (a moment with both) unless
+        `consume`: then plain params are packed weight by weight into place
+        (`pack_params(consume=True)`: the dicts of the old `model.params` are emptied of
+        them; for params nobody else holds, e.g. a draft loaded by name)."""
+        if consume and self.mesh is None and not is_packed(self.model.params) and packs(self.model.params):
+            from .models.transformer import pack_params
+
+            self.model.params = pack_params(self.model.params, self._weight_dtype, consume=True)
         placed = self.params
         if placed is self.model.params or self.mesh is not None:
             return False
@@ -332,8 +347,15 @@ def _packed_dtype(params):
     return None
 
 
-def _is_packed(params) -> bool:
+def is_packed(params) -> bool:
+    """Whether `params` hold packed layer weights (`pack_params`; e.g. from `load`)."""
     return _packed_dtype(params) is not None
+
+
+def packs(params) -> bool:
+    """Whether `Engine.params` runs these params packed for the CPU kernels (f32 on one
+    CPU device, kernels on) rather than as they are."""
+    return _packable(jax.tree.leaves(params))
 
 
 def _packable(leaves) -> bool:

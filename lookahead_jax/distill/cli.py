@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     out = Path(a.out).expanduser() if a.out else default_out(a.target, a.layers)
     sources = [s.strip() for s in a.sources.split(",") if s.strip()]
     t = time.perf_counter()
-    target, tok = load(a.target, dtype="float32")
+    target, tok = load(a.target, dtype="float32", keep_unpacked=True)  # init_draft copies its layers
     from ..prompts import encode_prompts
 
     limit = cfg.seq_len - cfg.gen_tokens  # prompts that leave room for the continuation

@@ -322,9 +322,15 @@ def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)
+    # time to the first token (prefill, compilation excluded as from wall_s), and the rate
+    # after it: the tokens after each row's first over the time after the first token
+    # (tokens_per_s mixes the two: a long prompt or a first run's one-off costs sink it)
+    ttft = min(state.prefill_s, wall)
+    later = sum(max(o.new_tokens - 1, 0) for o in outs)
     stats.update(
         forward_steps=state.steps, new_tokens=new, wall_s=wall,
-        tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=state.prefill_s,
+        tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=state.prefill_s, ttft_s=ttft,
+        decode_tokens_per_s=later / (wall - ttft) if later and wall > ttft else 0.0,
         mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
         host_s=state.host_s, mean_tree_size=float(np.mean(state.tree_sizes)) if state.tree_sizes else 0.0,
     )

@@ -165,11 +165,13 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     else:
         # by name: a copy of our own (not the shared float32 one), whose bf16 packed
         # weights become its params (one copy in memory)
-        draft = check_draft(engine, _load_by_name(engine, draft_model) if by_name else draft_model, draft_model)
+        # (loaded plain and packed into bf16 weight by weight: never its f32 and bf16 copies at once)
+        draft = check_draft(engine, _load_by_name(engine, draft_model, keep_unpacked=True) if by_name
+                            else draft_model, draft_model)
         eng = Engine(draft)  # holds the draft: kept as long as the target's engine
         eng.weight_dtype = "bfloat16"
         if by_name:
-            eng.keep_packed_only()
+            eng.keep_packed_only(consume=True)
     engines[key] = eng
     return eng
 
@@ -202,11 +204,11 @@ def load_draft(engine, draft_model, pack: bool = True):
     return check_draft(engine, draft, draft_model)
 
 
-def _load_by_name(engine, name: str):
+def _load_by_name(engine, name: str, keep_unpacked: bool = False):
     from ..loading import load
 
     try:
-        return load(name, dtype=engine.dtype)[0]
+        return load(name, dtype=engine.dtype, keep_unpacked=keep_unpacked)[0]
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"cannot load draft model {name!r}: {e}") from e
 
