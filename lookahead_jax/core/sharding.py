@@ -138,7 +138,7 @@ def rule_for(path: str):
     hits = [(dims, spec) for pat, dims, spec in PARAM_RULES if re.fullmatch(pat, path)]
     if len(hits) != 1:
         raise ValueError(f"param {path!r} matches {len(hits)} partition rules (need exactly 1); "
-                         "add it to lookahead_jax.sharding.PARAM_RULES")
+                         "add it to lookahead_jax.core.sharding.PARAM_RULES")
     dims, spec = hits[0]
     return tuple(dims.split()), spec
 
