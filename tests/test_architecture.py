@@ -163,3 +163,12 @@ def test_host_modules_import_no_jax(name):
 def test_files_stay_short():
     long = {m: n for m, (p, _) in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_every_package_import_resolves():
+    """Every import of a lookahead_jax module (lazy ones inside functions included) names a
+    module that exists: a relative import left behind by a move fails here, not at the
+    first call that reaches it."""
+    bad = [f"{m}:{line} imports {t}" for m in MODULES for t, _, line in _imports(m)
+           if t.startswith("lookahead_jax") and t not in MODULES]
+    assert not bad, "\n".join(bad)

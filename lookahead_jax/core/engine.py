@@ -113,7 +113,7 @@ class Engine:
             from .sharding import shard_params
 
             if is_packed(out):  # packed for one CPU (`lj.load`): the rule table shards plain arrays
-                from .models.transformer import unpack_params
+                from ..models.transformer import unpack_params
 
                 out = unpack_params(out)
             out = shard_params(out, self.config, self.mesh)
@@ -162,7 +162,7 @@ class Engine:
         (`pack_params(consume=True)`: the dicts of the old `model.params` are emptied of
         them; for params nobody else holds, e.g. a draft loaded by name)."""
         if consume and self.mesh is None and not is_packed(self.model.params) and packs(self.model.params):
-            from .models.transformer import pack_params
+            from ..models.transformer import pack_params
 
             self.model.params = pack_params(self.model.params, self._weight_dtype, consume=True)
         placed = self.params
