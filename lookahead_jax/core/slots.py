@@ -93,7 +93,7 @@ class Slots:
     decoding); drafter: a drafter to use instead of the strategy's own; eos_ids: the ids
     that end a request by default (and that min_new_tokens bans). `begin_s`: seconds the
     last insert spent starting the drafter (e.g. a draft model's prefill), its compilation
-    excluded."""
+    excluded, and the first insert's setup of the strategy (e.g. auto's calibration)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
@@ -118,10 +118,11 @@ class Slots:
             drafter = strategy.drafter(engine)
         self.begin_s = 0.0
         self.max_nodes = strategy.max_nodes(drafter) if strategy is not None else 0
-        if strategy is None:
-            self.drafter, self.rule, self.budget = None, TokenMatch(sampling), FixedBudget(0)
-        else:  # the drafter begins on each inserted request
-            self.drafter, self.rule, self.budget = strategy.setup(engine, self.state, drafter, None)
+        self.drafter = drafter if strategy is not None else None
+        self.rule, self.budget = TokenMatch(sampling), FixedBudget(0)
+        # a strategy's rule and budget are set up at the first insert, when rows hold prompts
+        # (auto's calibration measures at a length of this run); the drafter begins per request
+        self._set_up = strategy is None
         self._plain: set = set()  # slots whose request decodes without drafts
 
     # ------------------------------------------------------------------ queries
@@ -173,18 +174,22 @@ class Slots:
         rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
         forward_rows(self.engine, st, slots)
+        # the setup (first insert) and the drafter's start are not decode time, nor is their compilation
+        c0, s0, t0 = self.engine.compiled.compile_s, st.compile_s, time.perf_counter()
+        if not self._set_up:
+            self.drafter, self.rule, self.budget = self.strategy.setup(self.engine, st, self.drafter, None)
+            self._set_up = True
         drafting = [s for s in slots if s not in self._plain]
         if self.drafter is not None and drafting:
-            refs = [list(req.references) if s in drafting else [] for s, req in zip(slots, requests)]
             by_row = [[] for _ in range(self.n_slots)]
-            for s, r in zip(slots, refs):
-                by_row[s] = r
-            c0, t0 = st.compile_s, time.perf_counter()
+            for s, req in zip(slots, requests):
+                by_row[s] = list(req.references) if s in drafting else []
             if len(drafting) == self.n_slots:  # every row at once (generate): a new batch
                 self.drafter.begin(st, by_row)
             else:
                 self.drafter.begin(st, by_row, rows=drafting)
-            self.begin_s = time.perf_counter() - t0 - (st.compile_s - c0)
+        st.compile_s += self.engine.compiled.compile_s - c0  # the target's (a drafter adds its own)
+        self.begin_s = time.perf_counter() - t0 - (st.compile_s - s0)
         return [SlotEvent(s, list(st.rows[s].ids), st.rows[s].finish) for s in slots]
 
     def step(self) -> list:

@@ -272,8 +272,8 @@ def _decode_slots(engine, tokenizer, strat, drafter, ids, refs, S: int, eos: tup
                         references=refs[b] if refs else ()) for b, x in enumerate(ids)]
     try:
         slots.insert(list(range(len(ids))), requests)
+        state.t_start += slots.begin_s  # the strategy's setup and the drafter's start: not decode time
         state.prefill_s = state.elapsed()  # time to the first token
-        state.t_start += slots.begin_s  # the drafter's start is setup, as the strategy's
         while slots.busy:
             slots.step()
     finally:
