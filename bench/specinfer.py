@@ -126,7 +126,7 @@ def main(argv=None):
 
     import lookahead_jax as lj
     from lookahead_jax.prompts import encode_prompts
-    from lookahead_jax.strategies import load_draft
+    from lookahead_jax.strategies.specinfer import load_draft
 
     print(host_line(), f"| {eos_mode(ie)}", flush=True)
     model, tok = lj.load(a.target, dtype=a.dtype)

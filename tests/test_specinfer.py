@@ -111,7 +111,7 @@ def test_bf16_draft_weights(model, tok, greedy, drafts):
     its f32 params, the output is greedy's, and the target itself as a bf16 draft is
     still accepted almost always."""
     from lookahead_jax.core.engine import _packed_dtype
-    from lookahead_jax.strategies import draft_engine
+    from lookahead_jax.strategies.specinfer import draft_engine
 
     target = engine_for(model)
     before = jax.tree.leaves(drafts["same"].params)
