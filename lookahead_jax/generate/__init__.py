@@ -1,9 +1,11 @@
 """`generate`: the public API over the decode core (and `python -m lookahead_jax.generate`).
 
-`generate` encodes the prompts, sizes the cache, builds the strategy's components
-(`strategies.py`: drafter, acceptance rule, budget policy), runs the one decode loop
-(`decode.py`) and returns texts, token ids and stats. The CLI lives in `cli.py`; this
-module runs it when executed, so `python -m lookahead_jax.generate` keeps working.
+`generate` encodes the prompts, sizes the cache, and decodes every row through the slot
+API (`core/slots.py`: one insert of all rows, steps until none is busy; the strategy
+brings drafter, acceptance rule and budget policy), or, for a strategy that drives the
+loop itself (retrieval: ralm, knnlm), through its `Run`; it returns texts, token ids and
+stats. The CLI lives in `cli.py`; this package's `__main__` hands over to it, so
+`python -m lookahead_jax.generate` keeps working.
 """
 
 from __future__ import annotations
