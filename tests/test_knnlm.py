@@ -318,6 +318,27 @@ def test_speculative_equals_plain(model, tok, ds, sampling):
     assert hits > 0 and (rollbacks > 0 or not sampling)
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_slots_insert_mid_decode_equals_alone(model, tok, ds, speculative):
+    """KNN-LM on the slot API: requests inserted into 2 slots while the other decodes give
+    their tokens (and log-probabilities) alone; events carry only verified tokens."""
+    from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.core.slots import Request, Slots
+    from tiny import drive_slots
+
+    strat = KNNLM(datastore=ds, knn_k=4, speculative=speculative, speculation_stride=3)
+    slots = Slots(engine_for(model), tok, 2, 512, strat, logprobs=True)
+    idx = [3, 0, 5, 1]
+    got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), MAX_NEW, sampling_row=i) for i in idx], every=3)
+    for i, (row, streamed) in zip(idx, got):
+        one = run(model, tok, KNNLM(datastore=ds, knn_k=4), prompts=[PROMPTS[i]], logprobs=True, first_index=i)
+        assert row.ids == streamed == one.token_ids[0], f"prompt {i}"
+        assert row.logprobs == one.rows[0].logprobs
+        assert row.retrieval["searches"] > 0
+    st = slots.run.summary()["retrieval"]
+    assert st["searches"] >= sum(len(r.ids) for r, _ in got) // (3 if speculative else 1)
+
+
 def test_speculative_prediction_forced(model, tok, ds, monkeypatch):
     """A cache holding every entry (speculation always right: no rollback) and one holding
     no neighbour (always wrong: every position checked again); the tokens stay plain's."""

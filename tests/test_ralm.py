@@ -300,6 +300,49 @@ def test_async_verification_sampling_and_lookahead(model, tok, bm25):
     assert_same(la, run(model, tok, PROMPTS[:6], RaLM(**kw)))
 
 
+# ------------------------------------------------------------------------- the slot API
+@pytest.mark.parametrize("strat", [
+    pytest.param(RaLM(stride=2, query_tokens=16), id="ralm"),
+    pytest.param(RaLMSpec(stride=2, query_tokens=16, speculation_stride=2), id="ralmspec"),
+    pytest.param(RaLMSpec(stride=1, query_tokens=16, speculation_stride="auto", async_verify=True),
+                 id="ralmspec-async")])
+def test_slots_insert_mid_decode_equals_alone(model, tok, bm25, strat):
+    """Requests inserted into 2 slots while the other decodes, freed when done: each gives
+    its tokens and passages alone; events carry only final tokens (never taken back)."""
+    import dataclasses
+
+    from lookahead_jax.core.slots import Request, Slots
+    from tiny import drive_slots
+
+    strat = dataclasses.replace(strat, retriever=bm25)
+    slots = Slots(engine_for(model), tok, 2, 1024, strat)
+    idx = [4, 0, 7, 2, 5]
+    try:
+        got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), MAX_NEW) for i in idx])
+    finally:
+        slots.close()
+    for i, (row, streamed) in zip(idx, got):
+        one = run(model, tok, [PROMPTS[i]], strat)
+        assert row.ids == streamed == one.token_ids[0], f"prompt {i}"
+        assert row.retrieval["passages"] == one.rows[0].retrieval["passages"]
+    assert slots.free_slots == [0, 1]
+    st = slots.run.summary()
+    assert st["retrievals"] >= len(idx)
+    if strat.name == "ralmspec":
+        assert st["speculation_checks"] > 0 and st["speculation_checks"] <= st["speculations"]
+
+
+def test_slots_take_only_their_strategy(model, tok, bm25):
+    from lookahead_jax.core.slots import Request, Slots
+    from lookahead_jax.strategies import Greedy
+
+    slots = Slots(engine_for(model), tok, 2, 1024, RaLM(retriever=bm25))
+    with pytest.raises(ValueError, match="only its own requests"):
+        slots.insert(0, Request(tok.encode(PROMPTS[0]), 8, strategy=Greedy()))
+    with pytest.raises(ValueError, match="retrieved passage"):  # the passage counts in the cache
+        slots.insert(0, Request(tok.encode(PROMPTS[0]), 1024 - 100))
+
+
 # ------------------------------------------------------------------------- RaLM itself
 class Recording:
     """Records every query."""

@@ -4,6 +4,8 @@ of fixed slots while the other slots decode.
 * A request inserted mid-decode, into any slot, gives exactly the tokens it gives alone
   (greedy, lookahead, SpecInfer, sampling), and a freed slot is reused.
 * Greedy and lookahead (or SpecInfer) requests share one batch.
+* Retrieval strategies (ralm, ralmspec, knnlm) on Slots: tests/test_ralm.py,
+  tests/test_knnlm.py (test_slots_*).
 * What cannot share a batch is a clear error; every drafter, budget policy, strategy and
   run satisfies its protocol; the verify step's named results carry hidden states.
 """
@@ -146,8 +148,9 @@ def test_slot_errors(model, tok, ids):
         slots.insert(1, Request(ids[1][:50], 250))
     with pytest.raises(ValueError, match="not in"):
         slots.insert(2, Request(ids[1][:50], 8))
-    with pytest.raises(ValueError, match="drives the decode loop"):
-        Slots(eng, tok, 2, 256, RaLM(retriever=_NoRetriever()))
+    ralm = Slots(eng, tok, 2, 256, RaLM(retriever=_NoRetriever()))  # retrieval runs drive their slots
+    with pytest.raises(ValueError, match="only its own requests"):
+        ralm.insert(0, Request(ids[1][:50], 8, strategy=Greedy()))
 
 
 class _NoRetriever:
@@ -182,7 +185,7 @@ def test_protocol_conformance(model):
     assert isinstance(KnnRun.__new__(KnnRun), Run) and isinstance(KnnSpecRun.__new__(KnnSpecRun), Run)
     tok = ByteTokenizer()
     for strat in (RaLM(retriever=_NoRetriever()), REGISTRY["ralmspec"](retriever=_NoRetriever())):
-        assert isinstance(strat.start(tok, [tok.encode("a question")], engine=eng), Run), strat.name
+        assert isinstance(strat.start(tok, 2, engine=eng), Run), strat.name
 
 
 def test_verify_step_returns_hidden_states(model):

@@ -65,3 +65,28 @@ def load_prompts(n_per_source=None):
             seen[r["source"]] = seen.get(r["source"], 0) + 1
             out.append(r)
     return out
+
+
+def drive_slots(slots, requests, every=2):
+    """Insert `requests` (a list of `core.slots.Request`) into `slots` over time: the next
+    one whenever a slot is free, after every `every` steps (the highest free slot, so they
+    land in varied slots); a finished request is freed at once. Returns per request
+    (its freed row, the tokens its events carried, in order)."""
+    queue, out, holder, got, n = list(enumerate(requests)), {}, {}, {}, 0
+
+    def take(events):
+        for ev in events:
+            i = holder[ev.slot]
+            got[i] += ev.tokens
+            if ev.finish:
+                out[i] = (slots.free(ev.slot), got[i])
+
+    while queue or slots.busy:
+        if queue and slots.free_slots and n % every == 0:
+            i, req = queue.pop(0)
+            s = slots.free_slots[-1]
+            holder[s], got[i] = i, []
+            take(slots.insert(s, req))
+        take(slots.step())
+        n += 1
+    return [out[i] for i in range(len(requests))]

@@ -56,6 +56,7 @@ class RowState:
         self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
         self.finish: Optional[str] = None
         self.steps = 0
+        self.retrieval: Optional[dict] = None  # a retrieval strategy's record of the request (Slots.free)
         self.text = ""
         self._buf = ""  # text of the ids so far (from the detokenizer)
         self._sent = 0  # characters of _buf handed to on_text

@@ -22,8 +22,13 @@ penalties, the acceptance rule, whether log-probabilities are returned, the ids 
 `min_new_tokens` bans. A request asking for other values of these gets a clear error (run
 it on `Slots` of its own). A request's strategy is the slots' strategy, or plain decoding
 (a strategy without a drafter, e.g. `Greedy()`: its rows simply get no drafts), so
-greedy and lookahead (or SpecInfer) requests share one batch. Strategies that drive the
-loop themselves (retrieval between steps: ralm, ralmspec, knnlm) run through `generate`.
+greedy and lookahead (or SpecInfer) requests share one batch. A strategy that drives the
+loop itself (retrieval between verify steps: ralm, ralmspec, knnlm) brings a `Run`
+(`strategies.base.Run`) over the slots: `insert` hands it the entering requests (it
+rewrites their prompts, e.g. with the first retrieved passage), `step` is one turn of its
+loop, `free` tells it the request left; its slots take only its own requests. Events carry
+only tokens no later turn can change (a retrieval may roll a row back: those tokens are
+held until verified), so a stream never has to take text back.
 
 A request's tokens do not depend on the other slots: a row's logits do not depend on the
 other rows of a forward, and its sampling key is (seed, sampling row, position), so a
@@ -69,12 +74,14 @@ class Request:
     min_new_tokens: int = 0
     references: Sequence[Sequence[int]] = ()
     on_text: Optional[Callable[[int, str], None]] = None  # (slot, text delta)
+    question_span: Optional[tuple] = None  # retrieval strategies: the [start, end) of the question in the prompt
 
 
 @dataclasses.dataclass
 class SlotEvent:
-    """What one step did to one slot: the tokens it kept, and its finish reason once the
-    request is complete ("eos", "stop", "length"; None while it goes on)."""
+    """What one step did to one slot: the tokens that became final (those it kept; with a
+    retrieval strategy, those no later retrieval can change), and its finish reason once
+    the request is complete ("eos", "stop", "length"; None while it goes on)."""
 
     slot: int
     tokens: list
@@ -90,19 +97,21 @@ def _free_row(slot: int, tokenizer) -> RowState:
 class Slots:
     """`n_slots` rows of one KV cache of `max_len` slots, decoded together (module
     docstring). engine: a `core.engine.Engine`; strategy: a strategy object (None: plain
-    decoding); drafter: a drafter to use instead of the strategy's own; eos_ids: the ids
-    that end a request by default (and that min_new_tokens bans). `begin_s`: seconds the
-    last insert spent starting the drafter (e.g. a draft model's prefill), its compilation
-    excluded, and the first insert's setup of the strategy (e.g. auto's calibration)."""
+    decoding); drafter: a drafter to use instead of the strategy's own; run: the strategy's
+    `Run` over these slots, when it drives the loop itself (default: `strategy.start`);
+    eos_ids: the ids that end a request by default (and that min_new_tokens bans).
+    `begin_s`: seconds the last insert spent starting the drafter (e.g. a draft model's
+    prefill), its compilation excluded, and the first insert's setup of the strategy (e.g.
+    auto's calibration). Call `close()` when done (a run's workers stop)."""
 
-    def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None,
+    def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = ()):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
-        if strategy is not None and strategy.runs_own_loop:
-            raise ValueError(f"strategy {strategy.name!r} drives the decode loop itself (retrieval between "
-                             "steps): run it with generate(), not on Slots")
+        if strategy is not None and strategy.runs_own_loop and run is None:
+            run = strategy.start(tokenizer, n_slots, engine=engine)
+        self.run = run
         if penalties.on and strategy is not None and not strategy.supports_penalties:
             raise ValueError(f"strategy {strategy.name!r} does not apply repetition / presence / frequency penalties")
         self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
@@ -124,6 +133,7 @@ class Slots:
         # (auto's calibration measures at a length of this run); the drafter begins per request
         self._set_up = strategy is None
         self._plain: set = set()  # slots whose request decodes without drafts
+        self._sent = [0] * n_slots  # tokens of each slot's request handed out in events
 
     # ------------------------------------------------------------------ queries
     @property
@@ -163,7 +173,13 @@ class Slots:
             row.logprobs = [] if st.logprobs else None
             st.rows[s] = row
             st.finish_s.pop(s, None)
+            self._sent[s] = 0
             (self._plain.add if self._plain_request(req) else self._plain.discard)(s)
+        if self.run is not None:  # e.g. the first retrieval: the passage goes before the question
+            prompts = self.run.add(st, slots, [st.rows[s].prompt_ids for s in slots],
+                                   [req.question_span for req in requests])
+            for s, p in zip(slots, prompts):
+                st.rows[s].prompt_ids = [int(t) for t in p]
         idx = np.asarray(slots)
         lengths = st.lengths.copy()
         lengths[idx] = 0
@@ -173,7 +189,7 @@ class Slots:
         seeds[idx] = [np.uint32(r.seed) for r in requests]
         rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
-        forward_rows(self.engine, st, slots)
+        forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token)
         # the setup (first insert) and the drafter's start are not decode time, nor is their compilation
         c0, s0, t0 = self.engine.compiled.compile_s, st.compile_s, time.perf_counter()
         if not self._set_up:
@@ -190,21 +206,26 @@ class Slots:
                 self.drafter.begin(st, by_row, rows=drafting)
         st.compile_s += self.engine.compiled.compile_s - c0  # the target's (a drafter adds its own)
         self.begin_s = time.perf_counter() - t0 - (st.compile_s - s0)
-        return [SlotEvent(s, list(st.rows[s].ids), st.rows[s].finish) for s in slots]
+        return [self._event(s) for s in slots]
 
     def step(self) -> list:
         """One propose -> verify -> accept over the busy slots (several tokens per slot where
-        drafts are accepted). Returns a SlotEvent per slot that was busy."""
+        drafts are accepted; a retrieval strategy's run: one turn of its loop). Returns a
+        SlotEvent per slot that was busy."""
         busy = self.busy
         if not busy:
             return []
         drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain else self.drafter
-        result = step(self.engine, self.state, drafter, self.rule, self.budget)
-        return [SlotEvent(b, list(result.kept[b]), self.state.rows[b].finish) for b in busy]
+        if self.run is not None:
+            self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
+        else:
+            step(self.engine, self.state, drafter, self.rule, self.budget)
+        return [self._event(b) for b in busy]
 
     def free(self, slot: int) -> RowState:
         """Release `slot` (finished, or cancelled mid-decode: finish reason "abort") and
-        return its row (tokens, text, finish reason, logprobs)."""
+        return its row (tokens, text, finish reason, logprobs; a retrieval strategy's record
+        of the request in `row.retrieval`)."""
         row = self.state.rows[slot]
         if row.finish == FREE:
             raise ValueError(f"slot {slot} is already free")
@@ -212,9 +233,26 @@ class Slots:
             row.finish = "abort"
         if self.drafter is not None and slot not in self._plain:
             self.drafter.end([slot])
+        if self.run is not None:
+            row.retrieval = self.run.row_stats(slot)
+            self.run.remove([slot])
         self._plain.discard(slot)
         self.state.rows[slot] = _free_row(slot, self.tokenizer)
         return row
+
+    def close(self) -> None:
+        """Done with these slots: the drafter ends every row, the run stops its workers."""
+        if self.drafter is not None:
+            self.drafter.end()
+        if self.run is not None:
+            self.run.close()
+
+    def _event(self, b: int) -> SlotEvent:
+        """Slot b's tokens that became final since its last event."""
+        r = self.state.rows[b]
+        final = len(r.ids) if self.run is None or r.finish is not None else self.run.final_upto(self.state, b)
+        tokens, self._sent[b] = list(r.ids[self._sent[b]:final]), max(final, self._sent[b])
+        return SlotEvent(b, tokens, r.finish)
 
     # ------------------------------------------------------------------ helpers
     def _plain_request(self, req: Request) -> bool:
@@ -228,10 +266,11 @@ class Slots:
         if req.sampling is not None and req.sampling != self.state.sampling:
             raise ValueError(f"these slots decode with {self.state.sampling}; a request with {req.sampling} "
                              "needs Slots of its own (sampling parameters are compiled into the step)")
-        if self._plain_request(req) and (req.strategy.runs_own_loop or req.strategy.drafter(self.engine) is not None):
+        if self._plain_request(req) and (self.run is not None or req.strategy.runs_own_loop
+                                         or req.strategy.drafter(self.engine) is not None):
+            only = ("only its own requests" if self.run is not None else "only plain decoding shares them")
             raise ValueError(f"these slots run strategy {getattr(self.strategy, 'name', 'greedy')!r}; a "
-                             f"{req.strategy.name!r} request needs Slots of its own (only plain decoding "
-                             "shares them)")
+                             f"{req.strategy.name!r} request needs Slots of its own ({only})")
         if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
         if not 0 <= req.min_new_tokens <= req.max_new_tokens:
@@ -243,9 +282,11 @@ class Slots:
         V = self.state.vocab
         if not ids or min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"the prompt must be a non-empty list of token ids in [0, {V})")
-        need = len(ids) + req.max_new_tokens + self.max_nodes + 1
+        extra = self.run.extra_tokens if self.run is not None else 0
+        need = len(ids) + extra + req.max_new_tokens + self.max_nodes + 1
         if need > self.state.max_len:
-            raise ValueError(f"the request needs {need} cache slots (prompt {len(ids)} + max_new_tokens "
+            note = f" + {self.run.extra_note}" if extra else ""
+            raise ValueError(f"the request needs {need} cache slots (prompt {len(ids)}{note} + max_new_tokens "
                              f"{req.max_new_tokens} + {self.max_nodes + 1} for verification) but the slots "
                              f"hold {self.state.max_len}: shorten it or build Slots with a larger max_len")
 

@@ -2,9 +2,8 @@
 
 `generate` encodes the prompts, sizes the cache, and decodes every row through the slot
 API (`core/slots.py`: one insert of all rows, steps until none is busy; the strategy
-brings drafter, acceptance rule and budget policy), or, for a strategy that drives the
-loop itself (retrieval: ralm, knnlm), through its `Run`; it returns texts, token ids and
-stats. The CLI lives in `cli.py`; this package's `__main__` hands over to it, so
+brings drafter, acceptance rule and budget policy, and, when it drives the loop itself
+(retrieval: ralm, knnlm), its `Run`); it returns texts, token ids and stats. The CLI lives in `cli.py`; this package's `__main__` hands over to it, so
 `python -m lookahead_jax.generate` keeps working.
 """
 
@@ -17,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..core.decode import CACHE_ROUND, prefill, prompt_bucket
+from ..core.decode import CACHE_ROUND, prompt_bucket
 from ..core.slots import Request, Slots
 from ..core.compile import CompiledFunctions
 from ..core.engine import engine_for
@@ -157,7 +156,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
                          "repetition / presence / frequency penalties: leave them at their defaults")
     # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm, knnlm)
-    run = strat.start(tokenizer, ids, engine=engine, spans=spans)
+    run = strat.start(tokenizer, B, engine=engine)
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]
     S = _cache_len(engine.config, lens, max_new_tokens, strat.max_nodes(drafter), max_cache_len, call,
                    run.extra_note if run is not None else "")
@@ -165,10 +164,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     refs = None if drafter is None else [[tokenizer.encode(t, add_special_tokens=False) for t in r]
                                          for r in _norm_references(references, B, n)]
     c_before = CompiledFunctions.total_compile_s  # the target's and any draft model's
-    if run is None:
-        state, drafter, budget = _decode_slots(engine, tokenizer, strat, drafter, ids, refs, S, eos, call)
-    else:
-        state, drafter, budget = _decode_run(engine, tokenizer, strat, drafter, run, ids, refs, S, eos, call)
+    state, drafter, budget = _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S, eos, call)
     stats = dict(strategy=strat.name, batch=B, prompt_bucket=prompt_bucket(max(lens), S), cache_len=S,
                  compile_s=CompiledFunctions.total_compile_s - c_before, calibrate_s=budget.calibrate_s,
                  compilations=len(engine.compiled.compilations))
@@ -261,55 +257,28 @@ def _eos_ids(tokenizer, cfg: ModelConfig, ignore_eos: bool, stop_token_ids) -> t
     return tuple(sorted(set(eos) | {int(t) for t in stop_token_ids or ()}))
 
 
-def _decode_slots(engine, tokenizer, strat, drafter, ids, refs, S: int, eos: tuple, call: _Call):
+def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: int, eos: tuple, call: _Call):
     """Every row through the slot API (`core.slots.Slots`): one insert of all rows, steps
-    until none is busy. Returns (state, drafter, budget)."""
+    until none is busy (a retrieval strategy's `run` drives each step). Returns (state,
+    drafter, budget)."""
     first_row = call.first_index * call.n  # prompt i's sample j is sampling row (first_index + i) * n + j
-    slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, sampling=call.sampling,
+    slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, run=run, sampling=call.sampling,
                   penalties=call.penalties, logprobs=call.logprobs, eos_ids=eos)
     state = slots.state
     state.t_start, state.compile_s = time.perf_counter(), 0.0  # setup and calibration are not decode time
     requests = [Request(x, call.max_new_tokens, seed=call.seed, sampling_row=first_row + b, stop=call.stop,
                         min_new_tokens=call.min_new_tokens, on_text=call.on_text,
-                        references=refs[b] if refs else ()) for b, x in enumerate(ids)]
+                        references=refs[b] if refs else (), question_span=spans[b] if spans else None)
+                for b, x in enumerate(ids)]
     try:
         slots.insert(list(range(len(ids))), requests)
         state.t_start += slots.begin_s  # the strategy's setup and the drafter's start: not decode time
-        state.prefill_s = state.elapsed()  # time to the first token
+        state.prefill_s = state.elapsed()  # time to the first token (a run's first retrieval included)
         while slots.busy:
             slots.step()
     finally:
-        if slots.drafter is not None:
-            slots.drafter.end()
+        slots.close()
     return state, slots.drafter, slots.budget
-
-
-def _decode_run(engine, tokenizer, strat, drafter, run, ids, refs, S: int, eos: tuple, call: _Call):
-    """A strategy that drives the loop itself (`strategies.base.Run`): its prompts prefilled,
-    its components set up, its decode. Returns (state, drafter, budget)."""
-    t_run = time.perf_counter()
-    ids = run.prompts()  # e.g. the first retrieval: passages before the prompts
-    t_run = time.perf_counter() - t_run
-    state = prefill(engine, ids, tokenizer, max_len=S, max_new_tokens=call.max_new_tokens,
-                    sampling=call.sampling, seed=call.seed, first_index=call.first_index * call.n, eos_ids=eos,
-                    stop=call.stop, on_text=call.on_text, min_new_tokens=call.min_new_tokens,
-                    logprobs=call.logprobs, penalties=call.penalties, emit=not run.picks_first_token)
-    state.t_start -= t_run  # decode time (and time to the first token)
-    state.prefill_s += t_run
-    # the drafter's setup and auto's calibration are not decode time (nor compile time)
-    c_setup, t_setup = engine.compiled.compile_s, time.perf_counter()
-    drafter, rule, budget = strat.setup(engine, state, drafter, refs)
-    if drafter is not None:
-        drafter.begin(state, refs)
-    dc = engine.compiled.compile_s - c_setup
-    state.compile_s += dc
-    state.t_start += time.perf_counter() - t_setup - dc
-    try:
-        run.decode(engine, state, drafter, rule, budget)
-    finally:
-        if drafter is not None:
-            drafter.end()
-    return state, drafter, budget
 
 
 def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:

@@ -8,9 +8,9 @@ implementing `Strategy`. Per call (or per inserted request) the loop asks it for
     setup(engine, state, drafter, refs)-> (drafter, acceptance rule, `core.budget.BudgetPolicy`);
                                           the loop's owner then begins the drafter on the
                                           rows (`Drafter.begin`), per request or per batch
-    start(tokenizer, ids, engine, spans) -> a `Run` for strategies that drive the loop
-                                          themselves (retrieval: they rewrite prompts and
-                                          call `core.decode.decode(..., until=)`), else None
+    start(tokenizer, n_rows, engine)   -> a `Run` over n_rows rows for strategies that
+                                          drive the loop themselves (retrieval: they rewrite
+                                          prompts between verify steps), else None
 
 `StrategyBase` gives the defaults (no drafter, no run, penalties supported), so `generate`
 calls every method of every strategy and never probes with hasattr.
@@ -23,24 +23,36 @@ from typing import ClassVar, Optional, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class Run(Protocol):
-    """One call of a strategy that drives the decode loop itself (ralm, knnlm).
+    """The rows of a strategy that drives the decode loop itself (retrieval: ralm, ralmspec,
+    knnlm) over a decode state of fixed rows, which requests enter and leave
+    (`core/slots.py` keeps one per `Slots`; `generate` is one insert of every row).
 
     extra_tokens: prompt tokens it may add per row (cache sizing), described by `extra_note`
-    in errors; picks_first_token: prefill must not choose the first token (the run picks
-    every token itself); prompts(): the rows' prompts before prefill (e.g. with the first
-    retrieved passage); decode(...): instead of `core.decode.decode`; row_stats(b) /
-    summary(): per-row and per-call stats; a retrieval run's per-call counters go under
-    "retrieval", with the speculation counters of `speculation.SpeculationStats` (one
-    shape for ralmspec and speculative knnlm; the CLI sums them over batches with
-    `speculation.merge_counters`)."""
+    in errors; picks_first_token: the prefill must not choose the first token (the run picks
+    every token itself). add(state, rows, prompt_ids, spans): the requests entering `rows`
+    (per-row state reset; spans: each prompt's question span or None) -> the prompts to
+    prefill (e.g. with the first retrieved passage). step(...): one turn of its loop over
+    the active rows (a verify step and the retrievals it leads to; knnlm: a round), instead
+    of `core.decode.step`. final_upto(state, b): the generated tokens of row b that no later
+    turn can change (what may be streamed). remove(rows): their requests left (their counts
+    stay in the totals). close(): stop its workers. row_stats(b) / summary(): per-row and
+    per-call stats; a retrieval run's per-call counters go under "retrieval", with the
+    speculation counters of `speculation.SpeculationStats` (one shape for ralmspec and
+    speculative knnlm; the CLI sums them over batches with `speculation.merge_counters`)."""
 
     extra_tokens: int
     extra_note: str
     picks_first_token: bool
 
-    def prompts(self) -> list: ...
+    def add(self, state, rows, prompt_ids, spans=None) -> list: ...
 
-    def decode(self, engine, state, drafter, rule, budget) -> None: ...
+    def step(self, engine, state, drafter, rule, budget) -> None: ...
+
+    def final_upto(self, state, b: int) -> int: ...
+
+    def remove(self, rows) -> None: ...
+
+    def close(self) -> None: ...
 
     def row_stats(self, b: int) -> Optional[dict]: ...
 
@@ -63,7 +75,7 @@ class Strategy(Protocol):
 
     def setup(self, engine, state, drafter, references: Optional[Sequence] = None) -> tuple: ...
 
-    def start(self, tokenizer, prompt_ids, engine=None, spans=None) -> Optional[Run]: ...
+    def start(self, tokenizer, n_rows: int, engine=None) -> Optional[Run]: ...
 
 
 class StrategyBase:
@@ -74,7 +86,7 @@ class StrategyBase:
     name: ClassVar[str] = ""
     help: ClassVar[str] = ""
     supports_penalties: ClassVar[bool] = True  # False: its tokens come from its own distribution
-    uses_question_spans: ClassVar[bool] = False  # start() gets each prompt's question span
+    uses_question_spans: ClassVar[bool] = False  # its Run.add gets each prompt's question span
     runs_own_loop: ClassVar[bool] = False  # start() returns a Run that drives the decode loop
     takes_references: ClassVar[bool] = False  # whether `references` (texts that seed an n-gram trie) are used
     cli_names: ClassVar[dict] = {}
@@ -92,7 +104,7 @@ class StrategyBase:
     def max_nodes(self, drafter) -> int:
         return drafter.max_nodes if drafter is not None else 0
 
-    def start(self, tokenizer, prompt_ids, engine=None, spans=None) -> Optional[Run]:
+    def start(self, tokenizer, n_rows: int, engine=None) -> Optional[Run]:
         return None
 
     def unused_options(self, greedy: bool) -> dict:

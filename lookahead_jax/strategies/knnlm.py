@@ -160,12 +160,12 @@ class KNNLM(StrategyBase):
 
         return None, TokenMatch(state.sampling), FixedBudget(0)
 
-    def start(self, tokenizer, prompt_ids, engine=None, spans=None):
-        """The per-call run (generate's hook): loads the datastore (errors before any
-        forward), then drives the loop."""
+    def start(self, tokenizer, n_rows: int, engine=None):
+        """The run over n_rows rows (`strategies.base.Run`): loads the datastore (errors
+        before any forward), then drives the loop."""
         if engine is None:
-            raise ValueError("strategy 'knnlm' needs the engine (generate passes it)")
-        return (KnnSpecRun if self.speculative else KnnRun)(self, tokenizer, prompt_ids, engine)
+            raise ValueError("strategy 'knnlm' needs the engine (generate and Slots pass it)")
+        return (KnnSpecRun if self.speculative else KnnRun)(self, tokenizer, n_rows, engine)
 
 
 # ----------------------------------------------------------------------------- datastore
@@ -213,27 +213,43 @@ class _Step:
 
 
 class KnnRun:
-    """One generate call of plain KNN-LM. Hook protocol (generate.py): `picks_first_token`
-    (the prefill leaves every row's last prompt token as its root), `prompts()`,
-    `decode(...)`, `summary()`, `row_stats(b)`."""
+    """Plain KNN-LM over the rows of a decode state (`strategies.base.Run`): requests enter
+    rows with `add` (the prefill leaves each prompt's last token as the row's root:
+    `picks_first_token`) and leave with `remove`; `step` is one forward, search and pick
+    for every active row."""
 
     picks_first_token = True
     extra_tokens = 0
     extra_note = ""
 
-    def __init__(self, strat: KNNLM, tokenizer, prompt_ids, engine):
+    def __init__(self, strat: KNNLM, tokenizer, n_rows: int, engine):
         self.strat, self.tok, self.engine = strat, tokenizer, engine
-        self.orig = [list(x) for x in prompt_ids]
         self.index = resolve_index(strat, engine)
         self.k = min(strat.knn_k, self.index.size)
-        B = len(self.orig)
-        self.row_searches = np.zeros(B, np.int64)  # real-search queries per row
+        self.row_searches = np.zeros(int(n_rows), np.int64)  # real-search queries per row
+        self.searches = 0  # of the requests that have left
         self.search_s = 0.0
         self.search_calls = 0
         self.fallbacks = 0
 
-    def prompts(self) -> list:
-        return self.orig
+    def add(self, state, rows, prompt_ids, spans=None) -> list:
+        for b in rows:
+            self._reset(int(b))
+        return [list(x) for x in prompt_ids]
+
+    def _reset(self, b: int) -> None:
+        self.searches += int(self.row_searches[b])
+        self.row_searches[b] = 0
+
+    def remove(self, rows) -> None:
+        for b in rows:
+            self._reset(int(b))
+
+    def close(self) -> None:
+        pass
+
+    def final_upto(self, state, b: int) -> int:
+        return len(state.rows[b].ids)
 
     # ---- device calls (`call_compiled`: compilations kept out of decode time)
     def _call(self, state, name, fn, *args, **static):
@@ -317,14 +333,14 @@ class KnnRun:
         self._accept(state, active, tok, lp, cache)
         return ids
 
-    # ---- hooks
-    def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
-        while True:
-            state.mark_finished()
-            active = state.active
-            if not active.any():
-                return
+    # ---- the loop
+    def step(self, engine, state, drafter=None, rule=None, budget=None) -> None:
+        """One real step (forward, search, pick) of every active row."""
+        state.mark_finished()
+        active = state.active
+        if active.any():
             self._real_step(state, active)
+        state.mark_finished()
 
     def row_stats(self, b: int) -> dict:
         return {"searches": int(self.row_searches[b])}
@@ -334,26 +350,51 @@ class KnnRun:
         return {"retrieval": dict(
             datastore=str(ds.path), entries=ds.size, k=self.k, knn_lambda=self.strat.knn_lambda,
             knn_temperature=self.strat.knn_temperature, search=self.strat.knn_search,
-            speculative=self.strat.speculative, searches=int(self.row_searches.sum()),
+            speculative=self.strat.speculative, searches=self.searches + int(self.row_searches.sum()),
             search_calls=self.search_calls, search_s=round(self.search_s, 4), brute_force_fallbacks=self.fallbacks,
         )}
 
 
 class KnnSpecRun(KnnRun):
-    """One generate call of speculative KNN-LM (module docstring): KnnRun plus per row the
-    speculation cache, the round's steps and the counters (`SpeculationStats`, as
-    ralmspec's; `row_kept`: checks whose token stood, OS3's g)."""
+    """Speculative KNN-LM over the rows of a decode state (module docstring): KnnRun plus per
+    row the speculation cache, the round's steps and the counters (`SpeculationStats`, as
+    ralmspec's; `row_kept`: checks whose token stood, OS3's g). `step` is one round (a
+    request's first token: one real step of the rows that have none)."""
 
-    def __init__(self, strat: KNNLM, tokenizer, prompt_ids, engine):
-        super().__init__(strat, tokenizer, prompt_ids, engine)
-        B = len(self.orig)
+    def __init__(self, strat: KNNLM, tokenizer, n_rows: int, engine):
+        super().__init__(strat, tokenizer, n_rows, engine)
+        B = int(n_rows)
         self.M = max(SPEC_CACHE, self.k)
         self.cache = [collections.OrderedDict() for _ in range(B)]
         self.stats = SpeculationStats(B)
         self.row_kept = np.zeros(B, np.int64)  # checks whose token stood
+        self.kept = 0  # of the requests that have left
         self.step_s = 0.0  # seconds of the speculative steps (OS3's a)
         self.spec_steps = 0
         self._pending = [None] * B  # generated ids before the row's first unverified token
+        self._stream = FinalTextStream(tokenizer)
+
+    def add(self, state, rows, prompt_ids, spans=None) -> list:
+        out = super().add(state, rows, prompt_ids, spans)
+        for b in rows:
+            self._stream.add(state.rows[int(b)])
+        return out
+
+    def _reset(self, b: int) -> None:
+        super()._reset(b)
+        self.cache[b] = collections.OrderedDict()
+        self.stats.retire(b)
+        self.kept += int(self.row_kept[b])
+        self.row_kept[b] = 0
+        self._pending[b] = None
+
+    def remove(self, rows) -> None:
+        super().remove(rows)
+        for b in rows:
+            self._stream.drop(int(b))
+
+    def final_upto(self, state, b: int) -> int:
+        return len(state.rows[b].ids) if self._pending[b] is None else self._pending[b]
 
     # ---- the cache
     def _insert(self, b: int, ids) -> None:
@@ -382,7 +423,7 @@ class KnnSpecRun(KnnRun):
         st = self.stats
         if not st.verify_calls or not self.spec_steps:
             return KNNLM_DEFAULT_STRIDE
-        g = (int(self.row_kept.sum()) + 1) / (int(st.checks.sum()) + 2)
+        g = (self.kept + int(self.row_kept.sum()) + 1) / (st.total("checks") + 2)
         return os3_stride_knnlm(g, self.step_s / self.spec_steps, st.verify_s / st.verify_calls)
 
     # ---- steps
@@ -456,18 +497,18 @@ class KnnSpecRun(KnnRun):
         state.mark_finished()
         st_.verify_s += self._clock() - t0
 
-    def decode(self, engine, state, drafter=None, rule=None, budget=None) -> None:
-
-        stream = FinalTextStream(state, self.tok)
-        final = lambda st, b: len(st.rows[b].ids) if self._pending[b] is None else self._pending[b]  # noqa: E731
+    def step(self, engine, state, drafter=None, rule=None, budget=None) -> None:
+        """One turn: the rows that have no token yet (new requests: their caches are empty)
+        take a real step; otherwise one round of s speculative steps and its verification,
+        ended early when a row ends (it is verified before it is final)."""
         state.mark_finished()
         active = state.active
-        if active.any():  # the first token of every row: a real search (the caches are empty)
-            true = self._real_step(state, active)
-            for b in np.flatnonzero(active):
+        fresh = active & np.array([not r.ids for r in state.rows])
+        if fresh.any():  # a request's first token: a real search
+            true = self._real_step(state, fresh)
+            for b in np.flatnonzero(fresh):
                 self._insert(b, true[b])
-        while True:
-            stream.flush(state, final)
+        elif active.any():
             s = self._stride()
             steps, cand = [], None
             while len(steps) < s:
@@ -479,16 +520,15 @@ class KnnSpecRun(KnnRun):
                 steps.append(self._spec_step(state, active, cand))
                 if (active & ~state.active).any():  # a row ended: verify it before it is final
                     break
-            if not steps:
-                break
             self.stats.strides.append(s)
             self._verify(state, steps)
-        stream.flush(state, final)
+        state.mark_finished()
+        self._stream.flush(state, self.final_upto)
 
     def row_stats(self, b: int) -> dict:
         return dict(super().row_stats(b), **self.stats.row_stats(b))
 
     def summary(self) -> dict:
         out = super().summary()
-        out["retrieval"].update(self.stats.summary(), tokens_kept=int(self.row_kept.sum()))
+        out["retrieval"].update(self.stats.summary(), tokens_kept=self.kept + int(self.row_kept.sum()))
         return out

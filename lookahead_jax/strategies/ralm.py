@@ -26,7 +26,7 @@ With `lookahead` (n-gram trie drafts, as strategy "lookahead") a step can emit s
 and cross boundaries; they are processed in order, and tokens past a boundary whose passage
 changes are cut. Streamed text (`on_text`) is only text that no later retrieval can change.
 
-Host logic only: the forwards are decode.py's (`decode`, `replace_prompt`).
+Host logic only: the forwards are decode.py's (`step`, `replace_prompt`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.decode import decode, replace_prompt
+from ..core.decode import replace_prompt, step
 from ..drafters.trie import TrieDrafter
 from .base import StrategyBase
 from .speculation import FinalTextStream, auto_or_int, number_in
@@ -144,10 +144,10 @@ class RaLM(StrategyBase):
             return la.setup(engine, state, drafter, references)
         return drafter, TokenMatch(state.sampling), FixedBudget(drafter.max_nodes)
 
-    def start(self, tokenizer, prompt_ids, engine=None, spans=None):
-        """The per-call run (generate's hook): rewrites the prompts, then drives the loop.
-        spans: per prompt the [start, end) of its question (module docstring)."""
-        return RalmRun(self, tokenizer, prompt_ids, spans)
+    def start(self, tokenizer, n_rows: int, engine=None):
+        """The run over n_rows rows (`strategies.base.Run`): rewrites each entering prompt,
+        then drives the loop."""
+        return RalmRun(self, tokenizer, n_rows)
 
 
 # ----------------------------------------------------------------------------- retrievers
@@ -177,14 +177,15 @@ def resolve_retriever(retriever, corpus=None):
 
 # ----------------------------------------------------------------------------- runs
 class RalmRun:
-    """One generate call of RaLM: per row the original prompt, the passage in effect, the
-    next boundary, the passages used; retrieval counters. Hook protocol (generate.py):
-    `extra_tokens` (cache sizing), `prompts()` (before prefill), `decode(...)` (instead
-    of `decode.decode`), `summary()` (stats)."""
+    """RaLM over the rows of a decode state (`strategies.base.Run`): per row the request's
+    original prompt and question span, the passage in effect, the next boundary, the
+    passages used; retrieval counters of every request so far. Requests enter rows with
+    `add` (the first retrieval) and leave with `remove`; `step` is one verify step and the
+    retrievals it leads to."""
 
     picks_first_token = False  # prefill picks each row's first token, as for greedy
 
-    def __init__(self, strat: RaLM, tokenizer, prompt_ids, spans=None):
+    def __init__(self, strat: RaLM, tokenizer, n_rows: int):
         self.strat, self.tok = strat, tokenizer
         self.retriever = resolve_retriever(strat.retriever, strat.corpus)
         corpus = getattr(self.retriever, "corpus", None)
@@ -193,29 +194,24 @@ class RalmRun:
                              "retrieval.Corpus (e.g. BM25Retriever.build(corpus)) or use load_retriever")
         self.corpus = corpus
         self.n_docs = len(corpus)
-        self.orig = [list(x) for x in prompt_ids]
-        B = len(self.orig)
-        if spans is None:
-            from ..prompts import adds_bos, question_span
-
-            own_bos = adds_bos(tokenizer)
-            spans = [question_span(tokenizer, x, own_bos) for x in self.orig]
-        if len(spans) != B or not all(0 <= a < e <= len(x) for (a, e), x in zip(spans, self.orig)):
-            raise ValueError(f"spans must give one [start, end) inside each of the {B} prompts, got {spans!r}")
-        self.span = [(int(a), int(e)) for a, e in spans]
+        B = int(n_rows)
         self.sep = list(tokenizer.encode(SEPARATOR, add_special_tokens=False))
         self.extra_tokens = strat.max_passage_tokens + len(self.sep)
         self.extra_note = (f"up to {self.extra_tokens} tokens of retrieved passage "
                            f"(max_passage_tokens={strat.max_passage_tokens})")
+        self.orig = [[] for _ in range(B)]  # the request's own prompt per row
+        self.span = [(0, 0)] * B  # its question's [start, end)
         self.passage = [-1] * B  # corpus position in effect per row
         self.next_g = [strat.stride] * B  # next boundary (generated tokens) per row
         self.history = [[] for _ in range(B)]  # (boundary, passage) where the passage changed
+        self.row_reprefills = [0] * B
         self._tokens: dict = {}  # passage tokens by corpus position
         self.retrieval_s = 0.0
         self.retrieval_calls = 0
         self.retrievals = 0  # queries answered by the full index
-        self.row_reprefills = [0] * B
-        self._stream = None
+        self.reprefills = 0  # of the requests that have left
+        self._stream = FinalTextStream(tokenizer)
+        self._seg = None  # the verify steps since the last pause: (seconds, steps, tokens per row)
 
     # ---- text
     def _passage_tokens(self, pid: int) -> list:
@@ -249,36 +245,81 @@ class RalmRun:
     def _first_k(self) -> int:
         return 1
 
-    # ---- hooks
-    def prompts(self) -> list:
-        """The initial retrieval (the whole question is the query): each row's prompt with its
-        top-1 passage before the question."""
-        ids = self._retrieve([self.tok.decode(self._question(b), skip_special_tokens=True)
-                              for b in range(len(self.orig))], self._first_k())
-        self._prefetched(range(len(self.orig)), ids)
+    # ---- requests enter and leave rows
+    def add(self, state, rows, prompt_ids, spans=None) -> list:
+        """The requests entering `rows`: the first retrieval (the whole question is the
+        query) in one call; returns each row's prompt with its top-1 passage before the
+        question. spans: per prompt the [start, end) of its question (None: after the BOS
+        the tokenizer adds), e.g. a chat template's user message (module docstring)."""
+        rows = [int(b) for b in rows]
+        prompt_ids = [list(x) for x in prompt_ids]
+        if spans is None:
+            spans = [None] * len(rows)
+        if len(spans) != len(rows) or len(prompt_ids) != len(rows):
+            raise ValueError(f"add: {len(rows)} rows need as many prompts and spans")
+        own_bos = None
+        for i, (x, sp) in enumerate(zip(prompt_ids, spans)):
+            if sp is None:
+                from ..prompts import adds_bos, question_span
+
+                own_bos = adds_bos(self.tok) if own_bos is None else own_bos
+                spans[i] = question_span(self.tok, x, own_bos)
+            a, e = spans[i]
+            if not 0 <= a < e <= len(x):
+                raise ValueError(f"a question span must be a [start, end) inside its prompt of {len(x)} tokens, "
+                                 f"got {spans[i]!r}")
+        for b, x, (a, e) in zip(rows, prompt_ids, spans):
+            self._reset(b)
+            self.orig[b], self.span[b] = x, (int(a), int(e))
+        ids = self._retrieve([self.tok.decode(self._question(b), skip_special_tokens=True) for b in rows],
+                             self._first_k())
+        self._prefetched(rows, ids)
         out = []
-        for b, row in enumerate(ids):
+        for b, row in zip(rows, ids):
             self.passage[b] = int(row[0])
             self.history[b] = [(0, int(row[0]))]
             out.append(self._prompt(b, int(row[0])))
+            self._stream.add(state.rows[b])
         return out
+
+    def _reset(self, b: int) -> None:
+        """Row b starts a new request (the last one's counts stay in the totals)."""
+        self.reprefills += self.row_reprefills[b]
+        self.row_reprefills[b] = 0
+        self.passage[b], self.next_g[b], self.history[b] = -1, self.strat.stride, []
+
+    def remove(self, rows) -> None:
+        for b in rows:
+            self._reset(int(b))
+            self.orig[int(b)] = []
+            self._stream.drop(int(b))
+
+    def close(self) -> None:
+        pass
 
     def _prefetched(self, rows, ids) -> None:
         pass
 
-    def decode(self, engine, state, drafter, rule, budget) -> None:
-        """Decode to the end, pausing at every boundary a row reaches (or crosses)."""
-        self._stream = FinalTextStream(state, self.tok)
-        while True:
+    # ---- the loop
+    def step(self, engine, state, drafter, rule, budget) -> None:
+        """One turn: the retrievals due (rows that reached a boundary, e.g. just after their
+        prefill), one verify step over the active rows, the retrievals it makes due; text no
+        retrieval can change any more is streamed."""
+        self._resolve(engine, state, drafter)
+        if state.active.any():
+            if self._seg is None:
+                self._seg = [0.0, 0, [(len(r.ids), r.steps) for r in state.rows]]
+            t0 = time.perf_counter()
+            step(engine, state, drafter, rule, budget)
+            self._seg[0] += time.perf_counter() - t0
+            self._seg[1] += 1
+            if self._paused(state) or not state.active.any():  # a pause ends the segment
+                seconds, steps, n0 = self._seg
+                self._seg = None
+                self._timed_decode(state, seconds, steps, n0)
             self._resolve(engine, state, drafter)
-            self._stream.flush(state, self._final_upto)
-            if not state.active.any():
-                break
-            t0, steps0 = time.perf_counter(), state.steps
-            n0 = [(len(r.ids), r.steps) for r in state.rows]
-            decode(engine, state, drafter, rule, budget, until=self._paused)
-            self._timed_decode(state, time.perf_counter() - t0, state.steps - steps0, n0)
-        self._stream.flush(state, self._final_upto)
+        state.mark_finished()
+        self._stream.flush(state, self.final_upto)
 
     def _timed_decode(self, state, seconds, steps, n0) -> None:
         pass
@@ -289,15 +330,19 @@ class RalmRun:
         return g < r.max_new and (len(r.ids) > g or (len(r.ids) == g and r.finish is None))
 
     def _paused(self, state) -> bool:
-        return any(self._due(state, b) for b in range(state.batch))
+        return any(self._due(state, b) for b in self._held(state))
 
-    def _final_upto(self, state, b: int) -> int:
+    def _held(self, state) -> list:
+        """The rows holding a request."""
+        return [b for b in range(state.batch) if self.orig[b]]
+
+    def final_upto(self, state, b: int) -> int:
         """Generated tokens of row b that no retrieval can change any more."""
         return min(len(state.rows[b].ids), self.next_g[b])
 
     def _resolve(self, engine, state, drafter) -> None:
         while True:
-            due = [b for b in range(state.batch) if self._due(state, b)]
+            due = [b for b in self._held(state) if self._due(state, b)]
             if not due:
                 return
             ids = self._retrieve([self._query(state, b, self.next_g[b]) for b in due], 1)
@@ -333,9 +378,10 @@ class RalmRun:
                     reprefills=self.row_reprefills[b])
 
     def counters(self) -> dict:
-        """The call's retrieval counters (ralmspec adds its `SpeculationStats`)."""
+        """The retrieval counters of every request so far (ralmspec adds its
+        `SpeculationStats`)."""
         return dict(retrieval_s=round(self.retrieval_s, 4), retrieval_calls=self.retrieval_calls,
-                    retrievals=self.retrievals, reprefills=sum(self.row_reprefills))
+                    retrievals=self.retrievals, reprefills=self.reprefills + sum(self.row_reprefills))
 
     def summary(self) -> dict:
         """The counters under "retrieval" (the one shape of every retrieval run's counters,

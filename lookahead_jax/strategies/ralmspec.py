@@ -99,8 +99,8 @@ class RaLMSpec(RaLM):
         if not isinstance(self.async_verify, bool):
             raise ValueError(f"async_verify must be True or False, got {self.async_verify!r}")
 
-    def start(self, tokenizer, prompt_ids, engine=None, spans=None):
-        return RalmSpecRun(self, tokenizer, prompt_ids, spans)
+    def start(self, tokenizer, n_rows: int, engine=None):
+        return RalmSpecRun(self, tokenizer, n_rows)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -113,21 +113,29 @@ class _Spec:
 
 
 class RalmSpecRun(RalmRun):
-    """One generate call of RaLMSpec: RalmRun plus per row the speculation cache, the
-    unverified boundaries, the round's speculation stride; the counters
+    """RaLMSpec over the rows of a decode state: RalmRun plus per row the speculation cache,
+    the unverified boundaries, the round's speculation stride; the counters
     (`SpeculationStats`, as speculative knnlm's)."""
 
-    def __init__(self, strat: RaLMSpec, tokenizer, prompt_ids, spans=None):
-        super().__init__(strat, tokenizer, prompt_ids, spans)
-        B = len(self.orig)
+    def __init__(self, strat: RaLMSpec, tokenizer, n_rows: int):
+        super().__init__(strat, tokenizer, n_rows)
+        B = int(n_rows)
         self.cache = [set() for _ in range(B)]
         self.records = [[] for _ in range(B)]
         self.s = [self._fixed_s() or RALM_DEFAULT_STRIDE] * B
         self.stats = SpeculationStats(B)
         self._step_s = self._tokens_per_step = None  # OS3 measurements
         self.inflight = [[] for _ in range(B)]  # async: speculations being verified, per row
-        self._pending = None  # async: (future, rows, spans) of the verification in flight
+        self.epoch = [0] * B  # async: a verification's answers for a row whose request has left are dropped
+        self._pending = None  # async: (future, rows, spans, epochs) of the verification in flight
         self._pool = None
+
+    def _reset(self, b: int) -> None:
+        super()._reset(b)
+        self.cache[b], self.records[b], self.inflight[b] = set(), [], []
+        self.s[b] = self._fixed_s() or RALM_DEFAULT_STRIDE
+        self.epoch[b] += 1
+        self.stats.retire(b)
 
     def _fixed_s(self) -> Optional[int]:
         s = self.strat.speculation_stride
@@ -141,24 +149,23 @@ class RalmSpecRun(RalmRun):
             self.cache[b].update(int(i) for i in row if i >= 0)
 
     def _paused(self, state) -> bool:
-        return any(self._due(state, b) or self._unverified_end(state, b) for b in range(state.batch))
+        return any(self._due(state, b) or self._unverified_end(state, b) for b in self._held(state))
 
     def _unverified_end(self, state, b) -> bool:
         return (bool(self.records[b] or self.inflight[b]) and state.rows[b].finish is not None
                 and not self._due(state, b))
 
-    def _final_upto(self, state, b: int) -> int:
+    def final_upto(self, state, b: int) -> int:
         pending = self.inflight[b] or self.records[b]
         g = pending[0].g if pending else self.next_g[b]
         return min(len(state.rows[b].ids), g)
 
-    def decode(self, engine, state, drafter, rule, budget) -> None:
-        try:
-            super().decode(engine, state, drafter, rule, budget)
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
+    def close(self) -> None:
+        """The verification worker stops (a verification in flight is waited for)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+            self._pending = None
 
     def _timed_decode(self, state, seconds, steps, n0) -> None:
         tokens = sum(max(len(r.ids) - n, 0) for r, (n, _) in zip(state.rows, n0))
@@ -185,7 +192,7 @@ class RalmSpecRun(RalmRun):
         asynchronous = self.strat.async_verify
         while True:
             spec, verify = [], []
-            for b in range(state.batch):
+            for b in self._held(state):
                 if self._due(state, b):
                     (verify if len(self.records[b]) >= self.s[b] else spec).append(b)
                 elif self._unverified_end(state, b):
@@ -231,12 +238,12 @@ class RalmSpecRun(RalmRun):
             ids, _ = self.retriever.retrieve(queries, k)
             return np.asarray(ids), time.perf_counter() - t0
 
-        self._pending = (self._pool.submit(work), list(rows), spans)
+        self._pending = (self._pool.submit(work), list(rows), spans, [self.epoch[b] for b in rows])
 
     def _collect(self, state, swaps) -> None:
         """Wait for the verification in flight (if not done) and apply it: a wrong speculation
         rolls its row back and drops the speculations made since."""
-        future, rows, spans = self._pending
+        future, rows, spans, epochs = self._pending
         self._pending = None
         t0 = time.perf_counter()
         ids, seconds = future.result()
@@ -247,7 +254,9 @@ class RalmSpecRun(RalmRun):
         self.stats.verify_calls += 1
         self.retrieval_calls += 1
         self.retrievals += sum(n for _, n in spans)
-        for b, (i0, n) in zip(rows, spans):
+        for b, (i0, n), epoch in zip(rows, spans, epochs):
+            if epoch != self.epoch[b]:  # the row's request left (cancelled) while it was verified
+                continue
             recs, self.inflight[b] = self.inflight[b], []
             self._apply(state, b, recs, ids[i0:i0 + n], False, swaps)
 

@@ -112,16 +112,31 @@ class SpeculationStats:
     overlapped: int = 0
     strides: list = dataclasses.field(default_factory=list)
 
+    ROW_COUNTERS = ("speculations", "checks", "hits", "rollbacks", "rollback_tokens")
+
     def __post_init__(self):
-        z = lambda: np.zeros(self.batch, np.int64)  # noqa: E731
-        self.speculations, self.checks, self.hits = z(), z(), z()
-        self.rollbacks, self.rollback_tokens = z(), z()
+        for name in self.ROW_COUNTERS:
+            setattr(self, name, np.zeros(self.batch, np.int64))
+        self.retired = dict.fromkeys(self.ROW_COUNTERS, 0)  # of rows whose request has left
+
+    def retire(self, b: int) -> None:
+        """Row b's request has left its slot: its counts go to the call's totals, the row
+        starts again from zero (for the next request)."""
+        for name in self.ROW_COUNTERS:
+            arr = getattr(self, name)
+            self.retired[name] += int(arr[b])
+            arr[b] = 0
+
+    def total(self, name: str) -> int:
+        """A row counter summed over the rows and the requests that have left."""
+        return int(getattr(self, name).sum()) + self.retired[name]
 
     def accuracy(self, b=None) -> float:
         """OS3's running chance that a speculation is right, (hits + 1) / (checks + 2), of row
-        b or of every row."""
-        hits, checks = (self.hits, self.checks) if b is None else (self.hits[b], self.checks[b])
-        return (int(np.sum(hits)) + 1) / (int(np.sum(checks)) + 2)
+        b or of every row (and request) so far."""
+        if b is None:
+            return (self.total("hits") + 1) / (self.total("checks") + 2)
+        return (int(self.hits[b]) + 1) / (int(self.checks[b]) + 2)
 
     def rolled_back(self, b: int, tokens: int) -> None:
         self.rollbacks[b] += 1
@@ -134,12 +149,12 @@ class SpeculationStats:
                     rollbacks=int(self.rollbacks[b]), rollback_tokens=int(self.rollback_tokens[b]))
 
     def summary(self, asynchronous: bool = False) -> dict:
-        checks, hits = int(self.checks.sum()), int(self.hits.sum())
+        checks, hits = self.total("checks"), self.total("hits")
         out = dict(
-            speculations=int(self.speculations.sum()), speculation_checks=checks, speculation_hits=hits,
+            speculations=self.total("speculations"), speculation_checks=checks, speculation_hits=hits,
             speculation_accuracy=round(hits / checks, 4) if checks else None,
             mean_speculation_stride=round(float(np.mean(self.strides)), 3) if self.strides else 0.0,
-            rollbacks=int(self.rollbacks.sum()), rollback_tokens=int(self.rollback_tokens.sum()),
+            rollbacks=self.total("rollbacks"), rollback_tokens=self.total("rollback_tokens"),
             verify_calls=self.verify_calls, verify_s=round(self.verify_s, 4), speculation_s=round(self.spec_s, 4),
         )
         if asynchronous:
@@ -174,14 +189,24 @@ class FinalTextStream:
     has finished), holding back a tail that is half a character or could grow into a stop
     string."""
 
-    def __init__(self, state, tokenizer):
+    def __init__(self, tokenizer, rows=()):
         self.tok = tokenizer
         self.on_text = {}
         self.sent = {}
-        for r in state.rows:
-            if r.on_text is not None:
-                self.sent[r.index] = r.streamed_text
-                self.on_text[r.index] = r.detach_stream()
+        for r in rows:
+            self.add(r)
+
+    def add(self, row) -> None:
+        """Stream `row` (a request that entered its slot) through this stream."""
+        self.drop(row.index)
+        if row.on_text is not None:
+            self.sent[row.index] = row.streamed_text
+            self.on_text[row.index] = row.detach_stream()
+
+    def drop(self, b: int) -> None:
+        """Row b's request has left its slot."""
+        self.on_text.pop(b, None)
+        self.sent.pop(b, None)
 
     def flush(self, state, final_upto) -> None:
         for b, cb in self.on_text.items():
