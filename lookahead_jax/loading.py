@@ -11,8 +11,11 @@ Resolution order for `name_or_path`:
 
 Memory: on one CPU device in float32 with the CPU kernels on, the model `load` returns
 holds its layer weights (and an untied lm_head) already packed for the matmul kernel
-(`models.transformer.pack_params`, packed weight by weight as it loads): ONE copy of the
-weights, which decode with bitwise the same logits. (An `Engine` over plain f32 params
+(`models.transformer.pack_leaf`: each weight packed on the host as it is read from the
+checkpoint, largest first, and handed to the device without a copy): ONE copy of the
+weights, which decode with bitwise the same logits, and a peak of about the weights plus
+one weight (the Qwen 1.5B: 6.6 GiB of f32 weights). A first load converts the GGUF,
+saves the checkpoint, drops the converted params and reads the checkpoint back that way. (An `Engine` over plain f32 params
 keeps a packed copy beside them: two copies, ~14 GB instead of ~7 GB for the 1.5B Qwen.)
 Such `model.params` hold `cpu_kernels.PackedWeight` leaves: for plain arrays (training,
 comparing weights with another library) load with `keep_unpacked=True`, or take
@@ -105,13 +108,30 @@ def _is_saved(path: Path) -> bool:
     return (path / "LOOKAHEAD_JAX").exists()
 
 
-def _restore(path: Path, dtype, name: str):
-    config, params = ckpt.restore_checkpoint(path / "params", dtype=dtype)
+def _restore(path: Path, dtype, name: str, pack=False, packed_dtype=None):
+    """The saved model at `path`; pack: its weights packed for the CPU kernels as each is
+    read (`models.transformer.pack_leaf`), never a plain and a packed copy at once."""
+    put = None
+    if pack:
+        from .models.transformer import pack_leaf
+
+        def put(key, x, config):
+            return pack_leaf(key, x, config, packed_dtype)
+
+    config, params = ckpt.restore_checkpoint(path / "params", dtype=dtype, put=put)
     return Model(config, params, name, dtype), Tokenizer.load(path / "tokenizer")
 
 
+def _packs(dtype) -> bool:
+    """Whether `Engine.params` would pack params of `dtype` placed on the default device
+    (one CPU device, f32, the CPU kernels on): then `load` packs them as it reads them."""
+    from .core.engine import packs
+
+    return packs({"probe": jnp.zeros((), dtype)})
+
+
 def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress: bool = True,
-         mesh=None, keep_unpacked: bool = False):
+         mesh=None, keep_unpacked: bool = False, packed_dtype=None):
     """Load (model, tokenizer). See the module docstring for what `name_or_path` may be.
 
     mesh: a ("data", "model") `jax.sharding.Mesh` (`sharding.make_mesh`): the params are
@@ -119,35 +139,43 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
     to `generate` to split batch rows and the KV cache over "data".
     keep_unpacked: return plain arrays even where the CPU kernels would run packed weights
     (module docstring, "Memory"); generate then packs a copy at its first call (two copies
-    of the weights in memory)."""
+    of the weights in memory).
+    packed_dtype: how packed weights are stored: None (f32, the model's exact values) or
+    "bfloat16" (half the memory and bytes per step, values rounded: for a draft model,
+    see `Engine.weight_dtype`)."""
+    if packed_dtype is not None:
+        packed_dtype = parse_dtype(packed_dtype)
+        packed_dtype = None if packed_dtype == jnp.float32 else packed_dtype
     if mesh is not None:
         from .core.sharding import shard_params
 
         model, tok = load(name_or_path, dtype, progress=progress, keep_unpacked=True)
         model.params = shard_params(model.params, model.config, mesh)
         return model, tok
-    model, tok = _load(name_or_path, dtype, progress)
-    if not keep_unpacked:
-        pack_for_cpu(model)
+    pack = not keep_unpacked and _packs(parse_dtype(dtype))
+    model, tok = _load(name_or_path, dtype, progress, pack, packed_dtype)
+    if pack:
+        pack_for_cpu(model, packed_dtype)
     return model, tok
 
 
-def pack_for_cpu(model) -> bool:
+def pack_for_cpu(model, dtype=None) -> bool:
     """Pack `model.params` in place for the CPU kernels where `Engine.params` would run a
     packed copy (one CPU device, f32, kernels on): each weight is replaced by its packed
     form as it is made (`pack_params(consume=True)`), so the model never holds two copies.
     Returns whether it packed anything. `model.params` is rebound to the packed dict; the
-    dicts it held before are emptied of the packed weights (do not keep using them)."""
+    dicts it held before are emptied of the packed weights (do not keep using them).
+    dtype: the packed weights' storage (`load`'s packed_dtype)."""
     from .core.engine import is_packed, packs
     from .models.transformer import pack_params
 
     if is_packed(model.params) or not packs(model.params):
         return False
-    model.params = pack_params(model.params, consume=True)
+    model.params = pack_params(model.params, dtype, consume=True)
     return True
 
 
-def _load(name_or_path, dtype, progress: bool):
+def _load(name_or_path, dtype, progress: bool, pack=False, packed_dtype=None):
     dtype = parse_dtype(dtype)
     dname = jnp.dtype(dtype).name
     if not name_or_path or not str(name_or_path).strip():
@@ -157,7 +185,7 @@ def _load(name_or_path, dtype, progress: bool):
         target = presets.cache_root() / name / dname
         if _is_saved(target):
             try:
-                return _restore(target, dtype, name)
+                return _restore(target, dtype, name, pack, packed_dtype)
             except Exception as e:  # a half-written, truncated or stale cache entry: rebuild it
                 reason = str(e).split(" See full TensorStore details")[0].splitlines()[0]
                 log.warning("cached checkpoint at %s is unreadable (%s): rebuilding it from the GGUF",
@@ -174,7 +202,10 @@ def _load(name_or_path, dtype, progress: bool):
         save_pretrained(model, tok, tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
-        return model, tok
+        if not pack:
+            return model, tok
+        del model, params  # read back packed, leaf by leaf: never the converted and a packed copy at once
+        return _restore(target, dtype, name, pack, packed_dtype)
 
     path = Path(name).expanduser()
     if path.exists():
@@ -184,7 +215,7 @@ def _load(name_or_path, dtype, progress: bool):
             config, params = load_gguf(path, dtype=dtype, progress=progress)
             return Model(config, params, path.name, dtype), Tokenizer.from_gguf(path)
         if _is_saved(path):
-            return _restore(path, dtype, path.name)
+            return _restore(path, dtype, path.name, pack, packed_dtype)
         if (path / "config.json").exists():
             config, params = load_hf_dir(path, dtype=dtype)
             return Model(config, params, path.name, dtype), Tokenizer.from_dir(path)

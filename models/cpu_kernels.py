@@ -326,18 +326,37 @@ def pack(w, dtype=None) -> "PackedWeight":
     `dtype=jnp.bfloat16` stores the tiles in bf16 (w rounded to nearest even): half the
     bytes per step, with f32 arithmetic (each weight widened exactly in registers). Not
     for a model whose output must equal its f32 self; for a draft model, whose rounding
-    changes only which drafts are proposed, never the verified output."""
+    changes only which drafts are proposed, never the verified output.
+    A numpy `w` is packed on the host into 64-byte-aligned memory that the device array
+    then uses as it is (`aligned_empty`): the tiles are the only new copy."""
     k = w.shape[0]
     n = int(np.prod(w.shape[1:]))
     tw = pack_width(n)
     if tw is None:
         raise ValueError(f"cannot pack a weight of {n} columns: not a multiple of {PACK_WIDTHS[-1]}")
+    if dtype is not None and jnp.dtype(dtype) != w.dtype:
+        if jnp.dtype(dtype) != jnp.bfloat16 or w.dtype != jnp.float32:
+            raise ValueError(f"packed weights are f32, or bf16 from f32; got {w.dtype} -> {jnp.dtype(dtype)}")
+    if isinstance(w, np.ndarray):  # host memory (a weight just read): tiled in one copy, no jax temporaries
+        tiles = w.reshape(k, n // tw, tw).transpose(1, 0, 2)  # a view (w.T too: the split axis stays whole)
+        data = aligned_empty(tiles.shape, w.dtype if dtype is None else dtype)
+        np.copyto(data, tiles, casting="unsafe")  # f32 -> bf16: round to nearest even, as XLA's convert
+        return PackedWeight(jax.device_put(data), w.shape)  # aligned: the device array IS `data`
     data = jnp.asarray(w).reshape(k, n // tw, tw).transpose(1, 0, 2)
     if dtype is not None and jnp.dtype(dtype) != data.dtype:
-        if jnp.dtype(dtype) != jnp.bfloat16 or data.dtype != jnp.float32:
-            raise ValueError(f"packed weights are f32, or bf16 from f32; got {data.dtype} -> {jnp.dtype(dtype)}")
         data = data.astype(jnp.bfloat16)
     return PackedWeight(data, w.shape)
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised host array whose data is 64-byte aligned: on CPU `jax.device_put`
+    of such an array makes no copy (the jax.Array keeps and reads that memory; unaligned,
+    it copies: twice the memory until the numpy array is dropped)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _packed_dot(x, data):

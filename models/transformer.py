@@ -180,6 +180,23 @@ def pack_params(params, dtype=None, *, consume: bool = False):
     return out
 
 
+def pack_leaf(key: str, w, config: ModelConfig, dtype=None) -> dict:
+    """One leaf of the params, by its checkpoint key ("embed", "layers.3.qkv", ...), as
+    `pack_params` leaves it: {key: packed or plain leaf}, plus {"packed_head": ...} beside
+    a tied `embed`. For params read leaf by leaf (`loading.load`): each weight is packed
+    as it arrives, so the model is never held twice. A numpy `w` is packed on the host
+    (`cpu_kernels.pack`) and a plain one handed to the device without a copy where it is
+    64-byte aligned; the values are those of `pack_params`."""
+    name = key.rsplit(".", 1)[-1]
+    if (key == "lm_head" or (key.startswith("layers.") and name in PACKED_LEAVES)) \
+            and cpu_kernels.pack_width(int(np.prod(w.shape[1:]))):
+        return {key: cpu_kernels.pack(w, dtype)}
+    out = {key: jax.device_put(w)}
+    if key == "embed" and config.tie_embeddings and cpu_kernels.pack_width(w.shape[0]):
+        out["packed_head"] = cpu_kernels.pack(w.T, dtype)  # see pack_params
+    return out
+
+
 def cast_packed(params, dtype):
     """`params` with every `cpu_kernels.PackedWeight` stored as `dtype` (e.g. bf16 from an
     f32 packed copy; see `pack_params`); other leaves unchanged."""

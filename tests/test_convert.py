@@ -453,6 +453,22 @@ def test_checkpoint_round_trip(small_model, tmp_path):
     assert p5["layers"][1]["o"].sharding == col and p5["final_norm"].sharding == rep
     _assert_same(p5, params)
 
+    # On one device the leaves are read one by one, largest first, through `put`.
+    seen = []
+
+    def put(key, x, cfg):
+        assert isinstance(x, np.ndarray) and x.ctypes.data % 64 == 0 and cfg == config
+        seen.append((key, x.nbytes))
+        return {key: jnp.asarray(x) * 2, **({"extra": jnp.ones(3)} if key == "embed" else {})}
+
+    _, p6 = convert.restore_checkpoint(tmp_path / "ckpt", put=put)
+    assert [n for _, n in seen] == sorted((n for _, n in seen), reverse=True)
+    assert sorted(k for k, _ in seen) == sorted(convert.checkpoint._flat(params))
+    assert np.array_equal(np.asarray(p6.pop("extra")), np.ones(3))
+    _assert_same(p6, jax.tree.map(lambda x: x * 2, params))
+    with pytest.raises(ValueError, match="put= applies to a restore onto one device"):
+        convert.restore_checkpoint(tmp_path / "ckpt", sharding=rep, put=put)
+
     # Overwrite protection, and mismatched params.
     with pytest.raises(ValueError, match="already exists; pass overwrite=True"):
         convert.save_checkpoint(tmp_path / "ckpt", config, params)

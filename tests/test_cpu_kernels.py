@@ -223,6 +223,29 @@ def test_pack_layout_and_roundtrip(K, N, tiles):
         ck.pack(jnp.ones((4, 40)))
 
 
+def test_host_pack_is_the_device_pack_bitwise_without_a_copy():
+    """pack() of a numpy weight (`load` packs each weight as it is read) gives the bits of
+    pack() of the jax array: f32 tiles, bf16 tiles rounded as XLA rounds (ties to even,
+    subnormals, inf, nan), a transposed view (a tied head, e.T); and its device array uses
+    the aligned host buffer it was tiled into (no second copy)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 3 * 48)).astype(np.float32)
+    bits = w.view(np.uint32)
+    bits[0, :6] = [0x3F808000, 0x3F818000, 0x3F80C000, 0x00000001, 0x7F800000, 0x7FC00001]  # ties, subnormal, inf, nan
+    w[1, :3] = [1e-40, -0.0, 3.4e38]
+    for src, dtype in [(w, None), (w, jnp.bfloat16), (w.T.copy().T, None), (np.ascontiguousarray(w[:, :64].T).T, jnp.bfloat16),
+                       (w.reshape(96, 2, 72), jnp.bfloat16)]:
+        host, dev = ck.pack(src, dtype), ck.pack(jnp.asarray(np.ascontiguousarray(src)), dtype)
+        assert host.shape == dev.shape and host.data.shape == dev.data.shape and host.dtype == dev.dtype
+        view = np.uint16 if host.dtype == jnp.bfloat16 else np.uint32
+        assert np.array_equal(np.asarray(host.data).view(view), np.asarray(dev.data).view(view))
+    a = ck.aligned_empty((1000, 48), np.float32)
+    assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous
+    if jax.devices()[0].platform == "cpu":
+        a[...] = 1.0
+        assert jax.device_put(a).unsafe_buffer_pointer() == a.ctypes.data  # the memory is shared, not copied
+
+
 @needs_kernel
 @pytest.mark.parametrize("K,N", [(576, 960), (64, 64), (100, 16 * 11), (1536, 576)])
 def test_packed_matmul_is_the_row_major_kernel_bitwise(K, N):

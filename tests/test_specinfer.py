@@ -128,6 +128,27 @@ def test_bf16_draft_weights(model, tok, greedy, drafts):
         generate(model, tok, "hi", strategy="specinfer", draft_model=model, draft_weights="int8")
 
 
+def test_bf16_draft_by_name_is_packed_as_it_loads(model, tok, greedy, drafts, tmp_path):
+    """A draft loaded by name (a saved directory) is packed into bf16 as its weights are
+    read (`load(packed_dtype=)`): the same bf16 weights as packing the f32 model in
+    memory, and greedy's tokens."""
+    import lookahead_jax as lj
+    from test_distill import byte_tokenizer
+
+    from lookahead_jax.strategies.specinfer import draft_engine
+
+    lj.save_pretrained(lj.Model(model.config, model.params, "draft"), byte_tokenizer(), tmp_path / "d")
+    target = engine_for(model)
+    by_name = draft_engine(target, str(tmp_path / "d"), "bfloat16")
+    ref = draft_engine(target, drafts["same"], "bfloat16")
+    assert by_name.model.params is by_name.params  # its only weights are the packed ones
+    assert jax.tree.structure(by_name.params) == jax.tree.structure(ref.params)
+    for a, b in zip(jax.tree.leaves(by_name.params), jax.tree.leaves(ref.params)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    ids, _ = run(model, tok, 4, strategy=SpecInfer(draft_model=str(tmp_path / "d"), expansion=(1, 1, 1, 1)))
+    assert ids == greedy
+
+
 def test_specinfer_eos_mid_batch_and_stop(model, greedy, drafts):
     tok = ByteTokenizer()
     tok.eos_token_ids = {greedy[1][10]}

@@ -145,7 +145,7 @@ class Engine:
         if dtype is not None and dtype != jnp.bfloat16:
             raise ValueError(f"weight_dtype must be None, float32 or bfloat16, got {dtype}")
         if dtype != self._weight_dtype:
-            if _packed_dtype(self.model.params) == jnp.bfloat16:
+            if _packed_dtype(self.model.params) == jnp.bfloat16 and dtype != jnp.bfloat16:
                 raise ValueError("keep_packed_only() made the bf16 copy this engine's only weights: "
                                  "reload the model to go back to float32")
             self._weight_dtype = dtype

@@ -163,10 +163,9 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     if weights == "float32" or engine.mesh is not None:
         eng = engine_for(load_draft(engine, draft_model), engine.mesh)
     else:
-        # by name: a copy of our own (not the shared float32 one), whose bf16 packed
-        # weights become its params (one copy in memory)
-        # (loaded plain and packed into bf16 weight by weight: never its f32 and bf16 copies at once)
-        draft = check_draft(engine, _load_by_name(engine, draft_model, keep_unpacked=True) if by_name
+        # by name: a copy of our own (not the shared float32 one) whose params are its bf16
+        # packed weights (one copy in memory; packed into bf16 as each weight is read)
+        draft = check_draft(engine, _load_by_name(engine, draft_model, packed_dtype="bfloat16") if by_name
                             else draft_model, draft_model)
         eng = Engine(draft)  # holds the draft: kept as long as the target's engine
         eng.weight_dtype = "bfloat16"
@@ -204,11 +203,11 @@ def load_draft(engine, draft_model, pack: bool = True):
     return check_draft(engine, draft, draft_model)
 
 
-def _load_by_name(engine, name: str, keep_unpacked: bool = False):
+def _load_by_name(engine, name: str, packed_dtype=None):
     from ..loading import load
 
     try:
-        return load(name, dtype=engine.dtype, keep_unpacked=keep_unpacked)[0]
+        return load(name, dtype=engine.dtype, packed_dtype=packed_dtype)[0]
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"cannot load draft model {name!r}: {e}") from e
 
