@@ -200,6 +200,7 @@ class Slots:
             return []
         drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain else self.drafter
         result = step(self.engine, self.state, drafter, self.rule, self.budget)
+        self.last_step = result  # the StepResult (drafted / emitted per row: speculation metrics)
         return [SlotEvent(b, list(result.kept[b]), self.state.rows[b].finish) for b in busy]
 
     def free(self, slot: int) -> RowState:
