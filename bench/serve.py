@@ -9,8 +9,9 @@ inter-chunk latency (ITL) p50 / p99, and from the server's /metrics the acceptan
 
 Each (strategy, concurrency) gets a server of its own in this process, with --max-batch =
 the concurrency (a step computes every slot: idle slots cost), warmed up first on other
-prompts of the same sets (its compilation is not measured), lookahead's trie emptied
-before (what it holds when measuring comes from the warm-up and the measured requests). Prompts come from the
+prompts: first the measured ones (so that their shapes compile before measuring), then,
+lookahead's trie dropped, other prompts of the same sets (what the trie holds when
+measuring comes from those and the measured requests themselves). Prompts come from the
 repository's data/: NQ questions with their gold passage (chat, RAG), GSM8K questions
 (chat), HumanEval prompts (completion), in turn. Writes bench/results/serve.json and
 serve.png, the host named.
@@ -214,6 +215,13 @@ def main(argv=None) -> None:
         for c in args.concurrency:
             srv, uv, th, url = start_server(args, strat, c, model, tok)
             t = time.perf_counter()
+            # warm-up: the measured prompts themselves at this concurrency (their prompt buckets
+            # and cache windows compile here, not while measured), then other prompts; the
+            # trie they filled is dropped with the slots (a fresh drafter, a fresh trie)
+            asyncio.run(load(url, measured + warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
+            srv.scheduler.engine.stores.tries.clear()
+            srv.scheduler.engine.stores.acceptance.clear()
+            srv.scheduler.rebuild()
             asyncio.run(load(url, warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
             warm_s = time.perf_counter() - t
             before = scrape(url)

@@ -334,6 +334,14 @@ class Scheduler:
         for job in jobs:
             self._finish(job, "error", error=message, status=status)
 
+    def rebuild(self) -> None:
+        """Fresh slots (and drafter) between loads, e.g. a benchmark's warm-up and its
+        measurement; only while idle."""
+        with self._cond:
+            if self.running or self.waiting:
+                raise RuntimeError("rebuild() needs an idle scheduler")
+            self._rebuild()
+
     def _rebuild(self) -> None:
         st = self.slots.state
         self.slots = self._new_slots(st.sampling, st.penalties)
