@@ -126,6 +126,11 @@ def test_commands_parse():
                 a = knn_parser().parse_args(args)
                 assert (ROOT / a.corpus).exists() and a.max_passages, argv  # never a whole-corpus build
                 built.add(("knnlm", a.model, a.corpus))
+            elif module == "lookahead_jax.serve":
+                from lookahead_jax.serve.__main__ import parse as serve_parse
+
+                cfg = serve_parse(args)
+                assert cfg.model in presets.PRESETS, argv
             else:
                 assert module == "lookahead_jax.generate", argv
                 cwd = os.getcwd()
@@ -201,6 +206,8 @@ def test_readme_block_runs(argvs, env, tmp_path):
     for argv in argvs:
         if argv[2] == "lookahead_jax.fetch":
             continue  # only the Qwen presets are fetched in these blocks, and they are replaced
+        if argv[2] == "lookahead_jax.serve":
+            continue  # a server runs until stopped: tests/test_serve.py starts it and sends requests
         cmd = small(argv, tmp_path)
         stdout = run(cmd, env)
         if argv[2] != "lookahead_jax.generate":

@@ -112,6 +112,7 @@ class StepResult:
     kept: list
     T: int
     window: int
+    drafted: Optional[np.ndarray] = None  # [B] draft nodes each row was verified with (after the budget)
 
 
 @dataclasses.dataclass
@@ -501,7 +502,8 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
         r.steps += 1
         kept[b] = r.accept(emitted[b, :n], None if lps is None else lps[b, :n])
         state.root[b] = emitted[b, n - 1]
-    result = StepResult(emitted, n_emit, path, kept, T, window)
+    result = StepResult(emitted, n_emit, path, kept, T, window,
+                        np.array([len(d) for d in drafts.drafts], np.int32))
     if drafter is not None:
         drafter.update(state, result)
     budget.score(state)

@@ -134,6 +134,7 @@ class Slots:
         self._set_up = strategy is None
         self._plain: set = set()  # slots whose request decodes without drafts
         self._sent = [0] * n_slots  # tokens of each slot's request handed out in events
+        self.last_step = None  # the last step's StepResult (None: a retrieval run's turn)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -217,9 +218,10 @@ class Slots:
             return []
         drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain else self.drafter
         if self.run is not None:
+            self.last_step = None  # a turn of the run may hold several steps, or none
             self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
-        else:
-            step(self.engine, self.state, drafter, self.rule, self.budget)
+        else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
+            self.last_step = step(self.engine, self.state, drafter, self.rule, self.budget)
         return [self._event(b) for b in busy]
 
     def free(self, slot: int) -> RowState:

@@ -1,0 +1,244 @@
+"""Open-loop load against the OpenAI-compatible server (`lookahead_jax.serve`), as `vllm
+bench serve` measures it: requests arrive by a Poisson process (`--rate` per second, inf =
+all at once) with at most `--concurrency` in flight; per level and strategy the output
+throughput, time to first token (TTFT), time per output token after the first (TPOT) and
+inter-chunk latency (ITL) p50 / p99, and from the server's /metrics the acceptance rate
+(accepted / draft tokens) and mean acceptance length (1 + accepted / drafts).
+
+    python bench/serve.py --strategies greedy lookahead --concurrency 1 4 8 --requests 16
+
+Each (strategy, concurrency) gets a server of its own in this process, with --max-batch =
+the concurrency (a step computes every slot: idle slots cost), warmed up first on other
+prompts: first the measured ones (so that their shapes compile before measuring), then,
+lookahead's trie dropped, other prompts of the same sets (what the trie holds when
+measuring comes from those and the measured requests themselves). Prompts come from the
+repository's data/: NQ questions with their gold passage (chat, RAG), GSM8K questions
+(chat), HumanEval prompts (completion), in turn. Writes bench/results/serve.json and
+serve.png, the host named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, host_line, save  # noqa: E402
+
+DATA = ROOT / "data"
+
+
+def repo_prompts() -> list:
+    """(kind, prompt) in turn from data/: nq RAG chat, gsm8k chat, humaneval completion."""
+    passages = {}
+    for line in open(DATA / "passages.jsonl"):
+        r = json.loads(line)
+        passages[r["id"]] = r["text"]
+    nq = [json.loads(x) for x in open(DATA / "nq_questions.jsonl")]
+    gsm = [json.loads(x) for x in open(DATA / "gsm8k_sample.jsonl")]
+    he = [json.loads(x) for x in open(DATA / "humaneval_sample.jsonl")]
+    out = []
+    for i in range(max(len(nq), len(gsm), len(he))):
+        if i < len(nq) and len(passages.get(nq[i]["passage_id"], "")) <= 1200:
+            q = nq[i]
+            out.append(("chat", [{"role": "user", "content": "Answer the question using the passage.\n\nPassage: "
+                                  f"{passages[q['passage_id']]}\n\nQuestion: {q['question']}"}]))
+        if i < len(gsm):
+            out.append(("chat", [{"role": "user", "content": gsm[i]["question"] + "\nLet's think step by step."}]))
+        if i < len(he) and len(he[i]["prompt"]) <= 1200:
+            out.append(("completion", he[i]["prompt"]))
+    return out
+
+
+def start_server(args, strategy: str, batch: int, model, tok):
+    import uvicorn
+
+    from lookahead_jax.serve import ServeConfig, build_app, make_server
+
+    opts = (("decoding_length", args.decoding_length),) if strategy == "lookahead" and args.decoding_length else ()
+    cfg = ServeConfig(model=args.model, strategy=strategy, strategy_options=opts, max_batch=batch,
+                      max_len=args.max_len, max_waiting=100000, logprobs=False)
+    srv = make_server(cfg, model, tok)
+    stores = srv.scheduler.engine.stores
+    stores.tries.clear()  # each level starts with a cold trie (its warm-up prompts seed it), not the last level's
+    stores.acceptance.clear()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    uv = uvicorn.Server(uvicorn.Config(build_app(srv), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=uv.run, daemon=True)
+    th.start()
+    while not uv.started:
+        time.sleep(0.05)
+    return srv, uv, th, f"http://127.0.0.1:{port}"
+
+
+async def one(http, url: str, kind: str, prompt, max_tokens: int, model: str, strategy=None) -> dict:
+    body = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+    if strategy:
+        body["lookahead_jax"] = {"strategy": strategy}
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    body.update(messages=prompt) if kind == "chat" else body.update(prompt=prompt)
+    t0 = time.perf_counter()
+    times, n = [], 0
+    async with http.stream("POST", url + path, json=body) as r:
+        if r.status_code != 200:
+            return dict(ok=False, status=r.status_code)
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if "usage" in d and d.get("usage") and not d.get("choices"):
+                n = d["usage"]["completion_tokens"]
+                continue
+            for c in d.get("choices", ()):
+                if (c.get("text") or (c.get("delta") or {}).get("content")):
+                    times.append(time.perf_counter())
+    t1 = time.perf_counter()
+    return dict(ok=True, tokens=n, ttft=(times[0] - t0) if times else t1 - t0, e2e=t1 - t0,
+                itl=list(np.diff(times)), tpot=(t1 - times[0]) / (n - 1) if times and n > 1 else None)
+
+
+async def load(url: str, prompts: list, rate: float, concurrency: int, max_tokens: int, model: str, seed: int):
+    import httpx
+
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 8)) as http:
+        async def task(kind, p):
+            async with sem:
+                return await one(http, url, kind, p, max_tokens, model)
+        tasks = []
+        t0 = time.perf_counter()
+        for kind, p in prompts:
+            tasks.append(asyncio.create_task(task(kind, p)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        res = await asyncio.gather(*tasks)
+        return res, time.perf_counter() - t0
+
+
+def scrape(url: str) -> dict:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("lookahead_jax:spec_decode_num") and "per_pos" not in line:
+            out[line.split("{")[0].split(":")[1]] = float(line.split()[-1])
+    return out
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if len(xs) else None
+
+
+def summarize(res, wall, before, after) -> dict:
+    ok = [r for r in res if r["ok"]]
+    toks = sum(r["tokens"] for r in ok)
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    drafts, draft_tokens = d.get("spec_decode_num_drafts_total", 0), d.get("spec_decode_num_draft_tokens_total", 0)
+    acc = d.get("spec_decode_num_accepted_tokens_total", 0)
+    itl = [x for r in ok for x in r["itl"]]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    ttft = [r["ttft"] for r in ok]
+    return dict(
+        requests=len(res), failed=len(res) - len(ok), output_tokens=toks, duration_s=round(wall, 3),
+        output_tokens_per_s=round(toks / wall, 3), requests_per_s=round(len(ok) / wall, 4),
+        ttft_p50_ms=pct(ttft, 50) * 1e3, ttft_p99_ms=pct(ttft, 99) * 1e3,
+        tpot_p50_ms=pct(tpot, 50) and pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) and pct(tpot, 99) * 1e3,
+        itl_p50_ms=pct(itl, 50) and pct(itl, 50) * 1e3, itl_p99_ms=pct(itl, 99) and pct(itl, 99) * 1e3,
+        spec_drafts=drafts, spec_draft_tokens=draft_tokens, spec_accepted_tokens=acc,
+        acceptance_rate=acc / draft_tokens if draft_tokens else None,
+        mean_acceptance_length=1 + acc / drafts if drafts else None)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for strat, levels in result["runs"].items():
+        cs = sorted(int(c) for c in levels)
+        for ax, key in zip(axes, ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")):
+            ax.plot(cs, [levels[str(c)][key] for c in cs], marker="o", label=strat)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency (slots)")
+            ax.set_title(key, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"lookahead_jax.serve, {result['model']}, rate {result['rate']}/s, {result['requests']} requests "
+                 f"per level, <= {result['max_tokens']} tokens\n{result['host_line']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--strategies", nargs="+", default=["greedy", "lookahead"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16, 32])
+    ap.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once")
+    ap.add_argument("--requests", type=int, default=32, help="measured requests per level")
+    ap.add_argument("--warmup", type=int, default=8, help="unmeasured requests per level (other prompts) first")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--decoding-length", type=int, default=16, help="lookahead's fixed budget (0: auto)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
+    args = ap.parse_args(argv)
+
+    import lookahead_jax as lj
+
+    model, tok = lj.load(args.model, progress=False)
+    prompts = repo_prompts()
+    random.Random(args.seed).shuffle(prompts)
+    warm, measured = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
+    result = dict(model=args.model, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
+                  host_line=host_line(), runs={})
+    print(host_line())
+    for strat in args.strategies:
+        result["runs"][strat] = {}
+        for c in args.concurrency:
+            srv, uv, th, url = start_server(args, strat, c, model, tok)
+            t = time.perf_counter()
+            # warm-up: the measured prompts themselves at this concurrency (their prompt buckets
+            # and cache windows compile here, not while measured), then other prompts; the
+            # trie they filled is dropped with the slots (a fresh drafter, a fresh trie)
+            asyncio.run(load(url, measured + warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
+            srv.scheduler.engine.stores.tries.clear()
+            srv.scheduler.engine.stores.acceptance.clear()
+            srv.scheduler.rebuild()
+            asyncio.run(load(url, warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
+            warm_s = time.perf_counter() - t
+            before = scrape(url)
+            res, wall = asyncio.run(load(url, measured, args.rate, c, args.max_tokens, srv.model_name, args.seed))
+            s = summarize(res, wall, before, scrape(url))
+            s["warmup_s"] = round(warm_s, 1)
+            result["runs"][strat][str(c)] = s
+            print(f"{strat:9s} c={c:2d}: {s['output_tokens_per_s']:7.1f} tok/s  TTFT p50 {s['ttft_p50_ms']:7.0f} "
+                  f"p99 {s['ttft_p99_ms']:7.0f} ms  TPOT p50 {s['tpot_p50_ms'] or 0:6.1f} p99 "
+                  f"{s['tpot_p99_ms'] or 0:6.1f} ms  accept {s['acceptance_rate'] or 0:.3f} "
+                  f"len {s['mean_acceptance_length'] or 1:.2f}  failed {s['failed']}  (warm-up {warm_s:.0f} s)",
+                  flush=True)
+            uv.should_exit = True
+            th.join(120)
+    save(result, args.out)
+    plot(result, str(Path(args.out).with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""An OpenAI-compatible server with continuous batching over the slot API.
+
+    python -m lookahead_jax.serve --model smollm2-135m --strategy lookahead --max-batch 8
+
+`scheduler.Scheduler` (the engine thread: one `core.slots.Slots`, requests inserted
+between steps), `app.build_app` (FastAPI routes), `protocol` (request bodies, errors),
+`metrics.Metrics` (Prometheus, vLLM's names with the `lookahead_jax:` prefix). See
+docs/serving.md. Needs the `serve` extra (fastapi, uvicorn, prometheus-client).
+"""
+
+from .app import Server, build_app
+from .scheduler import Job, Output, QueueFull, Scheduler
+from .server import ServeConfig, make_server, run
+
+__all__ = ["Job", "Output", "QueueFull", "Scheduler", "ServeConfig", "Server", "build_app", "make_server", "run"]

@@ -1,0 +1,54 @@
+"""`python -m lookahead_jax.serve --model smollm2-135m [--strategy lookahead] ...`"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from .server import ServeConfig, run
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse(argv=None) -> ServeConfig:
+    p = argparse.ArgumentParser(prog="python -m lookahead_jax.serve",
+                                description="OpenAI-compatible server with continuous batching")
+    p.add_argument("--model", default="smollm2-135m", help="a preset name or a local path")
+    p.add_argument("--strategy", default="greedy", help="greedy | lookahead | specinfer (a request may ask for "
+                   "greedy on a speculative server)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a strategy option, e.g. decoding_length=7 or draft_model=PATH (repeatable)")
+    p.add_argument("--max-batch", type=int, default=8, help="slots decoded together")
+    p.add_argument("--max-len", type=int, default=2048, help="KV cache slots per request (prompt + completion "
+                   "+ the verify block)")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait for a slot (then 429)")
+    p.add_argument("--no-logprobs", action="store_true", help="decode without log-probabilities")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    a = p.parse_args(argv)
+    opts = []
+    for o in a.option:
+        if "=" not in o:
+            p.error(f"--option {o!r}: expected NAME=VALUE")
+        k, v = o.split("=", 1)
+        opts.append((k.strip().replace("-", "_"), _value(v.strip())))
+    return ServeConfig(a.model, a.strategy, tuple(opts), a.max_batch, a.max_len, a.max_waiting, not a.no_logprobs,
+                       a.dtype, a.served_model_name, a.host, a.port)
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run(parse(argv))
+
+
+if __name__ == "__main__":
+    main()

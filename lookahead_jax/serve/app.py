@@ -1,0 +1,317 @@
+"""The HTTP layer (FastAPI): OpenAI's /v1/completions and /v1/chat/completions (SSE
+streaming and not), /v1/models, /health, /tokenize, /detokenize, /metrics.
+
+A request becomes one `scheduler.Job` per prompt and sample (choice index prompt * n +
+sample, sampling row the same, as `generate(prompts, n=n)` numbers its rows), whose
+outputs come back from the engine thread through an asyncio queue. Errors are OpenAI's
+shape: 400 for a body that does not validate or a request the slots cannot hold, 404
+for another model's name, 429 when the waiting queue is full, 503 while shutting down,
+500 when the engine failed this request (the server goes on). A client that disconnects
+cancels its jobs (their slots are freed before the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..core.sampling import Penalties, SamplingParams
+from ..prompts import encode_prompts
+from ..strategies import Greedy
+from .protocol import (FINISH, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                       error_body)
+from .scheduler import Job, QueueFull, ShuttingDown
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param=None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class Server:
+    """What the routes need: the scheduler (engine thread), tokenizer, the served model's
+    name, and the metrics."""
+
+    def __init__(self, scheduler, tokenizer, model_name: str, metrics=None, vocab: int = 0, max_position: int = 0):
+        self.scheduler, self.tokenizer, self.model_name, self.metrics = scheduler, tokenizer, model_name, metrics
+        self.vocab, self.max_position = vocab, max_position
+        strat = scheduler.strategy
+        self.strategy_name = getattr(strat, "name", "greedy")
+        self.drafting = scheduler.slots.drafter is not None
+
+    # ------------------------------------------------------------------ request -> jobs
+    def jobs(self, req, chat: bool, sink) -> list:
+        sched = self.scheduler
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"The model `{req.model}` does not exist: this server serves "
+                                f"`{self.model_name}`", "model")
+        try:
+            ids_list = encode_prompts(self.tokenizer, req.prompts[0] if chat else req.prompts, chat)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages" if chat else "prompt") from None
+        for ids in ids_list:
+            if self.vocab and (min(ids) < 0 or max(ids) >= self.vocab):
+                raise APIError(400, f"prompt token ids must be in [0, {self.vocab})", "prompt")
+        ext = req.lookahead_jax
+        plain = None
+        if ext.strategy not in (None, self.strategy_name):
+            if ext.strategy != "greedy":
+                raise APIError(400, f"lookahead_jax.strategy: this server runs {self.strategy_name!r}; a "
+                                    f"request may pick it or 'greedy' (plain decoding), got {ext.strategy!r}",
+                               "lookahead_jax.strategy")
+            plain = Greedy()
+        refs = [self.tokenizer.encode(t, add_special_tokens=False) for t in ext.references] \
+            if self.drafting and plain is None else []
+        try:
+            sampling = SamplingParams(1.0 if req.temperature is None else float(req.temperature),
+                                      max(int(req.top_k or 0), 0), 1.0 if req.top_p is None else float(req.top_p))
+            penalties = Penalties(req.repetition_penalty, req.presence_penalty, req.frequency_penalty)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        if penalties.on and plain is None and sched.strategy is not None and not sched.strategy.supports_penalties:
+            raise APIError(400, f"strategy {self.strategy_name!r} does not apply repetition / presence / "
+                                "frequency penalties: leave them at their defaults or ask for "
+                                '"lookahead_jax": {"strategy": "greedy"}')
+        if req.wants_logprobs and not sched.logprobs:
+            raise APIError(400, "this server was started with --no-logprobs", "logprobs")
+        eos = None
+        if req.ignore_eos or req.stop_token_ids:
+            bad = [t for t in req.stop_token_ids if not 0 <= t < (self.vocab or 1 << 31)]
+            if bad:
+                raise APIError(400, f"stop_token_ids: {bad} are not token ids in [0, {self.vocab})",
+                               "stop_token_ids")
+            eos = tuple(sorted(set(() if req.ignore_eos else sched.eos_ids) | set(req.stop_token_ids)))
+        if req.min_tokens and eos is not None and not set(eos) <= set(sched.eos_ids):
+            raise APIError(400, "min_tokens with stop_token_ids other than the model's EOS ids is not supported",
+                           "min_tokens")
+        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        reserve = sched.max_nodes + 1  # the verify block
+        jobs = []
+        for i, ids in enumerate(ids_list):
+            limit = req.token_limit if chat else req.max_tokens
+            room = min(sched.max_len - reserve, self.max_position or sched.max_len) - len(ids)
+            max_new = limit if limit is not None else room
+            if max_new > room or room < 1:
+                raise APIError(400, f"This model's maximum context length is {sched.max_len - reserve} tokens "
+                                    f"(--max-len {sched.max_len} less {reserve} for verification). However, you "
+                                    f"requested {len(ids) + (limit or 1)} tokens ({len(ids)} in the prompt, "
+                                    f"{limit or 1} for the completion). Please reduce the prompt or the "
+                                    "completion length.", "max_tokens" if limit and room >= 1 else "prompt")
+            if req.min_tokens > max_new:
+                raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_new})",
+                               "min_tokens")
+            for j in range(req.n):
+                k = i * req.n + j
+                jobs.append(Job(ids, max_new, sink, index=k, sampling=sampling, penalties=penalties, seed=seed,
+                                sampling_row=k, stop=req.stops, eos_ids=eos, min_new_tokens=req.min_tokens,
+                                references=refs, strategy=plain, logprobs=req.wants_logprobs))
+        return jobs
+
+    def submit(self, jobs) -> None:
+        try:
+            self.scheduler.submit(jobs)
+        except QueueFull as e:
+            raise APIError(429, str(e)) from None
+        except ShuttingDown as e:
+            raise APIError(503, str(e)) from None
+
+    # ------------------------------------------------------------------ responses
+    def token_text(self, t: int) -> str:
+        return self.tokenizer.decode([t])
+
+    def logprobs_block(self, chat: bool, tokens: list, lps: list, top: bool, offset: int = 0):
+        strs = [self.token_text(t) for t in tokens]
+        if chat:
+            return {"content": [dict(token=s, logprob=lp, bytes=list(s.encode()),
+                                     top_logprobs=[dict(token=s, logprob=lp, bytes=list(s.encode()))] if top else [])
+                                for s, lp in zip(strs, lps)]}
+        offsets, o = [], offset
+        for s in strs:
+            offsets.append(o)
+            o += len(s)
+        return dict(tokens=strs, token_logprobs=lps, top_logprobs=[{s: lp} for s, lp in zip(strs, lps)] if top
+                    else None, text_offset=offsets)
+
+
+def _sink(loop, queue):
+    def put(out):
+        with contextlib.suppress(RuntimeError):  # the loop has closed (shutdown)
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+    return put
+
+
+async def _next(queue, raw: HTTPRequest, jobs, sched):
+    """The next output; cancels the jobs when the client has gone."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), 1.0)
+        except asyncio.TimeoutError:
+            if await raw.is_disconnected():
+                sched.cancel(jobs)
+                raise asyncio.CancelledError()
+
+
+def _usage(prompt_lens: list, completion: int) -> dict:
+    p = sum(prompt_lens)
+    return dict(prompt_tokens=p, completion_tokens=completion, total_tokens=p + completion)
+
+
+def build_app(server: Server) -> FastAPI:
+    """The FastAPI app over a `Server` (its scheduler started and drained with the app)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if not server.scheduler.alive:
+            server.scheduler.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, server.scheduler.shutdown)
+
+    app = FastAPI(title="lookahead-jax", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, exc: RequestValidationError):
+        msgs = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e.get("loc", ())[1:])
+            msgs.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+        return JSONResponse(error_body("; ".join(msgs) or "invalid request", 400), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, exc: APIError):
+        return JSONResponse(error_body(exc.message, exc.status, exc.param), status_code=exc.status)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if server.scheduler.alive else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [dict(id=server.model_name, object="model", created=int(time.time()),
+                                                owned_by="lookahead-jax", max_model_len=server.scheduler.max_len)]}
+
+    @app.get("/metrics")
+    async def metrics():
+        body = server.metrics.render() if server.metrics is not None else b""
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.messages is not None:
+            ids = encode_prompts(server.tokenizer, [m.model_dump() for m in body.messages], True)[0]
+        else:
+            ids = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return dict(tokens=ids, count=len(ids), max_model_len=server.scheduler.max_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if server.vocab and any(not 0 <= t < server.vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {server.vocab})", "tokens")
+        return dict(prompt=server.tokenizer.decode(body.tokens))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: HTTPRequest):
+        return await _serve(body, raw, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
+        return await _serve(body, raw, chat=True)
+
+    async def _serve(body, raw: HTTPRequest, chat: bool):
+        queue: asyncio.Queue = asyncio.Queue()
+        jobs = server.jobs(body, chat, _sink(asyncio.get_running_loop(), queue))
+        server.submit(jobs)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        head = dict(id=rid, object="chat.completion" if chat else "text_completion", created=int(time.time()),
+                    model=server.model_name)
+        prompt_lens = [len(j.prompt_ids) for j in jobs[::body.n]]
+        if body.stream:
+            return StreamingResponse(_stream(body, raw, chat, jobs, queue, head, prompt_lens),
+                                     media_type="text/event-stream")
+        return await _whole(body, raw, chat, jobs, queue, head, prompt_lens)
+
+    async def _whole(body, raw, chat, jobs, queue, head, prompt_lens):
+        res = [dict(text=[], tokens=[], lps=[], finish=None) for _ in jobs]
+        left = len(jobs)
+        try:
+            while left:
+                out = await _next(queue, raw, jobs, server.scheduler)
+                if out.error:
+                    raise APIError(out.status, out.error)
+                r = res[out.index]
+                r["text"].append(out.text)
+                r["tokens"] += out.tokens
+                r["lps"] += out.logprobs or []
+                if out.finish:
+                    r["finish"] = out.finish
+                    left -= 1
+        except BaseException:
+            server.scheduler.cancel(jobs)
+            raise
+        choices = []
+        for k, r in enumerate(res):
+            text = "".join(r["text"])
+            lp = server.logprobs_block(chat, r["tokens"], r["lps"], bool(body.logprobs if not chat else
+                                                                         body.top_logprobs)) \
+                if body.wants_logprobs else None
+            c = dict(index=k, logprobs=lp, finish_reason=FINISH.get(r["finish"], r["finish"]))
+            if chat:
+                c["message"] = dict(role="assistant", content=text)
+            else:
+                c["text"] = text
+            if body.token_ids_wanted:
+                c["token_ids"] = r["tokens"]
+            choices.append(c)
+        out = dict(head, choices=choices, usage=_usage(prompt_lens, sum(len(r["tokens"]) for r in res)))
+        if body.token_ids_wanted:
+            out["prompt_token_ids"] = [j.prompt_ids for j in jobs[::body.n]]
+        return out
+
+    async def _stream(body, raw, chat, jobs, queue, head, prompt_lens):
+        head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
+        left, n_tokens, offsets = len(jobs), 0, [0] * len(jobs)
+
+        def chunk(choices, **extra):
+            return "data: " + json.dumps(dict(head, choices=choices, **extra)) + "\n\n"
+
+        try:
+            if chat:
+                yield chunk([dict(index=k, delta=dict(role="assistant", content=""), logprobs=None,
+                                  finish_reason=None) for k in range(len(jobs))])
+            while left:
+                out = await _next(queue, raw, jobs, server.scheduler)
+                if out.error:
+                    yield "data: " + json.dumps(error_body(out.error, out.status)) + "\n\n"
+                    server.scheduler.cancel(jobs)
+                    break
+                n_tokens += len(out.tokens)
+                if out.finish:
+                    left -= 1
+                if not (out.text or out.tokens or out.finish):
+                    continue
+                lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], bool(
+                    body.logprobs if not chat else body.top_logprobs), offsets[out.index]) \
+                    if body.wants_logprobs and out.tokens else None
+                offsets[out.index] += len(out.text)
+                c = dict(index=out.index, logprobs=lp, finish_reason=FINISH.get(out.finish, out.finish))
+                c.update(delta=dict(content=out.text) if out.text or not out.finish else {}) if chat else \
+                    c.update(text=out.text)
+                if body.token_ids_wanted:
+                    c["token_ids"] = out.tokens
+                yield chunk([c])
+            if body.include_usage:
+                yield chunk([], usage=_usage(prompt_lens, n_tokens))
+            yield "data: [DONE]\n\n"
+        finally:  # normal end, or the client went away: free the slots of unfinished jobs
+            if left:
+                server.scheduler.cancel(jobs)
+
+    return app

@@ -1,0 +1,98 @@
+"""Prometheus metrics named as vLLM's, with the prefix `lookahead_jax:` (so dashboards
+built for `vllm:` adapt by a rename):
+
+    lookahead_jax:time_to_first_token_seconds    histogram  arrival -> first token
+    lookahead_jax:inter_token_latency_seconds    histogram  between a request's outputs (one
+                                                            per step; a speculative step may
+                                                            bring several tokens, as in vLLM)
+    lookahead_jax:e2e_request_latency_seconds    histogram  arrival -> finish
+    lookahead_jax:request_queue_time_seconds     histogram  arrival -> prefill starts
+    lookahead_jax:prompt_tokens_total, generation_tokens_total          counters
+    lookahead_jax:request_success_total{finished_reason}                counter
+    lookahead_jax:num_requests_running, num_requests_waiting            gauges
+    lookahead_jax:spec_decode_num_drafts_total          rows verified with a non-empty draft
+    lookahead_jax:spec_decode_num_draft_tokens_total    their draft tokens (tree nodes)
+    lookahead_jax:spec_decode_num_accepted_tokens_total draft tokens accepted
+    lookahead_jax:spec_decode_num_accepted_tokens_per_pos_total{position}
+
+acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts
+(tokens per speculative step). Each `Metrics` has its own registry (several servers in
+one process, as in the tests, do not collide).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+P = "lookahead_jax:"
+LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+           20.0, 40.0, 80.0, 160.0)
+MAX_POSITIONS = 32  # accepted-per-position counters kept for positions 0..31
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        lab = ["model_name"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", lab, registry=r,
+                              buckets=LATENCY)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between a request's outputs", lab,
+                             registry=r, buckets=LATENCY)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end request latency", lab, registry=r,
+                             buckets=LATENCY)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Time waiting for a slot", lab,
+                                    registry=r, buckets=LATENCY)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefilled prompt tokens", lab, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", lab, registry=r)
+        self.success = Counter(P + "request_success", "Finished requests", lab + ["finished_reason"], registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests in a slot", lab, registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a slot", lab, registry=r)
+        self.drafts = Counter(P + "spec_decode_num_drafts", "Rows verified with a draft", lab, registry=r)
+        self.draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens verified", lab, registry=r)
+        self.accepted = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted", lab, registry=r)
+        self.accepted_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                                    "position", lab + ["position"], registry=r)
+        self.name = model_name
+        self._pos: dict = {}
+
+    # ------------------------------------------------------------------ engine-thread hooks
+    def admitted(self, job, t_prefill: float) -> None:
+        self.queue_time.labels(self.name).observe(t_prefill - job.arrival)
+        self.prompt_tokens.labels(self.name).inc(len(job.prompt_ids))
+
+    def tokens(self, job, n: int, now: float) -> None:
+        """n tokens reached `job` at `now` (before job.t_first / t_last are updated)."""
+        if job.t_first is None:
+            self.ttft.labels(self.name).observe(now - job.arrival)
+        else:
+            self.itl.labels(self.name).observe(now - job.t_last)
+        self.generation_tokens.labels(self.name).inc(n)
+
+    def finished(self, job, reason: str) -> None:
+        self.success.labels(self.name, reason).inc()
+        if reason not in ("abort", "error"):
+            self.e2e.labels(self.name).observe(time.perf_counter() - job.arrival)
+
+    def speculation(self, result, rows) -> None:
+        """One step's StepResult over the drafting `rows`."""
+        for b in rows:
+            nodes = int(result.drafted[b])
+            if nodes <= 0:
+                continue
+            acc = int(result.n_emit[b]) - 1
+            self.drafts.labels(self.name).inc()
+            self.draft_tokens.labels(self.name).inc(nodes)
+            self.accepted.labels(self.name).inc(acc)
+            for i in range(min(acc, MAX_POSITIONS)):
+                if i not in self._pos:
+                    self._pos[i] = self.accepted_pos.labels(self.name, str(i))
+                self._pos[i].inc()
+
+    def queue(self, running: int, waiting: int) -> None:
+        self.running.labels(self.name).set(running)
+        self.waiting.labels(self.name).set(waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,363 @@
+"""The engine loop: one thread owns a `core.slots.Slots` and does continuous batching.
+
+    sched = Scheduler(engine, tokenizer, strategy, max_batch=8, max_len=2048)
+    sched.start()
+    sched.submit([job, ...])     # from any thread; QueueFull when the waiting queue is full
+    ...                          # job.sink(Output) is called from the engine thread
+    sched.shutdown()             # drains: running and waiting jobs finish first
+
+Between two `Slots.step()`s the thread frees the slots of cancelled jobs, inserts waiting
+jobs into free slots (a prefill each, as JetStream does: blocks of 1..max_batch rows would
+each compile for every prompt bucket) and, after the step, hands
+each job its tokens, text delta (the row's own streaming text: stop strings held back,
+EOS and stop cut), log-probabilities and finish reason, freeing finished slots at once.
+
+What one step compiles in (sampling parameters, penalties) is per request on `Slots`
+that accept it per request; on `Slots` that refuse another request's values (a
+ValueError from `insert` naming "Slots of its own"), such a job waits until the running
+ones finish and the slots are rebuilt with its values (correct, only slower).
+
+Failures stay local: a job whose insert raises is failed (400 for a ValueError, its own
+bad input; 500 otherwise) and its slot freed; an exception in a step fails the jobs of
+that step and rebuilds the slots; the thread keeps serving. Host-side only besides the
+`Slots` calls (the engine knows nothing of HTTP).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from ..core.sampling import Penalties, SamplingParams
+from ..core.slots import Request, Slots
+
+log = logging.getLogger("lookahead_jax.serve")
+
+# Request grew a per-request `penalties` field on the rowsampling branch; until then a job
+# with other penalties than the slots' waits for slots of its own
+_REQUEST_FIELDS = {f.name for f in dataclasses.fields(Request)}
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_waiting jobs (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler drains and takes no new jobs (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class Output:
+    """What the engine hands a job after an insert or step: `tokens` kept (EOS / stop cut),
+    their `logprobs` (None unless the job asked), the `text` delta, and at the end
+    `finish` ("eos" | "stop" | "length" | "abort" | "error") with `error` / `status`."""
+
+    index: int
+    tokens: list
+    text: str
+    logprobs: Optional[list] = None
+    finish: Optional[str] = None
+    error: Optional[str] = None
+    status: int = 200
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One sequence to decode (one prompt, one sample of it). `sink(Output)` is called
+    from the engine thread (it must be thread-safe and quick); `index` is its choice."""
+
+    prompt_ids: list
+    max_new_tokens: int
+    sink: Callable[[Output], None]
+    index: int = 0
+    sampling: SamplingParams = SamplingParams()
+    penalties: Penalties = Penalties()
+    seed: int = 0
+    sampling_row: int = 0
+    stop: tuple = ()
+    eos_ids: Optional[tuple] = None
+    min_new_tokens: int = 0
+    references: list = dataclasses.field(default_factory=list)
+    strategy: object = None  # None: the server's; a drafter-less strategy: plain decoding
+    logprobs: bool = False
+    # filled in by the scheduler
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    done: bool = False
+    n_out: int = 0
+    t_first: Optional[float] = None
+    t_last: Optional[float] = None
+    _text: list = dataclasses.field(default_factory=list)
+
+    def request(self) -> Request:
+        kw = dict(penalties=self.penalties) if "penalties" in _REQUEST_FIELDS else {}
+        return Request(self.prompt_ids, self.max_new_tokens, strategy=self.strategy, sampling=self.sampling,
+                       seed=self.seed, sampling_row=self.sampling_row, stop=self.stop, eos_ids=self.eos_ids,
+                       min_new_tokens=self.min_new_tokens, references=self.references,
+                       on_text=lambda _slot, delta: self._text.append(delta), **kw)
+
+
+class Scheduler:
+    """Continuous batching over one `Slots` of `max_batch` rows and `max_len` cache slots
+    (module docstring). metrics: a `metrics.Metrics` (or None); max_waiting: jobs that may
+    wait for a slot before `submit` raises QueueFull; logprobs: build the slots with
+    log-probabilities on (a job may then ask for them)."""
+
+    def __init__(self, engine, tokenizer, strategy=None, *, max_batch: int = 8, max_len: int = 2048,
+                 max_waiting: int = 256, eos_ids=(), logprobs: bool = True, metrics=None,
+                 sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties()):
+        self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
+        self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
+        self.eos_ids, self.logprobs, self.metrics = tuple(eos_ids), logprobs, metrics
+        self.slots = self._new_slots(sampling, penalties)
+        self.max_nodes = self.slots.max_nodes
+        self.waiting: collections.deque = collections.deque()
+        self.running: dict = {}  # slot -> Job
+        self._cond = threading.Condition()
+        self._stop = False
+        self._drain = True
+        self._thread: Optional[threading.Thread] = None
+        self.per_request_sampling: Optional[bool] = None  # learnt from the first insert that needs it
+        self.steps = 0
+        self.errors = 0
+
+    # ------------------------------------------------------------------ public, any thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lookahead-jax-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, jobs: list) -> None:
+        with self._cond:
+            if self._stop:
+                raise ShuttingDown("the server is shutting down")
+            if len(self.waiting) + len(jobs) > self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (at most {self.max_waiting}): "
+                                "retry later")
+            now = time.perf_counter()
+            for j in jobs:
+                j.arrival = now
+            self.waiting.extend(jobs)
+            self._gauges()
+            self._cond.notify()
+
+    def cancel(self, jobs) -> None:
+        """Cancel jobs (a client went away): waiting ones are dropped, running ones freed
+        before the next step."""
+        with self._cond:
+            for j in jobs:
+                j.cancelled = True
+            self._cond.notify()
+
+    def shutdown(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop taking jobs; with `drain`, finish the waiting and running ones first."""
+        with self._cond:
+            self._stop, self._drain = True, drain
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.running and not any(not j.cancelled for j in self.waiting):
+                    self._drop_cancelled_waiting()
+                    self._cond.wait(0.5)
+                if self._stop and (not self._drain or (not self.running and not self.waiting)):
+                    break
+                self._drop_cancelled_waiting()
+            try:
+                self._free_cancelled()
+                self._admit()
+                if self.running:
+                    self._step()
+            except Exception:  # a bug of our own: never take the thread down
+                log.exception("engine loop error: failing the running requests and rebuilding the slots")
+                self._fail_all("internal error in the engine loop", 500)
+        for job in list(self.running.values()) + list(self.waiting):
+            self._finish(job, "abort", error="the server shut down", status=503)
+        self.running.clear()
+        self.waiting.clear()
+
+    def _drop_cancelled_waiting(self) -> None:  # under the lock
+        if any(j.cancelled for j in self.waiting):
+            for j in [j for j in self.waiting if j.cancelled]:
+                self._finish(j, "abort")
+            self.waiting = collections.deque(j for j in self.waiting if not j.cancelled)
+            self._gauges()
+
+    def _free_cancelled(self) -> None:
+        for slot, job in list(self.running.items()):
+            if job.cancelled:
+                self.slots.free(slot)
+                del self.running[slot]
+                self._finish(job, "abort")
+
+    def _admit(self) -> None:
+        """Waiting jobs into free slots, in arrival order (only this thread pops)."""
+        free = self.slots.free_slots
+        batch = []
+        while free:
+            with self._cond:
+                job = self.waiting.popleft() if self.waiting else None
+            if job is None:
+                break
+            if job.cancelled:
+                self._finish(job, "abort")
+                continue
+            st = self.slots.state
+            pen_ok = job.penalties == st.penalties or "penalties" in _REQUEST_FIELDS
+            if job.sampling == st.sampling and job.penalties == st.penalties or \
+                    pen_ok and self.per_request_sampling:
+                batch.append((free.pop(0), job))
+                continue
+            if pen_ok and self.per_request_sampling is None:  # do these slots take it? try it alone
+                try:
+                    if self._insert([(free[0], job)], probe=True):
+                        self.per_request_sampling = True
+                    free = [s for s in self.slots.free_slots if s not in {b for b, _ in batch}]
+                    continue
+                except _NeedsOwnSlots:
+                    self.per_request_sampling = False
+            if self.running or batch:  # FIFO: it waits until the batch drains
+                with self._cond:
+                    self.waiting.appendleft(job)
+                break
+            self.slots = self._new_slots(job.sampling, job.penalties)
+            free = self.slots.free_slots
+            batch.append((free.pop(0), job))
+        with self._cond:
+            self._gauges()
+        for item in batch:  # one prefill each: fewer shapes to compile than blocks of 1..max_batch rows
+            self._insert([item])
+
+    def _insert(self, batch: list, probe: bool = False) -> bool:
+        slots = [s for s, _ in batch]
+        jobs = [j for _, j in batch]
+        t0 = time.perf_counter()
+        try:
+            events = self.slots.insert(slots, [j.request() for j in jobs])
+        except Exception as e:
+            if probe and isinstance(e, ValueError) and "of its own" in str(e):
+                raise _NeedsOwnSlots() from e
+            self._clear(slots)
+            if len(batch) > 1:  # find the culprit: each alone
+                for item in batch:
+                    self._insert([item])
+                return True
+            bad = isinstance(e, ValueError)
+            if not bad:
+                log.exception("insert failed")
+                self.errors += 1
+            self._finish(jobs[0], "error", error=str(e) if bad else f"internal error: {type(e).__name__}: {e}",
+                         status=400 if bad else 500)
+            return False
+        if self.metrics is not None:
+            for j in jobs:
+                self.metrics.admitted(j, t0)
+        for s, j in batch:
+            self.running[s] = j
+        self._deliver(events)
+        return True
+
+    def _clear(self, slots) -> None:
+        for s in slots:
+            if s not in self.slots.free_slots:
+                try:
+                    self.slots.free(s)
+                except Exception:
+                    self._rebuild()
+                    return
+
+    def _step(self) -> None:
+        try:
+            events = self.slots.step()
+        except Exception as e:
+            log.exception("step failed: failing its %d requests", len(self.running))
+            self.errors += 1
+            self._fail_all(f"internal error in the decode step: {type(e).__name__}: {e}", 500)
+            return
+        self.steps += 1
+        result = getattr(self.slots, "last_step", None)
+        if self.metrics is not None and result is not None and result.drafted is not None:
+            self.metrics.speculation(result, [s for s, j in self.running.items() if j.strategy is None])
+        self._deliver(events)
+
+    def _deliver(self, events) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            job = self.running.get(ev.slot)
+            if job is None:
+                continue
+            row = self.slots.row(ev.slot)
+            lps = None
+            if job.logprobs and row.logprobs is not None and ev.tokens:
+                lps = row.logprobs[len(row.ids) - len(ev.tokens):len(row.ids)]
+            text = "".join(job._text)
+            job._text.clear()
+            if ev.tokens and self.metrics is not None:
+                self.metrics.tokens(job, len(ev.tokens), now)
+            if ev.tokens:
+                job.t_first = job.t_first or now
+                job.t_last = now
+            job.n_out += len(ev.tokens)
+            if ev.finish:
+                self.slots.free(ev.slot)
+                del self.running[ev.slot]
+            if ev.tokens or text or ev.finish:
+                job.sink(Output(job.index, list(ev.tokens), text, lps))
+            if ev.finish:
+                self._finish(job, ev.finish)
+
+    def _finish(self, job: Job, reason: str, error: Optional[str] = None, status: int = 200) -> None:
+        if job.done:
+            return
+        job.done = True
+        if self.metrics is not None:
+            self.metrics.finished(job, reason)
+        try:
+            job.sink(Output(job.index, [], "", None, reason, error, status))
+        except Exception:  # a sink whose loop has gone (shutdown): nothing to tell
+            log.debug("sink failed", exc_info=True)
+
+    def _fail_all(self, message: str, status: int) -> None:
+        jobs = list(self.running.values())
+        self._rebuild()  # the cache may be half-written (and donated): fresh slots before answering
+        for job in jobs:
+            self._finish(job, "error", error=message, status=status)
+
+    def rebuild(self) -> None:
+        """Fresh slots (and drafter) between loads, e.g. a benchmark's warm-up and its
+        measurement; only while idle."""
+        with self._cond:
+            if self.running or self.waiting:
+                raise RuntimeError("rebuild() needs an idle scheduler")
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        st = self.slots.state
+        self.slots = self._new_slots(st.sampling, st.penalties)
+        self.running.clear()
+
+    def _new_slots(self, sampling: SamplingParams, penalties: Penalties) -> Slots:
+        old = getattr(self, "slots", None)
+        if old is not None and old.drafter is not None:
+            old.drafter.end()
+        return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
+                     sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids)
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue(len(self.running), len(self.waiting))
+
+
+class _NeedsOwnSlots(Exception):
+    pass

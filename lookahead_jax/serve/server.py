@@ -1,0 +1,69 @@
+"""Building a server from a configuration (`make_server`) and running it under uvicorn
+(`run`); `__main__` parses the command line into a `ServeConfig`, and tests and the
+benchmark call the same functions."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+log = logging.getLogger("lookahead_jax.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    strategy: str = "greedy"
+    strategy_options: tuple = ()  # (name, value) pairs: the strategy's fields (decoding_length=7, ...)
+    max_batch: int = 8
+    max_len: int = 2048
+    max_waiting: int = 256
+    logprobs: bool = True
+    dtype: str = "float32"
+    served_model_name: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+def make_server(cfg: ServeConfig, model=None, tokenizer=None):
+    """A `Server` (its scheduler not yet started: the app's lifespan starts it). `model` /
+    `tokenizer`: already loaded ones (tests), else `load(cfg.model)`."""
+    from ..core.engine import engine_for
+    from ..loading import load
+    from ..strategies import resolve
+    from .app import Server
+    from .metrics import Metrics
+    from .scheduler import Scheduler
+
+    if cfg.max_batch < 1 or cfg.max_len < 16 or cfg.max_waiting < 0:
+        raise ValueError("--max-batch must be >= 1, --max-len >= 16 and --max-waiting >= 0")
+    if model is None:
+        model, tokenizer = load(cfg.model, cfg.dtype)
+    engine = engine_for(model)
+    strategy = resolve(cfg.strategy, **dict(cfg.strategy_options))
+    strategy = None if strategy.drafter(engine) is None and not strategy.runs_own_loop else strategy
+    if strategy is not None and strategy.runs_own_loop:
+        raise ValueError(f"strategy {cfg.strategy!r} drives its own decode loop (retrieval between steps) and "
+                         "cannot share continuous batches: serve greedy, lookahead or specinfer")
+    name = cfg.served_model_name or cfg.model
+    metrics = Metrics(name)
+    eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
+    sched = Scheduler(engine, tokenizer, strategy, max_batch=cfg.max_batch, max_len=cfg.max_len,
+                      max_waiting=cfg.max_waiting, eos_ids=eos, logprobs=cfg.logprobs, metrics=metrics)
+    server = Server(sched, tokenizer, name, metrics, vocab=int(engine.config.vocab_size),
+                    max_position=int(engine.config.max_position))
+    server.model = model  # the engine holds its model weakly
+    return server
+
+
+def run(cfg: ServeConfig, server=None) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM: uvicorn stops accepting, open requests
+    finish, then the engine thread drains and stops)."""
+    import uvicorn
+
+    from .app import build_app
+
+    server = server or make_server(cfg)
+    uvicorn.run(build_app(server), host=cfg.host, port=cfg.port, log_level="info",
+                timeout_graceful_shutdown=60)
