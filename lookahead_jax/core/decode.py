@@ -183,6 +183,8 @@ class DecodeState:
         sampled = [p for p in live if not p.greedy]
         if not sampled:
             return None
+        if self.row_sampling_values is None:  # (a state built without set_row_values)
+            self.set_row_values(np.asarray)
         vals = self.row_sampling_values
         if rows is not None:
             vals = jax.tree.map(lambda x: np.asarray(x)[np.asarray(rows)], vals)
@@ -195,6 +197,8 @@ class DecodeState:
         used = [p for p in live if p.on]
         if not used:
             return None
+        if self.row_penalty_values is None:
+            self.set_row_values(np.asarray)
         return dataclasses.replace(self.row_penalty_values, uses_context=any(p.uses_context for p in used),
                                    uses_counts=any(p.uses_counts for p in used))
 

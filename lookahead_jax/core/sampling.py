@@ -24,7 +24,7 @@ penalty (`tests/test_row_sampling.py`), so a row's tokens are those it gives alo
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
