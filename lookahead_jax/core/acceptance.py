@@ -5,12 +5,16 @@ A rule is a frozen (hashable) dataclass, a static argument of the one verify ste
 the deepest accepted node `best` and the `bonus` token sampled after it:
 
     rule(logits [B,1+T,V], tokens, parent, depth, anc, positions, seed, row,
-         draft_probs=None) -> (best [B], bonus [B])
+         draft_probs=None, sampling=None) -> (best [B], bonus [B])
 
 The verify step turns that into the emitted tokens (the drafted tokens on the path root
 -> best, then the bonus) and the K/V compaction, so every rule shares one verify step and
 every drafter shares every rule. `draft_probs` ([B,1+T,V], the distribution each node was
 drawn from) is optional: None means deterministic drafts (one-hot), as the trie's.
+`sampling`: each row's values (`sampling.RowSampling`, or a static `SamplingParams`);
+the verify step always passes it (greedy `SamplingParams()` when every row is greedy),
+so a rule's own `sampling` field is only the default of a direct call: it is not
+compared or hashed, and rules that differ only in it share one compiled step.
 
 `TokenMatch` (this module) is exact for greedy decoding and for position-keyed sampling:
 at every node it picks the token plain decoding would pick there (argmax, or the sample
@@ -32,19 +36,23 @@ import jax
 import jax.numpy as jnp
 
 from .drafts import depths
-from .sampling import SamplingParams, filter_logits, position_keys, select_tokens
+from .sampling import RowSampling, SamplingParams, filter_logits, position_keys, select_tokens
+
+GREEDY = SamplingParams()
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenMatch:
     """Accept a node iff its token is the model's own pick at its parent (and so is every
-    ancestor's). Identical output to plain decoding with the same `sampling` and seed."""
+    ancestor's). Identical output to plain decoding with the same sampling and seed (each
+    row's own: `sampling=` of the call, else the field)."""
 
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = dataclasses.field(default=GREEDY, compare=False)
 
-    def __call__(self, logits, tokens, parent, depth, anc, positions, seed, row, draft_probs=None):
+    def __call__(self, logits, tokens, parent, depth, anc, positions, seed, row, draft_probs=None, sampling=None):
         T1 = tokens.shape[1]
-        choice = select_tokens(logits, self.sampling, seed, row, positions + 1)  # [B,1+T]
+        sp = self.sampling if sampling is None else sampling
+        choice = select_tokens(logits, sp, seed, row, positions + 1)  # [B,1+T]
         if T1 == 1:  # plain decoding: the root's pick
             return jnp.zeros(tokens.shape[:1], jnp.int32), choice[:, 0]
         parent_choice = jnp.take_along_axis(choice, jnp.clip(parent, 0, T1 - 1), axis=1)
@@ -121,21 +129,30 @@ class SpecSampling:
         bonus ~ p: token 2.
     P(token 0 first) = P(a drawn first) * 1/3 = .6/3 = .2 = p(0), as it must be.
 
+    Per row (`sampling=` a `RowSampling`): a greedy row (temperature 0) is `TokenMatch`'s
+    argmax, the others walk with their own filtered target.
+
     Randomness: the uniform of block node c is keyed by (seed, row, the root's position,
     SALT_ACCEPT, c), the bonus by (..., SALT_BONUS): a pure function of the state, fresh at
     every step (each step has its own root position), independent of the draft's keys.
     """
 
-    sampling: SamplingParams = SamplingParams(temperature=1.0)
+    sampling: SamplingParams = dataclasses.field(default=SamplingParams(temperature=1.0), compare=False)
 
-    def __call__(self, logits, tokens, parent, depth, anc, positions, seed, row, draft_probs=None):
-        if self.sampling.greedy:
-            return TokenMatch(self.sampling)(logits, tokens, parent, depth, anc, positions, seed, row)
+    def __call__(self, logits, tokens, parent, depth, anc, positions, seed, row, draft_probs=None, sampling=None):
+        sp = self.sampling if sampling is None else sampling
+        match = (logits, tokens, parent, depth, anc, positions, seed, row)
+        if isinstance(sp, SamplingParams) and sp.greedy:
+            return TokenMatch()(*match, sampling=GREEDY)
         B, T1 = tokens.shape
-        p_all = jax.nn.softmax(filter_logits(logits, self.sampling), axis=-1)  # [B,1+T,V]
+        p_all = jax.nn.softmax(filter_logits(logits, sp), axis=-1)  # [B,1+T,V]
         q_all = jnp.zeros_like(p_all) if draft_probs is None else draft_probs.astype(jnp.float32)
         step_keys = position_keys(seed, row, positions[:, :1])[:, 0]  # [B,2]
         best, bonus = jax.vmap(lambda *a: _walk(self, *a))(p_all, q_all, tokens, parent, step_keys)
+        if isinstance(sp, RowSampling):  # greedy rows: the argmax match, as alone
+            g_best, g_bonus = TokenMatch()(*match, sampling=GREEDY)
+            sampled = sp.temperature > 0  # [B]
+            best, bonus = jnp.where(sampled, best, g_best), jnp.where(sampled, bonus, g_bonus)
         return best, bonus
 
     # the two updates after a rejection (methods, so that a test can break one of them)

@@ -4,9 +4,10 @@
     decode(engine, state, drafter, rule, budget)    # draft -> verify -> commit, until done
 
 `DecodeState` is everything about one batch in flight: per row the prompt, the verified
-generated ids, the finish reason and its text (`RowState`); the KV cache; the root of
-every row (its last emitted token, not yet in the cache); the committed cache length
-(host mirror of `cache.length`). Invariant per row: cache slots 0..length-1 hold
+generated ids, the finish reason and its text (`RowState`), its sampling parameters and
+penalties (host values on the row, arrays on device: `set_row_values`); the KV cache; the
+root of every row (its last emitted token, not yet in the cache); the committed cache
+length (host mirror of `cache.length`). Invariant per row: cache slots 0..length-1 hold
 `context[:length]` and `root = context[length]`, where context = prompt + generated.
 
 State edits for outer loops (retrieval-augmented decoding, chunked prefill):
@@ -46,7 +47,7 @@ from .acceptance import TokenMatch
 from .budget import FixedBudget
 from .drafts import DraftBatch
 from .rows import RowState
-from .sampling import Penalties, SamplingParams
+from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
 from .verify import window_for
 
 # prompt lengths are padded to these (one prefill compilation each); steps of 1.5x above
@@ -123,7 +124,7 @@ class DecodeState:
     root: np.ndarray  # [B] int32 last emitted token of each row (not yet in the cache)
     seeds: object  # [B] uint32 (device)
     rowids: object  # [B] int32 sampling row of each row (device)
-    sampling: SamplingParams
+    sampling: SamplingParams  # the rows' default (a row's own: RowState.sampling)
     max_len: int  # cache slots S
     # options every step applies alike (verify.py): min_new_tokens bans `ban` (EOS + stop
     # ids) until that many tokens are out; logprobs returns each emitted token's
@@ -132,8 +133,11 @@ class DecodeState:
     min_new: int = 0
     ban: tuple = ()
     logprobs: bool = False
-    penalties: Penalties = Penalties()
+    penalties: Penalties = Penalties()  # the rows' default (a row's own: RowState.penalties)
     vocab: int = 0
+    # every row's sampling values and penalties as device arrays (`set_row_values`)
+    row_sampling_values: Optional[RowSampling] = None
+    row_penalty_values: Optional[RowPenalties] = None
     # bookkeeping of the call (wall times exclude compilation)
     steps: int = 0
     tree_sizes: list = dataclasses.field(default_factory=list)
@@ -155,6 +159,50 @@ class DecodeState:
         """Prompt + generated ids of row b (its last token is the root)."""
         return self.rows[b].prompt_ids + self.rows[b].ids
 
+    def sampling_of(self, b: int) -> SamplingParams:
+        s = self.rows[b].sampling
+        return self.sampling if s is None else s
+
+    def penalties_of(self, b: int) -> Penalties:
+        p = self.rows[b].penalties
+        return self.penalties if p is None else p
+
+    def set_row_values(self, put) -> None:
+        """Every row's sampling values and penalties (its own, else the defaults) onto the
+        device (`put`, e.g. `Engine.put`): after prefill, and when requests enter rows."""
+        B = self.batch
+        self.row_sampling_values = RowSampling.of([self.sampling_of(b) for b in range(B)], put=put)
+        self.row_penalty_values = RowPenalties.of([self.penalties_of(b) for b in range(B)], put=put)
+
+    def row_sampling(self, rows=None) -> Optional[RowSampling]:
+        """Each row's sampling for a step over `rows` (default: the batch; a list: a block
+        of those rows only, host arrays): None when every live one of them is greedy (the
+        argmax path), else their values with the mode (`filter`) of the live sampled ones.
+        Values are arrays: changing them never recompiles; the mode does (3 variants)."""
+        idx = range(self.batch) if rows is None else rows
+        live = [self.sampling_of(b) for b in idx if self.rows[b].finish is None]
+        sampled = [p for p in live if not p.greedy]
+        if not sampled:
+            return None
+        if self.row_sampling_values is None:  # (a state built without set_row_values)
+            self.set_row_values(np.asarray)
+        vals = self.row_sampling_values
+        if rows is not None:
+            vals = jax.tree.map(lambda x: np.asarray(x)[np.asarray(rows)], vals)
+        return dataclasses.replace(vals, filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+
+    def row_penalties(self) -> Optional[RowPenalties]:
+        """Each row's penalties for a step (None: no live row has any); static only which
+        of `seen` / `counts` some live row needs."""
+        live = [self.penalties_of(b) for b in range(self.batch) if self.rows[b].finish is None]
+        used = [p for p in live if p.on]
+        if not used:
+            return None
+        if self.row_penalty_values is None:
+            self.set_row_values(np.asarray)
+        return dataclasses.replace(self.row_penalty_values, uses_context=any(p.uses_context for p in used),
+                                   uses_counts=any(p.uses_counts for p in used))
+
     def step_options(self) -> dict:
         """Keyword arguments of `Engine.verify` / `Engine.extend` for the options (none
         when off: the plain executables). suppress[b]: the position below which a token's
@@ -162,13 +210,13 @@ class DecodeState:
         row's context as it stands (prompt + generated, its last token the root or the last
         token an extend forwards), recounted every step, so rollback / replace_prompt /
         extend need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t
-        occurs in the generated ids."""
+        occurs in the generated ids. Penalties are each row's (`row_penalties`)."""
         opts = {}
         if self.ban and any(r.min_new for r in self.rows):
             opts.update(suppress=np.array([len(r.prompt_ids) + r.min_new - 1 for r in self.rows], np.int32),
                         ban=self.ban)
-        pen = self.penalties
-        if pen.on:
+        pen = self.row_penalties()
+        if pen is not None:
             B, V = self.batch, self.vocab
             opts["penalties"] = pen
             if pen.uses_context:
@@ -228,6 +276,7 @@ def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: 
         r.min_new = state.min_new
         if logprobs:
             r.logprobs = []
+    state.set_row_values(engine.put)
     state.t_start = time.perf_counter()
     forward_rows(engine, state, list(range(B)), emit=emit)
     state.prefill_s = state.elapsed()  # time to the first token (emit=False: to the prompt's end)
@@ -298,16 +347,19 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
         window = P if not start.any() else window_for(int(max(state.lengths[b] + n_new[at[b]] for b in group)), S)
         kw = dict(opts)
         if whole:
-            seeds, rowids = state.seeds, state.rowids
+            seeds, rowids, sampling = state.seeds, state.rowids, state.row_sampling()
         else:
             sel = np.asarray(group, np.int32)
             seeds, rowids = np.asarray(state.seeds)[sel], np.asarray(state.rowids)[sel]
+            sampling = state.row_sampling(group)
             kw["sel"] = sel
             for k in ("suppress", "seen", "counts"):  # per-row options: the group's rows
                 if k in kw:
                     kw[k] = kw[k][sel]
+            if "penalties" in kw:
+                kw["penalties"] = jax.tree.map(lambda x: np.asarray(x)[sel], kw["penalties"])
         out, state.cache, _, _ = _timed(engine, state, lambda: engine.extend(
-            state.cache, block, n_new, seeds, rowids, sampling=state.sampling, window=window,
+            state.cache, block, n_new, seeds, rowids, sampling=sampling, window=window,
             emit=emit, **kw))
         for b in group:
             nxt_all[b] = out.tokens[at[b]]
@@ -486,9 +538,10 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     state.host_s += time.perf_counter() - h0
     state.tree_sizes.append(T)
     opts = state.step_options()
+    sampling = state.row_sampling()
     out, state.cache, seconds, compiled = _timed(engine, state, lambda: engine.verify(
         state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
-        draft_probs=probs, **opts))
+        draft_probs=probs, sampling=sampling, **opts))
     emitted, n_emit, path, lps = out.tokens, out.n, out.path, out.logprobs
     h0 = time.perf_counter()
     if not compiled:  # real step times correct the calibration

@@ -67,7 +67,7 @@ class Engine:
         self.name = getattr(model, "name", "")
         self.mesh = mesh
         self.compiled = CompiledFunctions()
-        self.verify_costs: dict = {}  # (rule, B, S, T, window) -> seconds
+        self.verify_costs: dict = {}  # (rule, sampling mode, B, S, T, window) -> seconds
         self.step_times: dict = {}  # (rule, B, S) -> budget.StepTimes
         self.stores = Stores()  # what outlives requests (tries, statistics, draft engines, KNN-LM index)
         self._placed: Optional[tuple] = None  # (source leaves, params as the steps take them)
@@ -228,20 +228,32 @@ class Engine:
             self._mesh_steps[jkey] = fn
         return fn, {}
 
-    def _options(self, args: tuple, static: dict, optional: list, suppress, ban, penalties, seen, counts):
-        """Append the optional step arguments (`optional`: those before suppress, e.g.
-        draft_probs) and their static companions; trailing absent ones are left out, so
-        with every option off the call is exactly the plain one."""
-        optional = list(optional)
+    def _options(self, args: tuple, static: dict, before: list, suppress, ban, penalties, seen, counts,
+                 after: list = ()):
+        """Append the optional step arguments in the step's order (`before`: those before
+        suppress, e.g. draft_probs; then suppress, seen, counts; `after`: e.g. sel and each
+        row's sampling; last each row's penalties) and their static companions. Penalties
+        are one static `Penalties` or each row's `RowPenalties` (an argument). Trailing
+        absent ones are left out, so with every option off the call is exactly the plain one."""
+        from .sampling import RowPenalties
+
+        optional = list(before)
         if suppress is not None and ban:
             optional.append(self.arg(np.asarray(suppress, np.int32)))
             static["ban"] = tuple(int(t) for t in ban)
         else:
             optional.append(None)
+        row_pen = None
         if penalties is not None and penalties.on:
             optional += [self.arg(np.asarray(seen, bool)) if penalties.uses_context else None,
                          self.arg(np.asarray(counts, np.int32)) if penalties.uses_counts else None]
-            static["penalties"] = penalties
+            if isinstance(penalties, RowPenalties):
+                row_pen = penalties
+            else:
+                static["penalties"] = penalties
+        else:
+            optional += [None, None]
+        optional += list(after) + [row_pen]
         while optional and optional[-1] is None:
             optional.pop()
         return args + tuple(optional)
@@ -250,18 +262,23 @@ class Engine:
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
                counts=None, sel=None, hidden: bool = False, top_logprobs: int = 0):
         """`verify.extend_step` through the compiled-function table (name "prefill"): returns
-        (`verify.ExtendOut`, cache). suppress [B] / ban (min_new_tokens), penalties with seen
-        [B,V] / counts [B,V], logprobs, hidden and top_logprobs: see `verify.py`; off by
-        default (the same executable as without them).
+        (`verify.ExtendOut`, cache). sampling: a static `SamplingParams`, or each row's
+        `RowSampling` (an argument; None: every row greedy). suppress [B] / ban
+        (min_new_tokens), penalties (`Penalties` or `RowPenalties`) with seen [B,V] / counts
+        [B,V], logprobs, hidden and top_logprobs: see `verify.py`; off by default (the same
+        executable as without them).
         sel [G]: only these cache rows (the per-row arguments then have G rows; see
         `verify.extend_step`)."""
+        from .sampling import SamplingParams
         from .verify import jitted_extend
 
+        row_sampling = None
+        if not isinstance(sampling, SamplingParams):  # each row's values (or None: all greedy)
+            row_sampling, sampling = sampling, SamplingParams()
         args = (self.params, cache, self.arg(tokens), self.arg(n_new), seeds, rows)
         static = dict(window=window, emit=emit)
-        args = self._options(args, static, [], suppress, ban, penalties, seen, counts)
-        if sel is not None:  # after suppress, seen, counts (absent ones as None)
-            args += (None,) * (9 - len(args)) + (self.arg(np.asarray(sel, np.int32)),)
+        args = self._options(args, static, [], suppress, ban, penalties, seen, counts,
+                             [None if sel is None else self.arg(np.asarray(sel, np.int32)), row_sampling])
         static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
         if top_logprobs:
             static["top_logprobs"] = int(top_logprobs)
@@ -270,10 +287,11 @@ class Engine:
 
     def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, hidden: bool = False, top_logprobs: int = 0):
+               counts=None, hidden: bool = False, top_logprobs: int = 0, sampling=None):
         """`verify.verify_step` on a packed `tree.VerifyBlock`: returns (`verify.VerifyOut`,
-        cache). suppress / ban, penalties / seen / counts, logprobs, hidden, top_logprobs: see
-        `verify.py`; off by default."""
+        cache). sampling: each row's `RowSampling` (None: every row greedy). suppress / ban,
+        penalties / seen / counts, logprobs, hidden, top_logprobs: see `verify.py`; off by
+        default."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
@@ -282,7 +300,7 @@ class Engine:
         probs = None
         if draft_probs is not None:
             probs = draft_probs if isinstance(draft_probs, jax.Array) else self.arg(draft_probs)
-        args = self._options(args, static, [probs], suppress, ban, penalties, seen, counts)
+        args = self._options(args, static, [probs], suppress, ban, penalties, seen, counts, [sampling])
         static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
         if top_logprobs:
             static["top_logprobs"] = int(top_logprobs)
@@ -304,11 +322,19 @@ class Engine:
         from .tree import pack, with_root
         from .verify import window_for
 
+        from .sampling import RowSampling, SamplingParams
+
+        # the rule's own sampling as every row's (rules compare equal whatever their values:
+        # the mode is part of the key)
+        sp = getattr(rule, "sampling", None)
+        sampled = isinstance(sp, SamplingParams) and not sp.greedy
+        sampling = RowSampling.of([sp] * B, put=self.put) if sampled else None
+        mode = None if sampling is None else sampling.filter
         todo, keys = {}, {}
         for T in buckets:
             L = min(S // 2 if length is None else length, S - 1 - T)
             window = window_for(L + 1 + T, S)
-            key = keys[T] = (rule, B, S, T, window)
+            key = keys[T] = (rule, mode, B, S, T, window)
             if key not in self.verify_costs:
                 chain = Draft([0] * T, list(range(-1, T - 1)))
                 todo[key] = (T, L, window, with_root(pack([chain] * B, T), np.zeros(B, np.int32)))
@@ -321,7 +347,7 @@ class Engine:
                 for key, (T, L, window, blk) in todo.items():
                     cache = cache.replace(length=self.put(np.full(B, L, np.int32)))
                     t0 = time.perf_counter()
-                    res = self.verify(cache, blk, active, seeds, rows, rule=rule, window=window)
+                    res = self.verify(cache, blk, active, seeds, rows, rule=rule, window=window, sampling=sampling)
                     jax.block_until_ready(res)
                     if r:
                         times[key].append(time.perf_counter() - t0)

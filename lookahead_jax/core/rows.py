@@ -54,6 +54,8 @@ class RowState:
         self.ids: list = []
         self.logprobs: Optional[list] = None  # per generated id, when asked for (DecodeState.logprobs)
         self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
+        # the row's own SamplingParams / Penalties (None: the batch's; DecodeState.set_row_values)
+        self.sampling = self.penalties = None
         self.finish: Optional[str] = None
         self.steps = 0
         self.retrieval: Optional[dict] = None  # a retrieval strategy's record of the request (Slots.free)

@@ -8,14 +8,27 @@ the token being produced):
 so any decoder that evaluates the model at the same prefix draws the same token: plain
 decoding, tree verification (which samples at every tree node in parallel) and, later,
 draft-model speculation all reproduce each other token for token.
+
+Per-row values: `SamplingParams` and `Penalties` are one request's values (static where a
+step compiles one set in, e.g. `generate`'s defaults, knnlm's step). The decode state
+passes each row's own values as arrays (`RowSampling`, `RowPenalties`: jit arguments, so
+values never recompile); static in them is only the *mode*: which filters some row uses
+(one sort over the vocabulary for top-k / top-p) and which penalty arrays are needed. A
+batch whose rows are all greedy passes no `RowSampling` (the argmax path, no sort), and
+no `RowPenalties` without penalties: the same executables as before per-row values. A
+greedy row of a sampling batch still takes the argmax, and a row with top_k 0 / top_p 1
+/ repetition 1 / presence 0 / frequency 0 is computed exactly as without that filter or
+penalty (`tests/test_row_sampling.py`), so a row's tokens are those it gives alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..models import cpu_kernels
 
@@ -81,8 +94,68 @@ class Penalties:
         return self.presence != 0.0 or self.frequency != 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Each row's sampling values as arrays [B] (a pytree: a jit argument whose values
+    never recompile). Static (its treedef, part of the compiled step) is only `filter`:
+    some sampled row uses top-k or top-p (one descending sort over the vocabulary).
+    temperature 0 = a greedy row (the argmax), top_k 0 / top_p 1 = that filter off."""
+
+    temperature: jax.Array  # [B] f32
+    top_k: jax.Array  # [B] int32
+    top_p: jax.Array  # [B] f32
+    filter: bool = True
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], put=np.asarray) -> "RowSampling":
+        """The rows' values (`put` places the arrays, e.g. `Engine.put`); `filter` as
+        some sampled row needs it."""
+        return RowSampling(put(np.array([p.temperature for p in params], np.float32)),
+                           put(np.array([p.top_k for p in params], np.int32)),
+                           put(np.array([p.top_p for p in params], np.float32)),
+                           filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPenalties:
+    """Each row's penalties as arrays [B] (a pytree, as `RowSampling`); static are only
+    `uses_context` / `uses_counts` (some row needs `seen` / `counts`). A row with
+    repetition 1, presence 0 and frequency 0 is left exactly as it is."""
+
+    repetition: jax.Array  # [B] f32
+    presence: jax.Array  # [B] f32
+    frequency: jax.Array  # [B] f32
+    uses_context: bool = False
+    uses_counts: bool = False
+
+    @property
+    def on(self) -> bool:
+        return self.uses_context or self.uses_counts
+
+    @staticmethod
+    def of(pens: Sequence[Penalties], put=np.asarray) -> "RowPenalties":
+        """The rows' penalties (`put` places the arrays); the flags as the rows need them."""
+        return RowPenalties(*(put(np.array([getattr(p, f) for p in pens], np.float32))
+                              for f in ("repetition", "presence", "frequency")),
+                            uses_context=any(p.uses_context for p in pens),
+                            uses_counts=any(p.uses_counts for p in pens))
+
+
+for _cls, _data, _meta in ((RowSampling, ["temperature", "top_k", "top_p"], ["filter"]),
+                           (RowPenalties, ["repetition", "presence", "frequency"], ["uses_context", "uses_counts"])):
+    jax.tree_util.register_dataclass(_cls, data_fields=_data, meta_fields=_meta)
+
+
+def _per_row(x, like):
+    """A python number as is; a per-row array [B] as [B,1,..] against `like` [B,...]."""
+    if isinstance(x, (int, float)):
+        return x
+    return x.reshape(x.shape + (1,) * (like.ndim - 1))
+
+
 def penalize(logits, pen, seen=None, counts=None, path=None):
-    """logits [B,T,V] with the penalties `pen` applied (unchanged when pen is None / off).
+    """logits [B,T,V] with the penalties `pen` (`Penalties`, or each row's: `RowPenalties`)
+    applied (unchanged when pen is None / off).
 
     seen [B,V] bool: the ids of each row's context up to the block's root (root included);
     counts [B,V] int32: each id's count among the row's generated ids up to the root;
@@ -93,11 +166,12 @@ def penalize(logits, pen, seen=None, counts=None, path=None):
         return logits
     if pen.uses_context:
         hit = seen[:, None, :] if path is None else seen[:, None, :] | (path > 0)  # [B,T,V]
-        r = jnp.asarray(pen.repetition, logits.dtype)
+        r = jnp.asarray(_per_row(pen.repetition, logits), logits.dtype)
         logits = jnp.where(hit, jnp.where(logits > 0, logits / r, logits * r), logits)
     if pen.uses_counts:
         c = counts[:, None, :] if path is None else counts[:, None, :] + path  # [B,T,V]
-        sub = pen.frequency * c.astype(jnp.float32) + pen.presence * (c > 0).astype(jnp.float32)
+        freq, pres = _per_row(pen.frequency, c), _per_row(pen.presence, c)
+        sub = freq * c.astype(jnp.float32) + pres * (c > 0).astype(jnp.float32)
         logits = logits - sub.astype(logits.dtype)
     return logits
 
@@ -117,8 +191,12 @@ def position_keys(seed, row, position):
     return jax.vmap(per_row)(seed, row, position)
 
 
-def filter_logits(logits, sp: SamplingParams):
-    """Temperature, top-k, top-p applied to logits [..., V] (f32); returns filtered logits."""
+def filter_logits(logits, sp):
+    """Temperature, top-k, top-p applied to logits [..., V] (f32); returns filtered logits.
+    sp: `SamplingParams` (static), or `RowSampling` (logits [B,...,V], each row its own;
+    a greedy row is divided by 1)."""
+    if isinstance(sp, RowSampling):
+        return _filter_rows(logits, sp)
     logits = logits.astype(jnp.float32) / sp.temperature
     neg = jnp.finfo(jnp.float32).min
     if sp.top_k > 0 and sp.top_k < logits.shape[-1]:
@@ -135,17 +213,47 @@ def filter_logits(logits, sp: SamplingParams):
     return logits
 
 
-def select_tokens(logits, sp: SamplingParams, seed, row, position):
+def _filter_rows(logits, rs: RowSampling):
+    """`filter_logits` with each row's values: the same operations on the same values as
+    the static path, so a row's filtered logits are bitwise those of its own
+    `SamplingParams`. Top-k without a static k: the k-th largest is read off the
+    descending sort that top-p needs anyway (k 0 or >= V: no cut).
+    # sorted [5, 3, 3, 1], k = 2 -> kth = 3: the ids with 5, 3, 3 stay"""
+    t = _per_row(rs.temperature, logits)
+    logits = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    if not rs.filter:
+        return logits
+    neg = jnp.finfo(jnp.float32).min
+    V = logits.shape[-1]
+    desc = jnp.sort(logits, axis=-1)[..., ::-1]  # [..., V] descending
+    k = _per_row(rs.top_k, logits)  # [B,1,..]
+    kth = jnp.take_along_axis(desc, jnp.broadcast_to(jnp.clip(k - 1, 0, V - 1), desc.shape[:-1] + (1,)), axis=-1)
+    cut_k = (k > 0) & (k < V)
+    logits = jnp.where(cut_k & (logits < kth), neg, logits)
+    desc = jnp.where(cut_k & (desc < kth), neg, desc)  # = the sort of the cut logits
+    top_p = _per_row(rs.top_p, logits)
+    probs = jax.nn.softmax(desc, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    keep = (cum - probs) < top_p  # as the static path; top_p 1 rows are skipped below
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where((top_p < 1.0) & (logits < cutoff), neg, logits)
+
+
+def select_tokens(logits, sp, seed, row, position):
     """Pick the token at each of logits [B, T, V].
 
-    position [B, T] is the absolute position the chosen token will occupy.
-    Greedy ignores seed/row/position.
+    sp: `SamplingParams` (static), `RowSampling` (each row its own; greedy rows take the
+    argmax) or None (every row greedy). position [B, T] is the absolute position the
+    chosen token will occupy. Greedy ignores seed/row/position.
     """
-    if sp.greedy:  # jnp.argmax; on CPU one kernel call (XLA's reduce is slow there)
-        return cpu_kernels.argmax(logits)
+    if sp is None or (isinstance(sp, SamplingParams) and sp.greedy):
+        return cpu_kernels.argmax(logits)  # jnp.argmax; on CPU one kernel call (XLA's reduce is slow there)
     keys = position_keys(seed, row, position)  # [B,T,2]
     filtered = filter_logits(logits, sp)
     flat_k = keys.reshape(-1, keys.shape[-1])
     flat_l = filtered.reshape(-1, filtered.shape[-1])
     toks = jax.vmap(jax.random.categorical)(flat_k, flat_l)
-    return toks.reshape(logits.shape[:-1]).astype(jnp.int32)
+    toks = toks.reshape(logits.shape[:-1]).astype(jnp.int32)
+    if isinstance(sp, RowSampling):  # greedy rows: the argmax, exactly as alone
+        toks = jnp.where(_per_row(sp.temperature, toks) > 0, toks, cpu_kernels.argmax(logits))
+    return toks

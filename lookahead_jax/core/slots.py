@@ -17,11 +17,18 @@ drafter's per-row state (`Drafter.begin(..., rows=)` / `end(rows=)`); what outli
 requests (the lookahead trie and its acceptance statistics, draft engines) lives in the
 engine's stores, as for `generate`.
 
-What one verify step compiles in is shared by the slots: the sampling parameters, the
-penalties, the acceptance rule, whether log-probabilities are returned, the ids that
-`min_new_tokens` bans. A request asking for other values of these gets a clear error (run
-it on `Slots` of its own). A request's strategy is the slots' strategy, or plain decoding
-(a strategy without a drafter, e.g. `Greedy()`: its rows simply get no drafts), so
+Each request brings its own sampling parameters and penalties (`Request.sampling`,
+`Request.penalties`; None: the slots' defaults): they reach the step as per-row arrays
+(`sampling.RowSampling`, `RowPenalties`), so greedy, sampled (any temperature / top-k /
+top-p / seed) and penalized requests share one batch and values never recompile; only the
+mode is compiled in (some row samples, some row filters, which penalties some row needs:
+a few variants), and a batch of greedy rows keeps the argmax step. What one verify step
+compiles in is shared by the slots: the acceptance rule, whether log-probabilities are
+returned, the ids that `min_new_tokens` bans; and a retrieval run (below) decodes with
+the slots' sampling and penalties. A request asking for other values of these gets a
+clear error (run it on `Slots` of its own). A request's strategy is the slots' strategy,
+or plain decoding (a strategy without a drafter, e.g. `Greedy()`: its rows simply get no
+drafts), so
 greedy and lookahead (or SpecInfer) requests share one batch. A strategy that drives the
 loop itself (retrieval between verify steps: ralm, ralmspec, knnlm) brings a `Run`
 (`strategies.base.Run`) over the slots: `insert` hands it the entering requests (it
@@ -31,8 +38,9 @@ only tokens no later turn can change (a retrieval may roll a row back: those tok
 held until verified), so a stream never has to take text back.
 
 A request's tokens do not depend on the other slots: a row's logits do not depend on the
-other rows of a forward, and its sampling key is (seed, sampling row, position), so a
-request inserted mid-decode gives the tokens it gives alone (tested).
+other rows of a forward, its sampling key is (seed, sampling row, position), and its
+filters and penalties are its own, so a request inserted mid-decode gives the tokens it
+gives alone (tests/test_slots.py, tests/test_row_sampling.py).
 """
 
 from __future__ import annotations
@@ -58,7 +66,8 @@ class Request:
     """One generation request, prompt already encoded.
 
     strategy: None (the slots' strategy) or a strategy object: the slots' own, or one
-    without a drafter (plain decoding). sampling_row: the row of the sampling key (default:
+    without a drafter (plain decoding). sampling / penalties: the request's own
+    (`SamplingParams`, `Penalties`; None: the slots' defaults). sampling_row: the row of the sampling key (default:
     the slot); `generate` numbers rows across a whole call so batches sample alike.
     eos_ids: token ids that end the request (default: the slots'). references: token-id
     lists whose n-grams seed a drafting strategy's trie (e.g. retrieved passages)."""
@@ -67,6 +76,7 @@ class Request:
     max_new_tokens: int = 128
     strategy: object = None
     sampling: Optional[SamplingParams] = None
+    penalties: Optional[Penalties] = None
     seed: int = 0
     sampling_row: Optional[int] = None
     stop: Sequence[str] = ()
@@ -122,6 +132,7 @@ class Slots:
             seeds=engine.put(np.zeros(n_slots, np.uint32)), rowids=engine.put(np.arange(n_slots, dtype=np.int32)),
             sampling=sampling, max_len=max_len, ban=self.eos_ids, logprobs=bool(logprobs), penalties=penalties,
             vocab=int(engine.config.vocab_size))
+        self.state.set_row_values(engine.put)
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
             drafter = strategy.drafter(engine)
@@ -172,6 +183,7 @@ class Slots:
                            int(req.max_new_tokens), req.on_text)
             row.min_new = int(req.min_new_tokens)
             row.logprobs = [] if st.logprobs else None
+            row.sampling, row.penalties = req.sampling, req.penalties
             st.rows[s] = row
             st.finish_s.pop(s, None)
             self._sent[s] = 0
@@ -190,6 +202,7 @@ class Slots:
         seeds[idx] = [np.uint32(r.seed) for r in requests]
         rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
+        st.set_row_values(self.engine.put)
         forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token)
         # the setup (first insert) and the drafter's start are not decode time, nor is their compilation
         c0, s0, t0 = self.engine.compiled.compile_s, st.compile_s, time.perf_counter()
@@ -265,9 +278,18 @@ class Slots:
             raise ValueError(f"slot {slot} is not in [0, {self.n_slots})")
         if self.state.rows[slot].finish != FREE:
             raise ValueError(f"slot {slot} holds a request: free({slot}) it first")
-        if req.sampling is not None and req.sampling != self.state.sampling:
-            raise ValueError(f"these slots decode with {self.state.sampling}; a request with {req.sampling} "
-                             "needs Slots of its own (sampling parameters are compiled into the step)")
+        if req.sampling is not None and not isinstance(req.sampling, SamplingParams):
+            raise ValueError(f"Request.sampling must be a SamplingParams or None, got {req.sampling!r}")
+        if req.penalties is not None and not isinstance(req.penalties, Penalties):
+            raise ValueError(f"Request.penalties must be a Penalties or None, got {req.penalties!r}")
+        if self.run is not None and ((req.sampling is not None and req.sampling != self.state.sampling) or
+                                     (req.penalties is not None and req.penalties != self.state.penalties)):
+            raise ValueError(f"these slots run strategy {self.strategy.name!r} (retrieval between steps), which "
+                             f"decodes with the slots' sampling {self.state.sampling} and penalties "
+                             f"{self.state.penalties}: a request with others needs Slots of its own")
+        strat = self.strategy if req.strategy is None else req.strategy
+        if req.penalties is not None and req.penalties.on and strat is not None and not strat.supports_penalties:
+            raise ValueError(f"strategy {strat.name!r} does not apply repetition / presence / frequency penalties")
         if self._plain_request(req) and (self.run is not None or req.strategy.runs_own_loop
                                          or req.strategy.drafter(self.engine) is not None):
             only = ("only its own requests" if self.run is not None else "only plain decoding shares them")

@@ -33,7 +33,10 @@ With T = 0 (no drafts) the step is plain decoding: one token per forward.
 
 Options that change a step the same way in plain decoding and in verification, so every
 strategy stays exact with them (all off by default: the step is then unchanged):
-* static `penalties` (`sampling.Penalties`: repetition / presence / frequency) with the
+* each row's sampling values (`sampling.RowSampling`, an argument: None = every row
+  greedy, the argmax path) and penalties (`row_penalties`, `sampling.RowPenalties`; or
+  one static `penalties` for all rows): values are arrays, only their mode is compiled in.
+* penalties (`sampling.Penalties` / `RowPenalties`: repetition / presence / frequency) with the
   row's `seen` [B,V] (ids in the context up to the root) and `counts` [B,V] (generated
   ids up to the root): node i's logits are penalized by its own context, the base plus
   the drafted tokens on its path root -> i (`path_counts`), i.e. by exactly the context
@@ -59,7 +62,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from .acceptance import TokenMatch
+from .acceptance import GREEDY, TokenMatch
 from ..models import KVCache, advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
 from .sampling import Penalties, SamplingParams, penalize, select_tokens
@@ -142,7 +145,8 @@ def top_k_logprobs(logits, k: int):
 
 
 def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
-                draft_probs=None, suppress=None, seen=None, counts=None, *, config: ModelConfig, rule,
+                draft_probs=None, suppress=None, seen=None, counts=None, sampling=None, row_penalties=None,
+                *, config: ModelConfig, rule,
                 window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None,
                 hidden: bool = False, top_logprobs: int = 0):
     """Returns (`VerifyOut`, cache): the emitted tokens, their count and the accepted path;
@@ -151,7 +155,9 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
 
     rule: the acceptance rule (`acceptance.TokenMatch`, ...), static. draft_probs: the
     drafts' distributions for rules that need them (None: deterministic drafts).
-    suppress/ban (min_new_tokens), penalties/seen/counts: see the module docstring. window: static number of
+    sampling: each row's `RowSampling` (None: every row greedy; the rule's own field is not
+    used). suppress/ban (min_new_tokens), penalties or row_penalties, seen/counts: see the
+    module docstring. window: static number of
     cache slots attention reads (0: all). Every active row needs length + 1 + T <= window;
     the decode loop picks it with `window_for`."""
     B, T1 = tokens.shape
@@ -160,13 +166,15 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     mask = tree_mask(length, anc, window or cache.max_len)
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)  # [B,1+T,D]
     raw = logits_from_hidden(params, h, config)  # [B,1+T,V]
-    if penalties is not None and penalties.on:
+    pen = row_penalties if row_penalties is not None else penalties
+    if pen is not None and pen.on:
         path = path_counts(tokens, anc, raw.shape[-1]) if T1 > 1 else None
-        logits = penalize(raw, penalties, seen, counts, path)
+        logits = penalize(raw, pen, seen, counts, path)
     else:
         logits = raw
     logits = banned(logits, positions, suppress, ban)
-    best, bonus = rule(logits, tokens, parent, depth, anc, positions, seed, row, draft_probs)
+    best, bonus = rule(logits, tokens, parent, depth, anc, positions, seed, row, draft_probs,
+                       sampling=GREEDY if sampling is None else sampling)
     active = active.astype(bool)
     n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
     n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
@@ -200,7 +208,8 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
 
 
 def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None,
-                sel=None, *, config: ModelConfig, sampling: SamplingParams, window: int, emit: bool = True,
+                sel=None, row_sampling=None, row_penalties=None, *, config: ModelConfig, sampling: SamplingParams,
+                window: int, emit: bool = True,
                 ban: tuple = (), logprobs: bool = False, penalties: Penalties = None, hidden: bool = False,
                 top_logprobs: int = 0):
     """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
@@ -214,8 +223,9 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     root). With emit=False the last token stays uncommitted (length += n - 1): it is the
     root the next step forwards, as after any decode step. Rows with n_new = 0 are left
     as they are. window: static slots attention reads (>= max(length) + P; a fresh
-    prefill reads only its own P slots). suppress/ban, logprobs, penalties: as in
-    `verify_step`; seen /
+    prefill reads only its own P slots). row_sampling (`RowSampling`): each row's values,
+    instead of the static `sampling`. suppress/ban, logprobs, penalties / row_penalties: as
+    in `verify_step`; seen /
     counts cover the whole context up to the last forwarded token (the token picked here
     follows it). top_logprobs = k: also the top log-probs [B,P,k] and their ids of the
     distribution after every forwarded token (position n_new-1: the one the next token is
@@ -223,10 +233,10 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     prompt (distillation).
 
     sel [G] (optional): the block is for cache rows `sel` only; every per-row argument
-    (tokens, n_new, seed, row, suppress, seen, counts) and output then has G rows. The
-    step works on a copy of those rows' first `window` slots and writes it back, so it
-    costs G rows, not the cache's B: a mixed-length batch prefills each group of similar
-    lengths apart."""
+    (tokens, n_new, seed, row, suppress, seen, counts, row_sampling, row_penalties) and
+    output then has G rows. The step works on a copy of those rows' first `window` slots
+    and writes it back, so it costs G rows, not the cache's B: a mixed-length batch
+    prefills each group of similar lengths apart."""
     full = None
     if sel is not None:
         full = cache
@@ -240,9 +250,10 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)
     last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)  # [B,1,D]
     raw = logits_from_hidden(params, last, config)  # [B,1,V]
-    logits = penalize(raw, penalties, seen, counts)
+    logits = penalize(raw, row_penalties if row_penalties is not None else penalties, seen, counts)
     logits = banned(logits, (length + n_new - 1)[:, None], suppress, ban)
-    nxt = select_tokens(logits, sampling, seed, row, (length + n_new)[:, None])[:, 0]
+    sp = row_sampling if row_sampling is not None else sampling
+    nxt = select_tokens(logits, sp, seed, row, (length + n_new)[:, None])[:, 0]
     keep = n_new if emit else jnp.maximum(n_new - 1, 0)
     cache = advance(cache, keep)
     if full is not None:  # the rows' slots back into the (donated) whole cache

@@ -22,7 +22,9 @@ Returns the tokens [B, N] and, for speculative sampling, the distribution every 
 children were drawn from, `q [B, 1+N, V]` (block order: the root first; zeros for the
 last level), which stays on device and goes straight to the verify step.
 
-How children are drawn (`mode`):
+How children are drawn (`mode`, per step: "greedy" when every live row is greedy, else
+the drafter's sampler; each row with its own sampling values, `sampling.RowSampling`,
+and a greedy row among sampled ones draws as in "greedy"):
 - "greedy" (temperature 0): the top-w_d tokens; verified by `TokenMatch`: the output is
   plain greedy decoding's.
 - "mss": w_d tokens drawn *without replacement* from q (Gumbel-top-k: the top w_d of
@@ -52,7 +54,7 @@ import numpy as np
 from ..core.drafts import EMPTY, Draft, DraftBatch
 from ..models import advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
-from ..core.sampling import SamplingParams, filter_logits, position_keys
+from ..core.sampling import RowSampling, SamplingParams, filter_logits, position_keys
 from ..core.verify import window_for
 
 # a depth-4 chain: on a 2-core CPU the draft's forwards (one per level) dominate a step, and
@@ -116,24 +118,31 @@ def _gumbel(keys, V):
     return g.reshape(keys.shape[:-1] + (V,))
 
 
-def draw_children(logits, width: int, sampling: SamplingParams, mode: str, noise=None):
+def draw_children(logits, width: int, sampling, mode: str, noise=None):
     """Children of nodes with draft logits [..., V]: (tokens [..., width], q [..., V]).
 
     greedy: the top `width` tokens. "mss"/"invariant": the top `width` of the filtered
     logits + `noise` (Gumbel, [..., V]): for "mss" that is `width` draws without replacement
-    from q (Gumbel-top-k), in draw order. q = the filtered softmax (zeros when greedy)."""
+    from q (Gumbel-top-k), in draw order. q = the filtered softmax (zeros when greedy).
+    sampling: `SamplingParams`, or each row's `RowSampling` (logits [B,...,V]; its greedy
+    rows draw as "greedy")."""
+    top = jax.lax.top_k(logits, width)[1].astype(jnp.int32)
     if mode == "greedy":
-        return jax.lax.top_k(logits, width)[1].astype(jnp.int32), jnp.zeros_like(logits)
+        return top, jnp.zeros_like(logits)
     filt = filter_logits(logits, sampling)
     toks = jax.lax.top_k(filt + noise, width)[1].astype(jnp.int32)
-    return toks, jax.nn.softmax(filt, axis=-1)
+    q = jax.nn.softmax(filt, axis=-1)
+    if isinstance(sampling, RowSampling):
+        sampled = (sampling.temperature > 0).reshape((-1,) + (1,) * (logits.ndim - 1))  # [B,1,..]
+        toks, q = jnp.where(sampled, toks, top), jnp.where(sampled, q, 0.0)
+    return toks, q
 
 
-def draft_tree_step(params, cache, catch, n_catch, commit_src, commit_n, seed, row, *,
-                    config: ModelConfig, expansion: tuple, sampling: SamplingParams, mode: str,
-                    window: int):
+def draft_tree_step(params, cache, catch, n_catch, commit_src, commit_n, seed, row, sampling=None, *,
+                    config: ModelConfig, expansion: tuple, mode: str, window: int):
     """The draft's step (module docstring). Returns (tokens [B,N], q [B,1+N,V], cache);
-    the cache's length ends after the root (the tree's slots are written, uncommitted)."""
+    the cache's length ends after the root (the tree's slots are written, uncommitted).
+    sampling: each row's `RowSampling` (None with mode "greedy")."""
     parents, levels = expansion_tree(expansion)
     N, D = len(parents), len(expansion)
     anc = jnp.asarray(_ancestors(parents))
@@ -186,9 +195,8 @@ def draft_tree_step(params, cache, catch, n_catch, commit_src, commit_n, seed, r
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_draft_tree(config: ModelConfig, expansion: tuple, sampling: SamplingParams, mode: str):
-    return jax.jit(functools.partial(draft_tree_step, config=config, expansion=expansion,
-                                     sampling=sampling, mode=mode),
+def jitted_draft_tree(config: ModelConfig, expansion: tuple, mode: str):
+    return jax.jit(functools.partial(draft_tree_step, config=config, expansion=expansion, mode=mode),
                    donate_argnums=(1,), static_argnames=("window",))
 
 
@@ -235,8 +243,6 @@ class ModelDrafter:
             self.compile_s += self.engine.compiled.compile_s - c0
             return
         B, S = state.batch, state.max_len
-        self.sampling = state.sampling
-        self.mode = "greedy" if state.sampling.greedy else self.sampler
         self.seeds, self.rowids = state.seeds, state.rowids
         self.cache = self.engine.init_cache(B, S)
         self.base = np.zeros(B, np.int64)  # the device cache's length (before pending commits)
@@ -262,9 +268,11 @@ class ModelDrafter:
             n_catch[b] = len(new)
         window = window_for(int(L[active].max()) + 2 + self.max_nodes, S)
         e = self.engine
-        fn = jitted_draft_tree(e.config, self.expansion, self.sampling, self.mode)
+        sampling = state.row_sampling()  # each row's own values (None: every live row greedy)
+        self.mode = "greedy" if sampling is None else self.sampler
+        fn = jitted_draft_tree(e.config, self.expansion, self.mode)
         args = (e.params, self.cache, e.arg(catch), e.arg(n_catch), e.arg(self.commit_src),
-                e.arg(self.commit_n), self.seeds, self.rowids)
+                e.arg(self.commit_n), self.seeds, self.rowids) + (() if sampling is None else (sampling,))
         c0 = e.compiled.compile_s
         tokens, q, self.cache = e.compiled("draft", fn, *args, window=window)
         state.compile_s += e.compiled.compile_s - c0  # compilation is not decode time

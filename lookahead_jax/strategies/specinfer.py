@@ -136,10 +136,12 @@ class SpecInfer(StrategyBase):
         return drafter.max_nodes
 
     def setup(self, engine, state, drafter, references=None):
-        mss = not state.sampling.greedy and self.sampler == "mss"
-        if mss and self.lookahead_nodes:
+        if not state.sampling.greedy and self.sampler == "mss" and self.lookahead_nodes:
             raise ValueError("lookahead_nodes > 0 merges trees, which are verified by matching tokens: "
                              "use temperature 0 or sampler='invariant'")
+        # SpecSampling takes each row's sampling (its greedy rows: TokenMatch), so sampled
+        # requests may join greedy ones on Slots
+        mss = self.sampler == "mss" and not self.lookahead_nodes
         rule = SpecSampling(state.sampling) if mss else TokenMatch(state.sampling)
         return drafter, rule, FixedBudget(drafter.max_nodes)
 
