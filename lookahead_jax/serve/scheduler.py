@@ -37,8 +37,9 @@ from ..core.slots import Request, Slots
 
 log = logging.getLogger("lookahead_jax.serve")
 
-# Request grew a per-request `penalties` field on the rowsampling branch; until then a job
-# with other penalties than the slots' waits for slots of its own
+# Slots take each request's sampling and penalties (`Request.sampling` / `.penalties`),
+# except a retrieval run's slots, which refuse other values: such a job waits for slots of
+# its own (probed once per Slots by a real insert, `per_request_sampling`)
 _REQUEST_FIELDS = {f.name for f in dataclasses.fields(Request)}
 
 
