@@ -24,9 +24,7 @@ import asyncio
 import json
 import math
 import random
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,9 +59,7 @@ def repo_prompts() -> list:
 
 
 def start_server(args, strategy: str, batch: int, model, tok):
-    import uvicorn
-
-    from lookahead_jax.serve import ServeConfig, build_app, make_server
+    from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
 
     opts = (("decoding_length", args.decoding_length),) if strategy == "lookahead" and args.decoding_length else ()
     cfg = ServeConfig(model=args.model, strategy=strategy, strategy_options=opts, max_batch=batch,
@@ -72,16 +68,8 @@ def start_server(args, strategy: str, batch: int, model, tok):
     stores = srv.scheduler.engine.stores
     stores.tries.clear()  # each level starts with a cold trie (its warm-up prompts seed it), not the last level's
     stores.acceptance.clear()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    uv = uvicorn.Server(uvicorn.Config(build_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=uv.run, daemon=True)
-    th.start()
-    while not uv.started:
-        time.sleep(0.05)
-    return srv, uv, th, f"http://127.0.0.1:{port}"
+    uv, th, url = start_in_thread(srv)
+    return srv, uv, th, url
 
 
 async def one(http, url: str, kind: str, prompt, max_tokens: int, model: str, strategy=None) -> dict:

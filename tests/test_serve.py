@@ -13,8 +13,6 @@ port and driven by the real `openai` client (and httpx for raw bodies).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import socket
-import threading
 import time
 
 import pytest
@@ -24,11 +22,9 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
-
 from lookahead_jax.fetch import status  # noqa: E402
 from lookahead_jax.generate import generate  # noqa: E402
-from lookahead_jax.serve import ServeConfig, build_app, make_server  # noqa: E402
+from lookahead_jax.serve import ServeConfig, make_server, start_in_thread  # noqa: E402
 from tiny import load_prompts  # noqa: E402
 
 MAX_LEN = 512
@@ -56,16 +52,7 @@ def server(loaded):
     cfg = ServeConfig(model=name, strategy="lookahead", strategy_options=(("decoding_length", 16),),
                       max_batch=SLOTS, max_len=MAX_LEN, max_waiting=64)
     srv = make_server(cfg, model, tok)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    uv = uvicorn.Server(uvicorn.Config(build_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.05)
-    srv.url = f"http://127.0.0.1:{port}"
+    uv, thread, srv.url = start_in_thread(srv)
     yield srv
     uv.should_exit = True
     thread.join(60)

@@ -10,6 +10,6 @@ docs/serving.md. Needs the `serve` extra (fastapi, uvicorn, prometheus-client).
 
 from .app import Server, build_app
 from .scheduler import Job, Output, QueueFull, Scheduler
-from .server import ServeConfig, make_server, run
+from .server import ServeConfig, make_server, run, start_in_thread
 
-__all__ = ["Job", "Output", "QueueFull", "Scheduler", "ServeConfig", "Server", "build_app", "make_server", "run"]
+__all__ = ["Job", "Output", "QueueFull", "Scheduler", "ServeConfig", "Server", "build_app", "make_server", "run", "start_in_thread"]

@@ -40,7 +40,6 @@ log = logging.getLogger("lookahead_jax.serve")
 # Slots take each request's sampling and penalties (`Request.sampling` / `.penalties`),
 # except a retrieval run's slots, which refuse other values: such a job waits for slots of
 # its own (probed once per Slots by a real insert, `per_request_sampling`)
-_REQUEST_FIELDS = {f.name for f in dataclasses.fields(Request)}
 
 
 class QueueFull(Exception):
@@ -95,11 +94,11 @@ class Job:
     _text: list = dataclasses.field(default_factory=list)
 
     def request(self) -> Request:
-        kw = dict(penalties=self.penalties) if "penalties" in _REQUEST_FIELDS else {}
         return Request(self.prompt_ids, self.max_new_tokens, strategy=self.strategy, sampling=self.sampling,
+                       penalties=self.penalties,
                        seed=self.seed, sampling_row=self.sampling_row, stop=self.stop, eos_ids=self.eos_ids,
                        min_new_tokens=self.min_new_tokens, references=self.references,
-                       on_text=lambda _slot, delta: self._text.append(delta), **kw)
+                       on_text=lambda _slot, delta: self._text.append(delta))
 
 
 class Scheduler:
@@ -215,12 +214,10 @@ class Scheduler:
                 self._finish(job, "abort")
                 continue
             st = self.slots.state
-            pen_ok = job.penalties == st.penalties or "penalties" in _REQUEST_FIELDS
-            if job.sampling == st.sampling and job.penalties == st.penalties or \
-                    pen_ok and self.per_request_sampling:
+            if job.sampling == st.sampling and job.penalties == st.penalties or self.per_request_sampling:
                 batch.append((free.pop(0), job))
                 continue
-            if pen_ok and self.per_request_sampling is None:  # do these slots take it? try it alone
+            if self.per_request_sampling is None:  # do these slots take it? try it alone
                 try:
                     if self._insert([(free[0], job)], probe=True):
                         self.per_request_sampling = True

@@ -1,6 +1,6 @@
 """Building a server from a configuration (`make_server`) and running it under uvicorn
-(`run`); `__main__` parses the command line into a `ServeConfig`, and tests and the
-benchmark call the same functions."""
+(`run`, or `start_in_thread` on a free local port); `__main__` parses the command line
+into a `ServeConfig`, and tests and the benchmark call the same functions."""
 
 from __future__ import annotations
 
@@ -67,3 +67,27 @@ def run(cfg: ServeConfig, server=None) -> None:
     server = server or make_server(cfg)
     uvicorn.run(build_app(server), host=cfg.host, port=cfg.port, log_level="info",
                 timeout_graceful_shutdown=60)
+
+
+def start_in_thread(server):
+    """Serve `server` under uvicorn on a free port of 127.0.0.1 in a daemon thread (tests,
+    benchmarks); returns once it accepts: (uvicorn.Server, thread, base URL). Stop it with
+    `uv.should_exit = True` and `thread.join()` (the lifespan drains the engine thread)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from .app import build_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    return uv, thread, f"http://127.0.0.1:{port}"
