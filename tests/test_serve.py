@@ -179,6 +179,7 @@ def test_cancelled_stream_frees_its_slot(server, client):
     ({"prompt": "hi", "max_tokens": 100000}, "maximum context length"),
     ({"prompt": "hi", "lookahead_jax": {"strategy": "ralm"}}, "lookahead_jax.strategy"),
     ({"prompt": "hi", "lookahead_jax": {"bogus": 1}}, "bogus"),
+    ({"prompt": "hi", "lookahead_jax": {"return_retrieval": True}}, "retrieves nothing"),
     ({"prompt": [999999]}, "token ids"),
     ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
 ])

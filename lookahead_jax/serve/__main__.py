@@ -1,11 +1,19 @@
-"""`python -m lookahead_jax.serve --model smollm2-135m [--strategy lookahead] ...`"""
+"""`python -m lookahead_jax.serve --model smollm2-135m [--strategy lookahead] ...`
+
+A configuration the server cannot start with (bad options, a retrieval index or KNN-LM
+datastore not built, a missing corpus file) is one `error:` line naming the fix, exit
+status 2, before anything listens."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import sys
 
-from .server import ServeConfig, run
+from ..strategies import REGISTRY
+
+from .server import ServeConfig, make_server, run
 
 
 def _value(text: str):
@@ -22,12 +30,13 @@ def parse(argv=None) -> ServeConfig:
                                 description="OpenAI-compatible server with continuous batching")
     p.add_argument("--model", default="smollm2-135m", help="a preset name or a local path")
     p.add_argument("--strategy", default="greedy", help="greedy | lookahead | specinfer (a request may ask for "
-                   "greedy on a speculative server)")
+                   "greedy on these) | ralm | ralmspec | knnlm (retrieval: their options name the index)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a strategy option, e.g. decoding_length=7 or draft_model=PATH (repeatable)")
+                   help="a strategy option, e.g. decoding_length=7, draft_model=PATH, retriever=bm25 and "
+                   "corpus=PATH (ralm, ralmspec), datastore=DIR or speculative=true (knnlm) (repeatable)")
     p.add_argument("--max-batch", type=int, default=8, help="slots decoded together")
     p.add_argument("--max-len", type=int, default=2048, help="KV cache slots per request (prompt + completion "
-                   "+ the verify block)")
+                   "+ the verify block; ralm / ralmspec: + the retrieved passage)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait for a slot (then 429)")
     p.add_argument("--no-logprobs", action="store_true", help="decode without log-probabilities")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -35,19 +44,34 @@ def parse(argv=None) -> ServeConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     a = p.parse_args(argv)
+    if a.strategy not in REGISTRY:
+        p.error(f"--strategy {a.strategy!r}: choose one of {', '.join(REGISTRY)}")
+    fields = [f.name for f in dataclasses.fields(REGISTRY[a.strategy])]
     opts = []
     for o in a.option:
         if "=" not in o:
             p.error(f"--option {o!r}: expected NAME=VALUE")
         k, v = o.split("=", 1)
-        opts.append((k.strip().replace("-", "_"), _value(v.strip())))
+        k = k.strip().replace("-", "_")
+        if k not in fields:
+            p.error(f"--option {k}: not an option of strategy {a.strategy!r}; its options: "
+                    + (", ".join(fields) or "none"))
+        opts.append((k, _value(v.strip())))
     return ServeConfig(a.model, a.strategy, tuple(opts), a.max_batch, a.max_len, a.max_waiting, not a.no_logprobs,
                        a.dtype, a.served_model_name, a.host, a.port)
 
 
 def main(argv=None) -> None:
+    from ..retrieval import EncoderUnavailable, IndexUnavailable
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(parse(argv))
+    cfg = parse(argv)
+    try:
+        server = make_server(cfg)
+    except (ValueError, OSError, IndexUnavailable, EncoderUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    run(cfg, server)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ shape: 400 for a body that does not validate or a request the slots cannot hold,
 for another model's name, 429 when the waiting queue is full, 503 while shutting down,
 500 when the engine failed this request (the server goes on). A client that disconnects
 cancels its jobs (their slots are freed before the next step).
+
+On a retrieval server (ralm, ralmspec, knnlm: a run drives the slots) each job carries its
+prompt's question span (the last user message of a chat, the text of a plain prompt, as
+`generate` finds them), and a request may ask for each choice's retrieval record.
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class Server:
         strat = scheduler.strategy
         self.strategy_name = getattr(strat, "name", "greedy")
         self.drafting = scheduler.slots.drafter is not None
+        run = scheduler.slots.run  # a retrieval strategy's: its slots take only its own requests
+        self.retrieving = run is not None
+        self.spans = bool(getattr(strat, "uses_question_spans", False))
+        self.extra = run.extra_tokens if run is not None else 0  # prompt tokens it may add (a passage)
+        self.corpus = getattr(run, "corpus", None)  # ralm / ralmspec: the passages' titles
 
     # ------------------------------------------------------------------ request -> jobs
     def jobs(self, req, chat: bool, sink) -> list:
@@ -55,9 +64,10 @@ class Server:
             raise APIError(404, f"The model `{req.model}` does not exist: this server serves "
                                 f"`{self.model_name}`", "model")
         try:
-            ids_list = encode_prompts(self.tokenizer, req.prompts[0] if chat else req.prompts, chat)
+            enc = encode_prompts(self.tokenizer, req.prompts[0] if chat else req.prompts, chat, spans=self.spans)
         except ValueError as e:
             raise APIError(400, str(e), "messages" if chat else "prompt") from None
+        ids_list, spans = enc if self.spans else (enc, [None] * len(enc))
         for ids in ids_list:
             if self.vocab and (min(ids) < 0 or max(ids) >= self.vocab):
                 raise APIError(400, f"prompt token ids must be in [0, {self.vocab})", "prompt")
@@ -68,7 +78,15 @@ class Server:
                 raise APIError(400, f"lookahead_jax.strategy: this server runs {self.strategy_name!r}; a "
                                     f"request may pick it or 'greedy' (plain decoding), got {ext.strategy!r}",
                                "lookahead_jax.strategy")
+            if self.retrieving:
+                raise APIError(400, f"lookahead_jax.strategy: this server runs {self.strategy_name!r}, which "
+                                    "retrieves between decode steps; its slots take only its own requests, so "
+                                    "plain decoding ('greedy') needs a server of its own (--strategy greedy): "
+                                    "leave lookahead_jax.strategy unset", "lookahead_jax.strategy")
             plain = Greedy()
+        if ext.return_retrieval and not self.retrieving:
+            raise APIError(400, f"lookahead_jax.return_retrieval: this server runs {self.strategy_name!r}, which "
+                                "retrieves nothing (serve ralm, ralmspec or knnlm)", "lookahead_jax.return_retrieval")
         refs = [self.tokenizer.encode(t, add_special_tokens=False) for t in ext.references] \
             if self.drafting and plain is None else []
         try:
@@ -95,14 +113,15 @@ class Server:
                            "min_tokens")
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         reserve = sched.max_nodes + 1  # the verify block
+        less = f"{reserve} for verification" + (f" and {self.extra} for the retrieved passage" if self.extra else "")
         jobs = []
         for i, ids in enumerate(ids_list):
             limit = req.token_limit if chat else req.max_tokens
-            room = min(sched.max_len - reserve, self.max_position or sched.max_len) - len(ids)
+            room = min(sched.max_len - reserve, self.max_position or sched.max_len) - self.extra - len(ids)
             max_new = limit if limit is not None else room
             if max_new > room or room < 1:
-                raise APIError(400, f"This model's maximum context length is {sched.max_len - reserve} tokens "
-                                    f"(--max-len {sched.max_len} less {reserve} for verification). However, you "
+                raise APIError(400, f"This model's maximum context length is {sched.max_len - reserve - self.extra} "
+                                    f"tokens (--max-len {sched.max_len} less {less}). However, you "
                                     f"requested {len(ids) + (limit or 1)} tokens ({len(ids)} in the prompt, "
                                     f"{limit or 1} for the completion). Please reduce the prompt or the "
                                     "completion length.", "max_tokens" if limit and room >= 1 else "prompt")
@@ -113,7 +132,8 @@ class Server:
                 k = i * req.n + j
                 jobs.append(Job(ids, max_new, sink, index=k, sampling=sampling, penalties=penalties, seed=seed,
                                 sampling_row=k, stop=req.stops, eos_ids=eos, min_new_tokens=req.min_tokens,
-                                references=refs, strategy=plain, logprobs=req.wants_logprobs))
+                                references=refs, strategy=plain, logprobs=req.wants_logprobs,
+                                question_span=spans[i]))
         return jobs
 
     def submit(self, jobs) -> None:
@@ -125,6 +145,19 @@ class Server:
             raise APIError(503, str(e)) from None
 
     # ------------------------------------------------------------------ responses
+    def retrieval_record(self, rec):
+        """A choice's `retrieval` (`lookahead_jax.return_retrieval`): the run's record of the
+        request, each passage with its title (ralm / ralmspec: {"passages": [{"id", "title",
+        "position", "from_token"}], "reprefills", ralmspec's speculation counters}; knnlm:
+        {"searches", speculative knnlm's counters})."""
+        if rec is None:
+            return None
+        rec = dict(rec)
+        if "passages" in rec and self.corpus is not None:
+            rec["passages"] = [dict(id=p["id"], title=self.corpus[p["position"]].title, position=p["position"],
+                                    from_token=p["from_token"]) for p in rec["passages"]]
+        return rec
+
     def token_text(self, t: int) -> str:
         return self.tokenizer.decode([t])
 
@@ -239,7 +272,7 @@ def build_app(server: Server) -> FastAPI:
         return await _whole(body, raw, chat, jobs, queue, head, prompt_lens)
 
     async def _whole(body, raw, chat, jobs, queue, head, prompt_lens):
-        res = [dict(text=[], tokens=[], lps=[], finish=None) for _ in jobs]
+        res = [dict(text=[], tokens=[], lps=[], finish=None, retrieval=None) for _ in jobs]
         left = len(jobs)
         try:
             while left:
@@ -251,7 +284,7 @@ def build_app(server: Server) -> FastAPI:
                 r["tokens"] += out.tokens
                 r["lps"] += out.logprobs or []
                 if out.finish:
-                    r["finish"] = out.finish
+                    r["finish"], r["retrieval"] = out.finish, out.retrieval
                     left -= 1
         except BaseException:
             server.scheduler.cancel(jobs)
@@ -269,6 +302,8 @@ def build_app(server: Server) -> FastAPI:
                 c["text"] = text
             if body.token_ids_wanted:
                 c["token_ids"] = r["tokens"]
+            if body.lookahead_jax.return_retrieval:
+                c["retrieval"] = server.retrieval_record(r["retrieval"])
             choices.append(c)
         out = dict(head, choices=choices, usage=_usage(prompt_lens, sum(len(r["tokens"]) for r in res)))
         if body.token_ids_wanted:
@@ -306,6 +341,8 @@ def build_app(server: Server) -> FastAPI:
                     c.update(text=out.text)
                 if body.token_ids_wanted:
                     c["token_ids"] = out.tokens
+                if out.finish and body.lookahead_jax.return_retrieval:
+                    c["retrieval"] = server.retrieval_record(out.retrieval)
                 yield chunk([c])
             if body.include_usage:
                 yield chunk([], usage=_usage(prompt_lens, n_tokens))

@@ -16,8 +16,26 @@ built for `vllm:` adapt by a rename):
     lookahead_jax:spec_decode_num_accepted_tokens_per_pos_total{position}
 
 acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts
-(tokens per speculative step). Each `Metrics` has its own registry (several servers in
-one process, as in the tests, do not collide).
+(tokens per speculative step).
+
+A retrieval strategy's run (ralm, ralmspec, knnlm) keeps its own counters
+(`Run.summary()["retrieval"]`); they are exported as counters too (no vLLM equivalent):
+
+    lookahead_jax:retrieval_calls_total            calls to the full index / datastore search
+                                                   (batched: a call answers several queries)
+    lookahead_jax:retrieval_queries_total          queries those calls answered
+    lookahead_jax:retrieval_seconds_total          seconds in them
+    lookahead_jax:retrieval_reprefills_total       rows re-prefilled with a new passage (ralm*)
+    lookahead_jax:retrieval_speculations_total     speculated boundaries (ralmspec) / positions
+                                                   (speculative knnlm)
+    lookahead_jax:retrieval_speculation_checks_total  of those, checked by a verification
+    lookahead_jax:retrieval_speculation_hits_total    checked and right
+    lookahead_jax:retrieval_rollbacks_total        rollbacks to a wrong speculation
+    lookahead_jax:retrieval_rollback_tokens_total  generated tokens they took back
+    lookahead_jax:retrieval_verify_calls_total     batched verifications (part of retrieval_calls)
+
+speculation accuracy = hits / checks (`speculation.SpeculationStats`). Each `Metrics` has
+its own registry (several servers in one process, as in the tests, do not collide).
 """
 
 from __future__ import annotations
@@ -30,6 +48,19 @@ P = "lookahead_jax:"
 LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
            20.0, 40.0, 80.0, 160.0)
 MAX_POSITIONS = 32  # accepted-per-position counters kept for positions 0..31
+# metric name (after "retrieval_") -> the run's counter names (ralm / ralmspec's, knnlm's)
+RETRIEVAL = {
+    "calls": ("retrieval_calls", "search_calls", "Calls to the full retrieval index or datastore search"),
+    "queries": ("retrievals", "searches", "Queries answered by the full index or datastore search"),
+    "seconds": ("retrieval_s", "search_s", "Seconds in retrieval"),
+    "reprefills": ("reprefills", None, "Rows re-prefilled with a new passage"),
+    "speculations": ("speculations", "speculations", "Speculated retrieval boundaries / positions"),
+    "speculation_checks": ("speculation_checks", "speculation_checks", "Speculations checked by a verification"),
+    "speculation_hits": ("speculation_hits", "speculation_hits", "Speculations checked and right"),
+    "rollbacks": ("rollbacks", "rollbacks", "Rollbacks to a wrong speculation"),
+    "rollback_tokens": ("rollback_tokens", "rollback_tokens", "Generated tokens taken back by rollbacks"),
+    "verify_calls": ("verify_calls", "verify_calls", "Batched verifications of speculations"),
+}
 
 
 class Metrics:
@@ -54,8 +85,11 @@ class Metrics:
         self.accepted = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted", lab, registry=r)
         self.accepted_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
                                     "position", lab + ["position"], registry=r)
+        self.retrieval_counters = {k: Counter(P + "retrieval_" + k, h, lab, registry=r)
+                                   for k, (_, _, h) in RETRIEVAL.items()}
         self.name = model_name
         self._pos: dict = {}
+        self._run, self._seen = None, {}  # the run last read, and its counters then
 
     # ------------------------------------------------------------------ engine-thread hooks
     def admitted(self, job, t_prefill: float) -> None:
@@ -89,6 +123,21 @@ class Metrics:
                 if i not in self._pos:
                     self._pos[i] = self.accepted_pos.labels(self.name, str(i))
                 self._pos[i].inc()
+
+    def retrieval(self, run) -> None:
+        """A retrieval run's counters after a step: what they gained since the last read
+        (slots rebuilt with new values bring a new run, whose counters start at 0)."""
+        if run is not self._run:
+            self._run, self._seen = run, {}
+        now = run.summary()["retrieval"]
+        for k, names in RETRIEVAL.items():
+            v = next((now[n] for n in names[:2] if n is not None and n in now), None)
+            if v is None:
+                continue
+            gained = v - self._seen.get(k, 0)
+            if gained > 0:
+                self.retrieval_counters[k].labels(self.name).inc(gained)
+            self._seen[k] = max(v, self._seen.get(k, 0))
 
     def queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.name).set(running)

@@ -10,6 +10,8 @@ options ride in one extension field, `lookahead_jax` (the openai client sends it
     {"strategy": "greedy"}                  # plain decoding on a speculative server
     {"references": ["text whose n-grams seed lookahead's trie", ...]}
     {"return_token_ids": true}              # also vLLM's top-level `return_token_ids`
+    {"return_retrieval": true}              # ralm / ralmspec / knnlm servers: each choice's
+                                            # `retrieval` record (passages used, counters)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Extension(BaseModel):
     strategy: Optional[str] = None  # the server's strategy (default) or "greedy"
     references: list[str] = Field(default_factory=list)
     return_token_ids: bool = False
+    return_retrieval: bool = False
 
 
 class SamplingFields(BaseModel):

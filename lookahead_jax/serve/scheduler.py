@@ -54,7 +54,8 @@ class ShuttingDown(Exception):
 class Output:
     """What the engine hands a job after an insert or step: `tokens` kept (EOS / stop cut),
     their `logprobs` (None unless the job asked), the `text` delta, and at the end
-    `finish` ("eos" | "stop" | "length" | "abort" | "error") with `error` / `status`."""
+    `finish` ("eos" | "stop" | "length" | "abort" | "error") with `error` / `status`, and
+    a retrieval strategy's record of the request (`Slots.free(slot).retrieval`)."""
 
     index: int
     tokens: list
@@ -63,6 +64,7 @@ class Output:
     finish: Optional[str] = None
     error: Optional[str] = None
     status: int = 200
+    retrieval: Optional[dict] = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,6 +86,7 @@ class Job:
     references: list = dataclasses.field(default_factory=list)
     strategy: object = None  # None: the server's; a drafter-less strategy: plain decoding
     logprobs: bool = False
+    question_span: Optional[tuple] = None  # retrieval strategies: the question's [start, end) in the prompt
     # filled in by the scheduler
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -91,6 +94,7 @@ class Job:
     n_out: int = 0
     t_first: Optional[float] = None
     t_last: Optional[float] = None
+    retrieval: Optional[dict] = None
     _text: list = dataclasses.field(default_factory=list)
 
     def request(self) -> Request:
@@ -98,7 +102,7 @@ class Job:
                        penalties=self.penalties,
                        seed=self.seed, sampling_row=self.sampling_row, stop=self.stop, eos_ids=self.eos_ids,
                        min_new_tokens=self.min_new_tokens, references=self.references,
-                       on_text=lambda _slot, delta: self._text.append(delta))
+                       question_span=self.question_span, on_text=lambda _slot, delta: self._text.append(delta))
 
 
 class Scheduler:
@@ -186,6 +190,8 @@ class Scheduler:
             self._finish(job, "abort", error="the server shut down", status=503)
         self.running.clear()
         self.waiting.clear()
+        if self.slots.run is not None:  # e.g. ralmspec's verification worker
+            self.slots.run.close()
 
     def _drop_cancelled_waiting(self) -> None:  # under the lock
         if any(j.cancelled for j in self.waiting):
@@ -287,6 +293,8 @@ class Scheduler:
         result = getattr(self.slots, "last_step", None)
         if self.metrics is not None and result is not None and result.drafted is not None:
             self.metrics.speculation(result, [s for s, j in self.running.items() if j.strategy is None])
+        if self.metrics is not None and self.slots.run is not None:  # a retrieval run's counters
+            self.metrics.retrieval(self.slots.run)
         self._deliver(events)
 
     def _deliver(self, events) -> None:
@@ -308,7 +316,7 @@ class Scheduler:
                 job.t_last = now
             job.n_out += len(ev.tokens)
             if ev.finish:
-                self.slots.free(ev.slot)
+                job.retrieval = self.slots.free(ev.slot).retrieval
                 del self.running[ev.slot]
             if ev.tokens or text or ev.finish:
                 job.sink(Output(job.index, list(ev.tokens), text, lps))
@@ -322,7 +330,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.finished(job, reason)
         try:
-            job.sink(Output(job.index, [], "", None, reason, error, status))
+            job.sink(Output(job.index, [], "", None, reason, error, status, job.retrieval))
         except Exception:  # a sink whose loop has gone (shutdown): nothing to tell
             log.debug("sink failed", exc_info=True)
 
@@ -349,6 +357,8 @@ class Scheduler:
         old = getattr(self, "slots", None)
         if old is not None and old.drafter is not None:
             old.drafter.end()
+        if old is not None and old.run is not None:
+            old.run.close()
         return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
                      sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids)
 

@@ -28,7 +28,12 @@ class ServeConfig:
 
 def make_server(cfg: ServeConfig, model=None, tokenizer=None):
     """A `Server` (its scheduler not yet started: the app's lifespan starts it). `model` /
-    `tokenizer`: already loaded ones (tests), else `load(cfg.model)`."""
+    `tokenizer`: already loaded ones (tests), else `load(cfg.model)`.
+
+    The strategy's options are checked before the model loads; a retrieval strategy
+    (ralm, ralmspec: `retriever=KIND corpus=PATH`; knnlm: `datastore=DIR` or `corpus=PATH`)
+    loads its index or datastore here, once (slots rebuilt later reuse it): one not built
+    is an `IndexUnavailable` whose message gives the command that builds it."""
     from ..core.engine import engine_for
     from ..loading import load
     from ..strategies import resolve
@@ -38,14 +43,11 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None):
 
     if cfg.max_batch < 1 or cfg.max_len < 16 or cfg.max_waiting < 0:
         raise ValueError("--max-batch must be >= 1, --max-len >= 16 and --max-waiting >= 0")
+    strategy = resolve(cfg.strategy, **dict(cfg.strategy_options))
     if model is None:
         model, tokenizer = load(cfg.model, cfg.dtype)
     engine = engine_for(model)
-    strategy = resolve(cfg.strategy, **dict(cfg.strategy_options))
     strategy = None if strategy.drafter(engine) is None and not strategy.runs_own_loop else strategy
-    if strategy is not None and strategy.runs_own_loop:
-        raise ValueError(f"strategy {cfg.strategy!r} drives its own decode loop (retrieval between steps) and "
-                         "cannot share continuous batches: serve greedy, lookahead or specinfer")
     name = cfg.served_model_name or cfg.model
     metrics = Metrics(name)
     eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
