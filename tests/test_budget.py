@@ -269,3 +269,72 @@ def test_prior_costs_start_auto_without_calibration():
     assert b.choose(["unseen"]) == 0  # no evidence yet: plain decoding
     with pytest.raises(ValueError, match="no prior cost"):
         prior_costs("cpu", (0, 5))
+
+
+def test_prior_costs_grow_with_the_batch():
+    """Every row of the batch is in the verify block, so a tree costs more in a fuller
+    batch: the prior is the cost of a forward of B x (1 + T) rows over one of B rows, and
+    at batch 1 it is the measured per-tree table."""
+    from lookahead_jax.core.budget import PRIOR_COST_RATIOS, forward_cost, prior_costs
+
+    for platform in ("cpu", "gpu"):
+        assert prior_costs(platform, BUCKETS, batch=1) == pytest.approx(PRIOR_COST_RATIOS[platform])
+    # on the CPU a tree's cost grows with the batch (from 2 rows: the measured table is not
+    # convex at 2-4 rows; the GPU's steps with tile sizes, so neither holds there)
+    for T in BUCKETS[1:]:
+        by_batch = [prior_costs("cpu", (0, T), batch=B)[T] for B in (2, 4, 8, 16, 32)]
+        assert all(a <= b + 1e-9 for a, b in zip(by_batch, by_batch[1:])), (T, by_batch)
+        assert by_batch[-1] >= PRIOR_COST_RATIOS["cpu"][T]
+    assert forward_cost("cpu", 12) == pytest.approx(1.33 + (1.95 - 1.33) * 4 / 8)
+    assert forward_cost("cpu", 256) == pytest.approx(11.3 + (11.3 - 6.4) * 2)  # linear past the table
+    cpu8 = prior_costs("cpu", (0, 1, 15), batch=8)
+    assert cpu8[1] == pytest.approx(1.95 / 1.33) and cpu8[15] == pytest.approx(11.3 / 1.33)
+    with pytest.raises(ValueError, match="batch"):
+        prior_costs("cpu", (0, 1), batch=0)
+    with pytest.raises(ValueError, match="at least one row"):
+        forward_cost("cpu", 0)
+
+
+def test_auto_drafts_less_as_the_batch_fills():
+    """The same drafts (a class that accepts 1.5 drafts at T=15, 1 at T=3, 0.6 at T=1) on
+    every row: with batch-1 costs a tree pays; in a block of 8 rows the tree costs several
+    plain steps and the choice shrinks, down to plain decoding (never slower)."""
+    from lookahead_jax.core.budget import prior_costs
+
+    stats = AcceptanceStats()
+    for _ in range(10):
+        stats.observe([5, 6, 7, 8], [-1, 0, 1, 2], [5, 6, 9], key="k")  # a(1) = 1, a(3) = 2
+        stats.observe([5, 6, 7, 8], [-1, 0, 1, 2], [9], key="k")  # a = 0
+    chosen = {}
+    for B in (1, 2, 4, 8):
+        b = AutoBudget((0, 1, 3, 7, 15), prior_costs("cpu", (0, 1, 3, 7, 15), batch=B), stats)
+        chosen[B] = b.choose(["k"] * B)
+    assert chosen[1] > 0 and chosen[8] == 0
+    assert all(chosen[a] >= chosen[b] for a, b in zip((1, 2, 4), (2, 4, 8))), chosen
+
+
+def test_own_statistics_are_per_row_and_restart_with_the_next_request():
+    """On slots, each row's request has its own statistics: a request whose drafts keep
+    failing stops counting for its row only, and the next request in that row starts from
+    the shared statistics again."""
+    from types import SimpleNamespace
+
+    shared = AcceptanceStats()
+    for _ in range(20):
+        shared.observe([1, 2, 3], [-1, 0, 1], [1, 2, 3], key="k")  # a(3) = 3 elsewhere
+    b = AutoBudget((0, 3), {0: 1.0, 3: 1.5}, shared, prior=8)
+    req0, req1 = SimpleNamespace(), SimpleNamespace()
+    b._own(0, req0, create=True)
+    b._own(1, req1, create=True)
+    for _ in range(40):
+        b.observe([1, 2, 3], [-1, 0, 1], [7, 7, 7], key="k", b=0, row=req0)  # row 0's request fails
+    assert b.expected_accepted("k", 0)[3] < 0.5 < b.expected_accepted("k", 1)[3]
+    assert b.choose(["k"], owners=[0]) == 0 and b.choose(["k"], owners=[1]) == 3
+    # a draft of a request that left row 0 does not count for the request now in it
+    req2 = SimpleNamespace()
+    b._own(0, req2, create=True)
+    b.observe([1, 2, 3], [-1, 0, 1], [7, 7, 7], key="k", b=0, row=req0)
+    assert b.local[0][1].count("k") == 0
+    assert b.expected_accepted("k", 0)[3] == pytest.approx(shared.expected("k")[3])
+    with pytest.raises(ValueError, match="owners"):
+        b.choose(["k"], owners=[0, 1])

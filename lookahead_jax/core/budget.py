@@ -150,27 +150,54 @@ class AcceptanceStats:
         return len(q) if q else 0
 
 
-# Typical verify-step cost ratios t(T) / t(0) per platform: the starting costs of
-# `AutoBudget` when nothing was calibrated (real steps correct them, `StepTimes`). CPU:
-# measured with SmolLM2-135M (packed f32 kernels, 2 cores; a 1.5B model is as compute-bound
-# per token); GPU: SmolLM2-135M on an H100, where up to ~16 nodes ride along almost free.
-# CPU's T >= 31 re-measured after the kernel's cache-blocked product for blocks above 16
-# rows (SmolLM2, length 200, two runs: 3.4 / 6.4-6.5 / 11.2-11.4; were 3.8 / 6.8 / 13.0).
-# GPU's T = 127 (beyond `auto`'s default drafter) is extrapolated.
-PRIOR_COST_RATIOS = {
-    "cpu": {0: 1.0, 1: 1.08, 3: 1.13, 7: 1.33, 15: 1.95, 31: 3.4, 63: 6.4, 127: 11.3},
-    "gpu": {0: 1.0, 1: 1.32, 3: 1.32, 7: 1.32, 15: 1.35, 31: 2.4, 63: 2.4, 127: 4.5},
+# Typical cost of one forward of N query rows (all rows of the batch together: B x (1 + T)),
+# relative to a forward of one row, per platform: the starting costs of `AutoBudget` when
+# nothing was calibrated (real steps correct them, `StepTimes`). The weights are read once
+# per forward whatever N, so small blocks ride along almost free until the block is
+# compute-bound; beyond the table the cost grows linearly with N (the last segment's slope).
+# CPU: measured with SmolLM2-135M at batch 1 (packed f32 kernels, 2 cores; a 1.5B model is
+# as compute-bound per token), N = 32..128 re-measured after the kernel's cache-blocked
+# product for blocks above 16 rows (length 200, two runs: 3.4 / 6.4-6.5 / 11.2-11.4); GPU:
+# SmolLM2-135M on an H100, where up to ~16 rows cost about one; N = 128 extrapolated.
+PRIOR_FORWARD_COST = {
+    "cpu": {1: 1.0, 2: 1.08, 4: 1.13, 8: 1.33, 16: 1.95, 32: 3.4, 64: 6.4, 128: 11.3},
+    "gpu": {1: 1.0, 2: 1.32, 4: 1.32, 8: 1.32, 16: 1.35, 32: 2.4, 64: 2.4, 128: 4.5},
 }
+# the same at batch 1, keyed by tree size T (a block of 1 + T rows)
+PRIOR_COST_RATIOS = {p: {n - 1: c for n, c in t.items()} for p, t in PRIOR_FORWARD_COST.items()}
 
 
-def prior_costs(platform: str, buckets: Sequence[int]) -> dict:
-    """{T: t(T)/t(0)} for `platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu": as gpu) and the
-    buckets asked: the `AutoBudget` costs of a run that does not calibrate."""
-    table = PRIOR_COST_RATIOS["cpu" if platform == "cpu" else "gpu"]
-    missing = [b for b in buckets if b not in table]
-    if missing:
-        raise ValueError(f"no prior cost for buckets {missing}")
-    return {b: table[b] for b in buckets}
+def forward_cost(platform: str, rows: int) -> float:
+    """Prior cost of a forward of `rows` query rows relative to one row
+    (`PRIOR_FORWARD_COST`): piecewise linear between the table's sizes, linear beyond.
+    # forward_cost("cpu", 12) -> 1.64 (between 8: 1.33 and 16: 1.95); ("cpu", 256) -> 21.1
+    """
+    if rows < 1:
+        raise ValueError(f"a forward has at least one row, got {rows}")
+    table = PRIOR_FORWARD_COST["cpu" if platform == "cpu" else "gpu"]
+    ns = sorted(table)
+    for lo, hi in zip(ns, ns[1:]):
+        if rows <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
+    lo, hi = ns[-2], ns[-1]
+    return table[hi] + (table[hi] - table[lo]) * (rows - hi) / (hi - lo)
+
+
+def prior_costs(platform: str, buckets: Sequence[int], batch: int = 1) -> dict:
+    """{T: t(T)/t(0)} for `platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu": as gpu), the
+    buckets asked and a verify block of `batch` rows (every row of the cache is computed,
+    busy or not): forward_cost(batch x (1 + T)) / forward_cost(batch). A tree is dearer
+    in a fuller batch: on the CPU a 15-node tree costs 1.95 plain steps at batch 1 and
+    ~8.5 at batch 8, where plain rows already make the block compute-bound; so `auto`
+    drafts less as the batch fills, down to none.
+    # prior_costs("cpu", (0, 1, 15), batch=8) -> {0: 1.0, 1: 1.47, 15: 8.5}"""
+    unknown = [b for b in buckets if b not in BUCKETS]
+    if unknown:
+        raise ValueError(f"no prior cost for buckets {unknown} (tree buckets: {BUCKETS})")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive integer, got {batch!r}")
+    base = forward_cost(platform, batch)
+    return {b: forward_cost(platform, batch * (1 + b)) / base for b in buckets}
 
 
 class StepTimes:
@@ -222,11 +249,15 @@ class StepTimes:
 class AutoBudget:
     """The bucket T that maximises expected tokens per second for the current drafts.
 
-    One per request. Its estimate of a(T) for a class blends the shared statistics with
-    this request's own drafts of that class, weighting the shared mean like `prior`
-    drafts of its own: a prompt on which a usually good class keeps failing (the model
-    paraphrases this passage) stops drafting after a few steps instead of paying for
-    trees until the shared window forgets."""
+    One per batch (a `generate` call, or a `Slots` whose requests come and go). Its
+    estimate of a(T) for a class blends the shared statistics with the request's own
+    drafts of that class, weighting the shared mean like `prior` drafts of its own: a
+    prompt on which a usually good class keeps failing (the model paraphrases this
+    passage) stops drafting after a few steps instead of paying for trees until the shared
+    window forgets. "Own" is per batch row and restarts when another request takes the
+    row (a new `RowState` in it), so one request's failures never silence the next one's
+    drafts, and a row whose drafts fail stops counting in the step's choice while the
+    others' still do."""
 
     def __init__(self, buckets: Sequence[int], cost: dict, stats: Optional[AcceptanceStats] = None,
                  margin: float = 0.1, prior: float = 8.0, times: Optional[StepTimes] = None,
@@ -248,7 +279,9 @@ class AutoBudget:
             raise ValueError(f"prior must be >= 0, got {prior}")
         self.margin = margin
         self.prior = prior
-        self.local = AcceptanceStats(window=1 << 30)  # this request's drafts only
+        # row -> (the RowState of its request, that request's drafts only); None: drafts
+        # observed without a row (the statistics of the whole call)
+        self.local: dict = {}
         self.times = times if times is not None else StepTimes()
         if cost_prior < 0:
             raise ValueError(f"cost_prior must be >= 0, got {cost_prior}")
@@ -275,14 +308,33 @@ class AutoBudget:
             out[b] = floor
         return out
 
-    def observe(self, tokens, parents, actual, key: Hashable = None) -> None:
-        self.stats.observe(tokens, parents, actual, key)
-        self.local.observe(tokens, parents, actual, key)
+    def _own(self, b, row, create: bool = False) -> Optional[AcceptanceStats]:
+        """Row b's statistics while `row` (a RowState) holds it; a new request in the row
+        starts empty (create=True, at plan time); None for a request that left the row."""
+        hit = self.local.get(b)
+        if hit is None or hit[0] is not row:
+            if not create:
+                return None
+            hit = self.local[b] = (row, AcceptanceStats(window=1 << 30))
+        return hit[1]
 
-    def expected_accepted(self, key: Hashable = None) -> dict:
-        """a(T) per bucket for drafts of class `key` (0 for an unseen class): this request's
-        mean over its n drafts of the class and the shared mean, weighted n : prior."""
-        shared, own, n = self.stats.expected(key), self.local.expected(key), self.local.count(key)
+    def observe(self, tokens, parents, actual, key: Hashable = None, b=None, row=None) -> None:
+        """Score one draft against the tokens that followed it: into the shared
+        statistics and the own ones of row b while `row` holds it (b None: the call's)."""
+        self.stats.observe(tokens, parents, actual, key)
+        own = self._own(b, row, create=b is None)
+        if own is not None:
+            own.observe(tokens, parents, actual, key)
+
+    def expected_accepted(self, key: Hashable = None, b=None) -> dict:
+        """a(T) per bucket for drafts of class `key` (0 for an unseen class): the mean over
+        the n drafts of the class that row b's request made (b None: the call's) and the
+        shared mean, weighted n : prior."""
+        hit = self.local.get(b)
+        own_stats = hit[1] if hit is not None else None
+        shared = self.stats.expected(key)
+        own = own_stats.expected(key) if own_stats is not None else None
+        n = own_stats.count(key) if own_stats is not None else 0
         if shared is None:
             return {b: 0.0 for b in self.buckets}
         if own is None:
@@ -300,19 +352,21 @@ class AutoBudget:
         accepted once the rows' later tokens are known."""
         live = [b for b, a in enumerate(state.active) if a]
         full = [(b, drafts[b]) for b in live if len(drafts[b])]
-        self._pending += [(state.rows[b], len(state.rows[b].ids), d, d.max_depth) for b, d in full]
-        return self.choose([d.key for _, d in full], rows=len(live))
+        for b, _ in full:
+            self._own(b, state.rows[b], create=True)
+        self._pending += [(b, state.rows[b], len(state.rows[b].ids), d, d.max_depth) for b, d in full]
+        return self.choose([d.key for _, d in full], rows=len(live), owners=[b for b, _ in full])
 
     def score(self, state) -> None:
         """Score the drafts whose outcome is now decided (the row went past their depth,
         their path broke off, or the row finished)."""
         keep = []
-        for row, g0, d, depth in self._pending:
+        for b, row, g0, d, depth in self._pending:
             actual = row.ids[g0:]
             if row.finish or outcome_known(d.tokens, d.parents, actual, depth):
-                self.observe(d.tokens, d.parents, actual, d.key)
+                self.observe(d.tokens, d.parents, actual, d.key, b, row)
             else:
-                keep.append((row, g0, d, depth))
+                keep.append((b, row, g0, d, depth))
         self._pending = keep
 
     def summary(self) -> dict:
@@ -326,13 +380,21 @@ class AutoBudget:
                 for k in sorted(self.stats.samples, key=repr)},
         )
 
-    def choose(self, keys: Sequence[Hashable] = (None,), rows: Optional[int] = None) -> int:
+    def choose(self, keys: Sequence[Hashable] = (None,), rows: Optional[int] = None,
+               owners: Optional[Sequence] = None) -> int:
         """T for a step of `rows` active rows (default len(keys)), of which those with a
-        draft have the classes `keys`; rows without a draft emit one token whatever T is."""
+        draft have the classes `keys` (owners: their batch rows, whose own statistics
+        count; default the call's); rows without a draft emit one token whatever T is.
+        The step's cost ratio t(T) / t(0) is the whole block's (every row of the batch is
+        computed), so a fuller batch pays more for the same tree and needs more accepted
+        drafts across its rows to justify it."""
         rows = len(keys) if rows is None else rows
         if rows < len(keys):
             raise ValueError(f"{len(keys)} drafts for {rows} rows")
-        accs = [self.expected_accepted(k) for k in keys]
+        owners = [None] * len(keys) if owners is None else list(owners)
+        if len(owners) != len(keys):
+            raise ValueError(f"{len(owners)} owners for {len(keys)} drafts")
+        accs = [self.expected_accepted(k, o) for k, o in zip(keys, owners)]
         ratio = self.cost_ratios()
         rate = {b: (rows + sum(a[b] for a in accs)) / ratio[b] for b in self.buckets}
         best = max(self.buckets, key=lambda b: (rate[b], -b))  # ties go to the smaller tree

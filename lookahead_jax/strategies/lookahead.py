@@ -24,7 +24,8 @@ class Lookahead(StrategyBase):
     branch_length: maximum draft depth.  mode: hierarchical | parallel | single.
     calibrate: with "auto", time every tree size before the first request of a shape
         (~20-30 s on a 2-core CPU, compiling every size) instead of starting from the
-        platform's typical costs (`budget.PRIOR_COST_RATIOS`). Either way the times of
+        platform's typical costs for the batch's size (`budget.prior_costs`: a tree in a
+        full batch costs more, so `auto` drafts less as slots fill). Either way the times of
         real steps correct the costs as decoding goes, and a tree size compiles when
         first used."""
 
@@ -79,7 +80,7 @@ class Lookahead(StrategyBase):
             mid = int(state.lengths.max()) + state.rows[0].max_new // 2 if state.active.any() else None
             costs = engine.measure_verify_costs(rule, B, S, buckets, mid)
         else:
-            costs = prior_costs(engine.platform, buckets)
+            costs = prior_costs(engine.platform, buckets, batch=B)
         times = engine.step_times.setdefault((rule, B, S), StepTimes())
         policy = AutoBudget(buckets, costs, getattr(drafter, "acceptance", None), times=times)
         policy.calibrate_s = time.perf_counter() - t0 if self.calibrate else 0.0
