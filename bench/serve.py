@@ -8,11 +8,12 @@ inter-chunk latency (ITL) p50 / p99, and from the server's /metrics the acceptan
     python bench/serve.py --strategies greedy lookahead --concurrency 1 4 8 --requests 16
 
 Each (strategy, concurrency) gets a server of its own in this process, with --max-batch =
-the concurrency (a step computes every slot: idle slots cost), warmed up first on other
-prompts: first the measured ones (so that their shapes compile before measuring), then,
-lookahead's trie dropped, other prompts of the same sets (what the trie holds when
-measuring comes from those and the measured requests themselves). Prompts come from the
-repository's data/: NQ questions with their gold passage (chat, RAG), GSM8K questions
+the concurrency (a step computes every slot: idle slots cost), warmed up first: every step
+it may run compiled (`Scheduler.warm_up`, the server's --warmup), then unmeasured requests
+on other prompts (lookahead's trie starts empty per server: what it holds when measuring
+comes from them and the measured requests themselves). Strategies alternate within each
+level (ABBA over --repeats), the host's speed drifting by tens of percent. Prompts come from
+the repository's data/: NQ questions with their gold passage (chat, RAG), GSM8K questions
 (chat), HumanEval prompts (completion), in turn. Writes bench/results/serve.json and
 serve.png, the host named.
 """
@@ -184,7 +185,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=8, help="unmeasured requests per level (other prompts) first")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--decoding-length", type=int, default=16, help="lookahead's fixed budget (0: auto)")
+    ap.add_argument("--decoding-length", type=int, default=0, help="lookahead's fixed budget (0: auto, the default)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per (strategy, concurrency), alternated ABBA")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = ap.parse_args(argv)
@@ -196,34 +198,49 @@ def main(argv=None) -> None:
     random.Random(args.seed).shuffle(prompts)
     warm, measured = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
     result = dict(model=args.model, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
-                  host_line=host_line(), runs={})
+                  repeats=args.repeats, decoding_length=args.decoding_length or "auto",
+                  host_line=host_line(), runs={st: {} for st in args.strategies}, reps={st: {} for st in args.strategies})
     print(host_line())
-    for strat in args.strategies:
-        result["runs"][strat] = {}
-        for c in args.concurrency:
-            srv, uv, th, url = start_server(args, strat, c, model, tok)
-            t = time.perf_counter()
-            # warm-up: the measured prompts themselves at this concurrency (their prompt buckets
-            # and cache windows compile here, not while measured), then other prompts; the
-            # trie they filled is dropped with the slots (a fresh drafter, a fresh trie)
-            asyncio.run(load(url, measured + warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
-            srv.scheduler.engine.stores.tries.clear()
-            srv.scheduler.engine.stores.acceptance.clear()
-            srv.scheduler.rebuild()
-            asyncio.run(load(url, warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
-            warm_s = time.perf_counter() - t
-            before = scrape(url)
-            res, wall = asyncio.run(load(url, measured, args.rate, c, args.max_tokens, srv.model_name, args.seed))
-            s = summarize(res, wall, before, scrape(url))
-            s["warmup_s"] = round(warm_s, 1)
-            result["runs"][strat][str(c)] = s
-            print(f"{strat:9s} c={c:2d}: {s['output_tokens_per_s']:7.1f} tok/s  TTFT p50 {s['ttft_p50_ms']:7.0f} "
-                  f"p99 {s['ttft_p99_ms']:7.0f} ms  TPOT p50 {s['tpot_p50_ms'] or 0:6.1f} p99 "
-                  f"{s['tpot_p99_ms'] or 0:6.1f} ms  accept {s['acceptance_rate'] or 0:.3f} "
-                  f"len {s['mean_acceptance_length'] or 1:.2f}  failed {s['failed']}  (warm-up {warm_s:.0f} s)",
-                  flush=True)
-            uv.should_exit = True
-            th.join(120)
+    for c in args.concurrency:
+        for rep in range(args.repeats):  # strategies alternated (ABBA): the host's speed drifts
+            for strat in (args.strategies if rep % 2 == 0 else args.strategies[::-1]):
+                srv, uv, th, url = start_server(args, strat, c, model, tok)
+                t = time.perf_counter()
+                # compile every step the slots may run (prompt buckets, tree sizes, windows:
+                # Slots.warm_up, as the server's --warmup does), then unmeasured requests on
+                # other prompts (what the trie holds when measuring comes from them)
+                srv.scheduler.warm_up()
+                asyncio.run(load(url, warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
+                warm_s = time.perf_counter() - t
+                before = scrape(url)
+                comp0 = len(srv.scheduler.engine.compiled.compilations)
+                res, wall = asyncio.run(load(url, measured, args.rate, c, args.max_tokens, srv.model_name,
+                                             args.seed))
+                s = summarize(res, wall, before, scrape(url))
+                s["warmup_s"] = round(warm_s, 1)
+                s["compiled_while_measuring"] = srv.scheduler.engine.compiled.compilations[comp0:]
+                result["reps"][strat].setdefault(str(c), []).append(s)
+                print(f"{strat:9s} c={c:2d} rep {rep}: {s['output_tokens_per_s']:7.1f} tok/s  TTFT p50 "
+                      f"{s['ttft_p50_ms']:7.0f} p99 {s['ttft_p99_ms']:7.0f} ms  TPOT p50 {s['tpot_p50_ms'] or 0:6.1f} "
+                      f"p99 {s['tpot_p99_ms'] or 0:6.1f} ms  accept {s['acceptance_rate'] or 0:.3f} "
+                      f"len {s['mean_acceptance_length'] or 1:.2f}  failed {s['failed']}  (warm-up {warm_s:.0f} s, "
+                      f"{len(s['compiled_while_measuring'])} compiled while measuring)", flush=True)
+                uv.should_exit = True
+                th.join(120)
+        for strat in args.strategies:  # per level: the mean of the repeats' numbers
+            reps = result["reps"][strat][str(c)]
+            result["runs"][strat][str(c)] = {k: (round(float(np.mean([r[k] for r in reps])), 3)
+                                                 if all(isinstance(r.get(k), (int, float)) for r in reps) else reps[-1][k])
+                                             for k in reps[0]}
+        g = result["runs"].get("greedy", {}).get(str(c))
+        for strat in args.strategies:
+            if g and strat != "greedy":
+                r = result["runs"][strat][str(c)]
+                r["speedup_vs_greedy"] = round(r["output_tokens_per_s"] / g["output_tokens_per_s"], 3)
+                print(f"  c={c}: {strat} / greedy = {r['speedup_vs_greedy']:.2f}x "
+                      f"(per repeat: {[round(a['output_tokens_per_s'] / b['output_tokens_per_s'], 2) for a, b in zip(result['reps'][strat][str(c)], result['reps']['greedy'][str(c)])]})",
+                      flush=True)
+        save(result, args.out)  # after every level: a long run keeps what it measured
     save(result, args.out)
     plot(result, str(Path(args.out).with_suffix(".png")))
 

@@ -212,3 +212,36 @@ def test_verify_step_returns_hidden_states(model):
     np.testing.assert_allclose(np.asarray(first.hidden[0]), np.asarray(h[0, 7]), atol=1e-4)
     np.testing.assert_allclose(np.asarray(out.hidden[0]), np.asarray(h[0, 8:11]), atol=1e-4)
     assert out.hidden.shape == (1, 3, cfg.d_model)
+
+
+@pytest.mark.parametrize("strategy,sampled", [(None, True), (Lookahead(decoding_length=7), False)])
+def test_warm_up_compiles_every_step_before_requests(model, tok, ids, strategy, sampled):
+    """After `warm_up`, requests of any prompt length decode (greedy, and sampled when
+    warmed up for it) at every tree size the budget may pick and every attention window,
+    without compiling anything more, and give the tokens they give on slots that were not
+    warmed up (the warm-up leaves the slots empty)."""
+    eng = engine_for(model)
+    S = 512
+    cold = Slots(eng, tok, 3, S, strategy)
+    want = drive(cold, ids, range(len(ids)), seed=3)
+    cold.close()
+    warm = Slots(eng, tok, 3, S, strategy)
+    n_steps = []
+    compiled = warm.warm_up(sampled=sampled, progress=lambda done, total: n_steps.append((done, total)))
+    assert n_steps[-1][0] == n_steps[-1][1] == len(n_steps) and compiled <= len(n_steps)
+    assert warm.free_slots == [0, 1, 2] and not warm.busy and int(np.asarray(warm.state.cache.length).max()) == 0
+    before = list(eng.compiled.compilations)
+    assert drive(warm, ids, range(len(ids)), seed=3) == want
+    # other prompt buckets, the last window (330 + 60 tokens > 256), a sampled row if warmed
+    long_ids = [(ids[i] * 8)[:n] for i, n in ((0, 330), (1, 100), (2, 40))]
+    for s, p in enumerate(long_ids):
+        sp = SamplingParams(temperature=0.8, top_p=0.9) if sampled and s == 1 else None
+        warm.insert(s, Request(p, 60, seed=s, sampling=sp))
+    while warm.busy:
+        warm.step()
+    assert eng.compiled.compilations == before, eng.compiled.compilations[len(before):]
+    warm.close()
+    busy = Slots(eng, tok, 2, S, strategy)
+    busy.insert(0, Request(ids[0], 4))
+    with pytest.raises(RuntimeError, match="no request"):
+        busy.warm_up()

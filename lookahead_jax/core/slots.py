@@ -53,7 +53,7 @@ import numpy as np
 
 from .acceptance import TokenMatch
 from .budget import FixedBudget
-from .decode import DecodeState, forward_rows, step
+from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, step
 from .rows import RowState
 from .drafts import EMPTY, DraftBatch
 from .sampling import Penalties, SamplingParams
@@ -206,9 +206,7 @@ class Slots:
         forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token)
         # the setup (first insert) and the drafter's start are not decode time, nor is their compilation
         c0, s0, t0 = self.engine.compiled.compile_s, st.compile_s, time.perf_counter()
-        if not self._set_up:
-            self.drafter, self.rule, self.budget = self.strategy.setup(self.engine, st, self.drafter, None)
-            self._set_up = True
+        self._setup()
         drafting = [s for s in slots if s not in self._plain]
         if self.drafter is not None and drafting:
             by_row = [[] for _ in range(self.n_slots)]
@@ -255,6 +253,72 @@ class Slots:
         self.state.rows[slot] = _free_row(slot, self.tokenizer)
         return row
 
+    def warm_up(self, sampled: bool = False, progress: Optional[Callable[[int, int], None]] = None) -> int:
+        """Compile, before any request, the steps these slots will run: the prefill of one
+        request for every prompt bucket that fits, and the verify step for every tree size
+        the budget may pick at every attention window up to `max_len` (greedy rows;
+        `sampled`: also rows that sample without and with top-k / top-p filters). A server
+        calls it before it accepts requests, so no request waits for a compilation (each
+        is 1-3 s on a 2-core CPU; with JAX's persistent compilation cache, a restart loads
+        them). Only while every slot is free: the steps run on the slots' own cache, whose
+        rows hold nothing yet. Retrieval runs compile their own steps (not covered).
+        progress(done, total) after each step. Returns the number of steps compiled."""
+        from .tree import verify_block
+        from .verify import WINDOW_MIN, window_for
+
+        if self.busy or len(self.free_slots) != self.n_slots:
+            raise RuntimeError("warm_up() needs slots that hold no request")
+        st, S, B = self.state, self.state.max_len, self.n_slots
+        c0 = self.engine.compiled.compile_s
+        self._setup()
+        modes = [None]
+        if sampled:
+            modes += [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
+        prompt_sizes = [P for P in PROMPT_BUCKETS if P + self.max_nodes + 2 <= S]
+        windows = sorted({window_for(w, S) for w in [WINDOW_MIN << i for i in range(S.bit_length())] + [S]
+                          if w <= S})
+        buckets = [T for T in self.budget.buckets if T + 1 <= min(windows)] if self.run is None else []
+        total = len(modes) * (len(prompt_sizes) + len(windows) * len(buckets))
+        done = 0
+        before = len(self.engine.compiled.compilations)
+        saved = (list(st.rows), st.lengths.copy(), st.root.copy())
+        try:
+            for sp in modes:
+                for P in prompt_sizes:  # a one-request insert, as `insert` forwards it
+                    st.rows[0] = RowState(0, [0] * P, self.tokenizer, set(), (), 1, None)
+                    st.rows[0].sampling = sp
+                    st.rows[0].logprobs = [] if st.logprobs else None
+                    st.lengths = np.zeros(B, np.int64)
+                    st.cache = st.cache.replace(length=st.cache.length.at[0].set(0))
+                    st.set_row_values(self.engine.put)
+                    forward_rows(self.engine, st, [0], emit=self.run is None or not self.run.picks_first_token)
+                    done += 1
+                    if progress:
+                        progress(done, total)
+                for w in windows:  # every busy row at the window's last length for the tree
+                    for T in buckets:
+                        L = max(0, w - 1 - T)
+                        st.rows = [RowState(b, [0] * (L + 1), self.tokenizer, set(), (), 1 << 30, None)
+                                   for b in range(B)]
+                        for r in st.rows:
+                            r.sampling, r.logprobs = sp, ([] if st.logprobs else None)
+                        st.set_row_values(self.engine.put)
+                        st.cache = st.cache.replace(length=st.cache.length.at[:].set(L))
+                        blk = verify_block(np.zeros(B, np.int32), [EMPTY] * B, T)
+                        out, st.cache = self.engine.verify(
+                            st.cache, blk, np.ones(B, bool), st.seeds, st.rowids, rule=self.rule,
+                            window=window_for(L + 1 + T, S), sampling=st.row_sampling(), **st.step_options())
+                        done += 1
+                        if progress:
+                            progress(done, total)
+        finally:  # every slot free again, the cache empty
+            st.rows[:], st.lengths, st.root = saved
+            st.cache = st.cache.replace(length=st.cache.length.at[:].set(0))
+            st.set_row_values(self.engine.put)
+            st.compile_s += self.engine.compiled.compile_s - c0
+            st.steps, st.tree_sizes = 0, []
+        return len(self.engine.compiled.compilations) - before
+
     def close(self) -> None:
         """Done with these slots: the drafter ends every row, the run stops its workers."""
         if self.drafter is not None:
@@ -270,6 +334,12 @@ class Slots:
         return SlotEvent(b, tokens, r.finish)
 
     # ------------------------------------------------------------------ helpers
+    def _setup(self) -> None:
+        """The strategy's drafter, rule and budget, once (the first insert, or warm_up)."""
+        if not self._set_up:
+            self.drafter, self.rule, self.budget = self.strategy.setup(self.engine, self.state, self.drafter, None)
+            self._set_up = True
+
     def _plain_request(self, req: Request) -> bool:
         return req.strategy is not None and req.strategy != self.strategy
 

@@ -134,6 +134,24 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="lookahead-jax-engine", daemon=True)
         self._thread.start()
 
+    def warm_up(self, sampled: bool = False) -> int:
+        """Compile the steps the slots will run before the thread starts serving
+        (`Slots.warm_up`: every prompt bucket, every tree size of the budget at every
+        attention window; `sampled`: sampled rows too), logging progress. Returns the
+        number of steps compiled (0 when JAX's persistent cache or an earlier warm-up had them)."""
+        if self.alive:
+            raise RuntimeError("warm_up() runs before start()")
+        t0, shown = time.perf_counter(), [0]
+
+        def progress(done, total):
+            if done * 10 // total > shown[0] or done == total:
+                shown[0] = done * 10 // total
+                log.info("warm-up: %d / %d steps (%.0f s)", done, total, time.perf_counter() - t0)
+
+        n = self.slots.warm_up(sampled=sampled, progress=progress)
+        log.info("warm-up done: %d steps compiled in %.0f s", n, time.perf_counter() - t0)
+        return n
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

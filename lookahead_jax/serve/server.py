@@ -24,6 +24,7 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     host: str = "127.0.0.1"
     port: int = 8000
+    warmup: str = "greedy"  # none | greedy | all: the steps compiled before serving (`Scheduler.warm_up`)
 
 
 def make_server(cfg: ServeConfig, model=None, tokenizer=None):
@@ -67,6 +68,8 @@ def run(cfg: ServeConfig, server=None) -> None:
     from .app import build_app
 
     server = server or make_server(cfg)
+    if cfg.warmup != "none":
+        server.scheduler.warm_up(sampled=cfg.warmup == "all")
     uvicorn.run(build_app(server), host=cfg.host, port=cfg.port, log_level="info",
                 timeout_graceful_shutdown=60)
 
