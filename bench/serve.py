@@ -69,6 +69,7 @@ def start_server(args, strategy: str, batch: int, model, tok):
     stores = srv.scheduler.engine.stores
     stores.tries.clear()  # each level starts with a cold trie (its warm-up prompts seed it), not the last level's
     stores.acceptance.clear()
+    srv.scheduler.warm_up()  # every step the slots may run compiled before serving (the server's --warmup)
     uv, th, url = start_in_thread(srv)
     return srv, uv, th, url
 
@@ -206,10 +207,9 @@ def main(argv=None) -> None:
             for strat in (args.strategies if rep % 2 == 0 else args.strategies[::-1]):
                 srv, uv, th, url = start_server(args, strat, c, model, tok)
                 t = time.perf_counter()
-                # compile every step the slots may run (prompt buckets, tree sizes, windows:
-                # Slots.warm_up, as the server's --warmup does), then unmeasured requests on
-                # other prompts (what the trie holds when measuring comes from them)
-                srv.scheduler.warm_up()
+                # (start_server compiled every step the slots may run: prompt buckets, tree sizes,
+                # windows) unmeasured requests on other prompts: what the trie holds when
+                # measuring comes from them
                 asyncio.run(load(url, warm, float("inf"), c, args.max_tokens, srv.model_name, args.seed))
                 warm_s = time.perf_counter() - t
                 before = scrape(url)
