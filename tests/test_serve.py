@@ -5,6 +5,8 @@ port and driven by the real `openai` client (and httpx for raw bodies).
 * Lossless under continuous batching: 9 concurrent requests of other lengths, prompts,
   kinds and strategies (lookahead, and plain decoding asked per request) on 4 slots, each
   equal to `generate` alone with the same options.
+* Chunked prefill: a long prompt prefilled in blocks while short requests decode gives
+  generate's tokens (a second server, prefill_chunk=32); bad --prefill-chunk values.
 * A stream the client abandons frees its slot; malformed bodies get 400 with a message
   naming the field; a full waiting queue gets 429; a failing step fails its requests
   with 500 and the server goes on; /metrics, /v1/models, /health, /tokenize, /detokenize.
@@ -296,3 +298,42 @@ def test_sampled_requests_equal_generate(loaded, server, client):
     out = generate(loaded[0], loaded[1], ["Once upon a time"], max_new_tokens=12, max_cache_len=MAX_LEN,
                    temperature=0.8, top_p=0.9, seed=7, n=2, presence_penalty=0.5)
     assert [ids_of(c) for c in r.choices] == out.token_ids
+
+
+def test_chunked_prefill_server_equals_generate(loaded):
+    """A second server with 32-token prefill blocks: a long prompt (many blocks) sent with
+    short ones, all concurrent, each equal to offline generate."""
+    model, tok, name = loaded
+    cfg = ServeConfig(model=name, strategy="lookahead", strategy_options=(("decoding_length", 16),),
+                      max_batch=SLOTS, max_len=MAX_LEN, max_waiting=64, prefill_chunk=32)
+    srv = make_server(cfg, model, tok)
+    uv, thread, url = start_in_thread(srv)
+    try:
+        chunked = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        long_prompt = " ".join(p["prompt"] for p in load_prompts()[:3])[:1200]
+        while len(tok.encode(long_prompt)) > 300:  # the cache holds MAX_LEN (byte tokens: the tiny model)
+            long_prompt = long_prompt[:-50]
+        assert len(tok.encode(long_prompt)) > 8 * 32
+        cases = [("completion", t, 16, i % 2 == 0, None) for i, t in enumerate([long_prompt] + TEXTS[:3])]
+        want = offline(loaded, [c[1] for c in cases], 16)
+        with cf.ThreadPoolExecutor(len(cases)) as pool:
+            futs = [pool.submit(run_one, chunked, name, *c) for c in cases]
+            got = [f.result()[0] for f in futs]
+        assert got == want
+        sched = srv.scheduler
+        assert sched.slots.prefill_chunk == 32 and sched.running == {} and sched.slots.prefilling == []
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+
+
+def test_bad_prefill_chunk_is_an_error():
+    from lookahead_jax.serve.__main__ import parse
+
+    for bad in (1, -2, 2.5):
+        with pytest.raises(ValueError, match="--prefill-chunk must be 0"):
+            make_server(ServeConfig(prefill_chunk=bad))
+    assert parse(["--prefill-chunk", "none"]).prefill_chunk == 0
+    assert parse(["--prefill-chunk", "96"]).prefill_chunk == 96
+    with pytest.raises(SystemExit):
+        parse(["--prefill-chunk", "1"])

@@ -214,8 +214,9 @@ def test_verify_step_returns_hidden_states(model):
     assert out.hidden.shape == (1, 3, cfg.d_model)
 
 
-@pytest.mark.parametrize("strategy,sampled", [(None, True), (Lookahead(decoding_length=7), False)])
-def test_warm_up_compiles_every_step_before_requests(model, tok, ids, strategy, sampled):
+@pytest.mark.parametrize("strategy,sampled,chunk", [(None, True, None), (Lookahead(decoding_length=7), False, None),
+                                                    (Lookahead(decoding_length=3), False, 24)])
+def test_warm_up_compiles_every_step_before_requests(model, tok, ids, strategy, sampled, chunk):
     """After `warm_up`, requests of any prompt length decode (greedy, and sampled when
     warmed up for it) at every tree size the budget may pick and every attention window,
     without compiling anything more, and give the tokens they give on slots that were not
@@ -225,7 +226,7 @@ def test_warm_up_compiles_every_step_before_requests(model, tok, ids, strategy, 
     cold = Slots(eng, tok, 3, S, strategy)
     want = drive(cold, ids, range(len(ids)), seed=3)
     cold.close()
-    warm = Slots(eng, tok, 3, S, strategy)
+    warm = Slots(eng, tok, 3, S, strategy, prefill_chunk=chunk)
     n_steps = []
     compiled = warm.warm_up(sampled=sampled, progress=lambda done, total: n_steps.append((done, total)))
     assert n_steps[-1][0] == n_steps[-1][1] == len(n_steps) and compiled <= len(n_steps)
@@ -234,7 +235,7 @@ def test_warm_up_compiles_every_step_before_requests(model, tok, ids, strategy, 
     assert drive(warm, ids, range(len(ids)), seed=3) == want
     # other prompt buckets, the last window (330 + 60 tokens > 256), a sampled row if warmed
     long_ids = [(ids[i] * 8)[:n] for i, n in ((0, 330), (1, 100), (2, 40))]
-    for s, p in enumerate(long_ids):
+    for s, p in reversed(list(enumerate(long_ids))):  # the long ones while others decode (chunked)
         sp = SamplingParams(temperature=0.8, top_p=0.9) if sampled and s == 1 else None
         warm.insert(s, Request(p, 60, seed=s, sampling=sp))
     while warm.busy:

@@ -37,10 +37,27 @@ loop, `free` tells it the request left; its slots take only its own requests. Ev
 only tokens no later turn can change (a retrieval may roll a row back: those tokens are
 held until verified), so a stream never has to take text back.
 
+Chunked prefill (`prefill_chunk=C`): a prompt longer than C tokens would stall every
+running request for its whole prefill; so, when another request is decoding (else the
+prompt is forwarded whole: nobody waits, and one block is cheaper than several), `insert`
+forwards its first block of C
+tokens and the slot is `prefilling` (neither free nor decoding: its finish marker is
+`PREFILL`, so the decode step, the drafter and the budget skip it), and each `step`, after
+its verify step over the decoding slots, forwards the next block of the oldest prefilling
+slot (one block of at most C tokens per step, first come first served). A block reads the
+cached prefix (`forward_rows`, as `decode.extend`), and its last token stays uncached as
+the row's root, re-forwarded first in the next block (the row's invariant holds between
+blocks): a prompt of L > C tokens takes ceil((L - 1) / (C - 1)) blocks, the insert's and
+one per step after it. The last block gives the first token exactly as a whole prefill
+(same position, same sampling key), that step's events carry it, and the drafter begins
+the request then (a draft model prefills the whole prompt in its `begin`). `free` cancels
+a prefilling slot like any other. A retrieval run's slots prefill whole prompts.
+
 A request's tokens do not depend on the other slots: a row's logits do not depend on the
 other rows of a forward, its sampling key is (seed, sampling row, position), and its
 filters and penalties are its own, so a request inserted mid-decode gives the tokens it
-gives alone (tests/test_slots.py, tests/test_row_sampling.py).
+gives alone (tests/test_slots.py, tests/test_row_sampling.py), also when its prompt is
+prefilled in chunks (tests/test_chunked_prefill.py).
 """
 
 from __future__ import annotations
@@ -53,12 +70,13 @@ import numpy as np
 
 from .acceptance import TokenMatch
 from .budget import FixedBudget
-from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, step
+from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, prompt_bucket, step
 from .rows import RowState
 from .drafts import EMPTY, DraftBatch
 from .sampling import Penalties, SamplingParams
 
 FREE = "free"  # finish reason of a row no request holds
+PREFILL = "prefill"  # finish marker of a row whose prompt is still forwarded in chunks (prefill_chunk)
 
 
 @dataclasses.dataclass
@@ -112,16 +130,27 @@ class Slots:
     eos_ids: the ids that end a request by default (and that min_new_tokens bans).
     `begin_s`: seconds the last insert spent starting the drafter (e.g. a draft model's
     prefill), its compilation excluded, and the first insert's setup of the strategy (e.g.
-    auto's calibration). Call `close()` when done (a run's workers stop)."""
+    auto's calibration). prefill_chunk: None (a prompt is forwarded whole at insert) or C >= 2
+    tokens forwarded per block of a longer prompt (module docstring; a retrieval run's slots
+    always prefill whole prompts: `self.prefill_chunk` is then None). Call `close()` when
+    done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
-                 logprobs: bool = False, eos_ids: Sequence[int] = ()):
+                 logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
+                                          or not isinstance(prefill_chunk, (int, np.integer))
+                                          or prefill_chunk < 2):
+            raise ValueError(f"prefill_chunk must be an integer >= 2 (prompt tokens forwarded per block; each "
+                             f"block re-forwards the last token of the one before) or None (whole prompts), "
+                             f"got {prefill_chunk!r}")
         if strategy is not None and strategy.runs_own_loop and run is None:
             run = strategy.start(tokenizer, n_slots, engine=engine)
         self.run = run
+        # a run's rows are prefilled whole (its add / replace_prompt edit whole prompts)
+        self.prefill_chunk = None if prefill_chunk is None or run is not None else int(prefill_chunk)
         if penalties.on and strategy is not None and not strategy.supports_penalties:
             raise ValueError(f"strategy {strategy.name!r} does not apply repetition / presence / frequency penalties")
         self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
@@ -145,6 +174,8 @@ class Slots:
         self._set_up = strategy is None
         self._plain: set = set()  # slots whose request decodes without drafts
         self._sent = [0] * n_slots  # tokens of each slot's request handed out in events
+        self._prefill: dict = {}  # slot -> its whole prompt, while prefilling (oldest first)
+        self._refs: dict = {}  # slot -> its request's references, until the drafter begins it
         self.last_step = None  # the last step's StepResult (None: a retrieval run's turn)
 
     # ------------------------------------------------------------------ queries
@@ -158,8 +189,15 @@ class Slots:
 
     @property
     def busy(self) -> list:
-        """Slots whose request still decodes."""
-        return [int(b) for b in np.flatnonzero(self.state.active)]
+        """Slots whose request is not finished: it decodes, or its prompt is still being
+        prefilled (`prefilling`)."""
+        return [b for b, r in enumerate(self.state.rows) if r.finish is None or r.finish == PREFILL]
+
+    @property
+    def prefilling(self) -> list:
+        """Slots whose prompt is still being forwarded in chunks, oldest first (the order
+        `step` serves them in); they are neither free nor decoding."""
+        return list(self._prefill)
 
     def row(self, slot: int) -> RowState:
         return self.state.rows[slot]
@@ -169,7 +207,9 @@ class Slots:
         """Prefill `requests` (one, or a list) into the free `slots` (an int, or a list of as
         many): their prompts are forwarded into their rows of the cache (rows of similar
         length in one block) and each gets its first token, while the other slots keep
-        their caches. Returns the first SlotEvent of each."""
+        their caches. With `prefill_chunk` C, while other slots decode, a prompt longer than
+        C gets only its first block of C tokens here and is `prefilling` (its first token
+        comes from a later `step`). Returns the first SlotEvent of each (no tokens while prefilling)."""
         slots = [slots] if isinstance(slots, (int, np.integer)) else [int(s) for s in slots]
         requests = [requests] if isinstance(requests, Request) else list(requests)
         if len(slots) != len(requests) or len(set(slots)) != len(slots):
@@ -187,6 +227,7 @@ class Slots:
             st.rows[s] = row
             st.finish_s.pop(s, None)
             self._sent[s] = 0
+            self._refs[s] = list(req.references)
             (self._plain.add if self._plain_request(req) else self._plain.discard)(s)
         if self.run is not None:  # e.g. the first retrieval: the passage goes before the question
             prompts = self.run.add(st, slots, [st.rows[s].prompt_ids for s in slots],
@@ -203,48 +244,52 @@ class Slots:
         rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
         st.set_row_values(self.engine.put)
-        forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token)
-        # the setup (first insert) and the drafter's start are not decode time, nor is their compilation
-        c0, s0, t0 = self.engine.compiled.compile_s, st.compile_s, time.perf_counter()
-        self._setup()
-        drafting = [s for s in slots if s not in self._plain]
-        if self.drafter is not None and drafting:
-            by_row = [[] for _ in range(self.n_slots)]
-            for s, req in zip(slots, requests):
-                by_row[s] = list(req.references) if s in drafting else []
-            if len(drafting) == self.n_slots:  # every row at once (generate): a new batch
-                self.drafter.begin(st, by_row)
-            else:
-                self.drafter.begin(st, by_row, rows=drafting)
-        st.compile_s += self.engine.compiled.compile_s - c0  # the target's (a drafter adds its own)
-        self.begin_s = time.perf_counter() - t0 - (st.compile_s - s0)
+        decoding = [b for b in np.flatnonzero(st.active) if b not in slots]  # requests that would wait
+        if self.prefill_chunk is None or not decoding:  # nobody waits: the whole prompt in one forward
+            forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token)
+            self._activate(slots)
+        else:  # every prompt enters as prefilling; those of at most C tokens finish in this block
+            for s in slots:
+                self._prefill[s], st.rows[s].finish = st.rows[s].prompt_ids, PREFILL
+            self._forward_chunks(slots)
         return [self._event(s) for s in slots]
 
     def step(self) -> list:
-        """One propose -> verify -> accept over the busy slots (several tokens per slot where
-        drafts are accepted; a retrieval strategy's run: one turn of its loop). Returns a
-        SlotEvent per slot that was busy."""
+        """One propose -> verify -> accept over the decoding slots (several tokens per slot
+        where drafts are accepted; a retrieval strategy's run: one turn of its loop), then
+        the next block of the oldest prefilling slot (`prefill_chunk`; when it is the
+        prompt's last, the slot gets its first token and decodes from the next step).
+        Returns a SlotEvent per slot that was busy."""
         busy = self.busy
         if not busy:
             return []
-        drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain else self.drafter
-        if self.run is not None:
-            self.last_step = None  # a turn of the run may hold several steps, or none
-            self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
-        else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
-            self.last_step = step(self.engine, self.state, drafter, self.rule, self.budget)
+        self.last_step = None  # no verify step (only prefilling), or a run's turn (it may hold several)
+        if self.state.active.any():
+            drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain \
+                else self.drafter
+            if self.run is not None:
+                self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
+            else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
+                self.last_step = step(self.engine, self.state, drafter, self.rule, self.budget)
+        if self._prefill:
+            self._forward_chunks([next(iter(self._prefill))])
         return [self._event(b) for b in busy]
 
     def free(self, slot: int) -> RowState:
-        """Release `slot` (finished, or cancelled mid-decode: finish reason "abort") and
-        return its row (tokens, text, finish reason, logprobs; a retrieval strategy's record
-        of the request in `row.retrieval`)."""
+        """Release `slot` (finished, or cancelled mid-decode or while prefilling: finish
+        reason "abort") and return its row (tokens, text, finish reason, logprobs; a
+        retrieval strategy's record of the request in `row.retrieval`)."""
         row = self.state.rows[slot]
         if row.finish == FREE:
             raise ValueError(f"slot {slot} is already free")
+        began = slot not in self._prefill  # a prefilling row's drafter has not begun it
+        if not began:
+            row.prompt_ids = self._prefill.pop(slot)
+            row.finish = None
         if row.finish is None:
             row.finish = "abort"
-        if self.drafter is not None and slot not in self._plain:
+        self._refs.pop(slot, None)
+        if self.drafter is not None and slot not in self._plain and began:
             self.drafter.end([slot])
         if self.run is not None:
             row.retrieval = self.run.row_stats(slot)
@@ -258,7 +303,8 @@ class Slots:
         request for every prompt bucket that fits, and the verify step for every tree size
         the budget may pick at every attention window up to `max_len` (greedy rows;
         `sampled`: also rows that sample without and with top-k / top-p filters). A server
-        calls it before it accepts requests, so no request waits for a compilation (each
+        calls it before it accepts requests, so no request waits for a compilation (with
+        `prefill_chunk`, also the blocks of a chunked prefill at every window; each
         is 1-3 s on a 2-core CPU; with JAX's persistent compilation cache, a restart loads
         them). Only while every slot is free: the steps run on the slots' own cache, whose
         rows hold nothing yet. Retrieval runs compile their own steps (not covered).
@@ -278,7 +324,13 @@ class Slots:
         windows = sorted({window_for(w, S) for w in [WINDOW_MIN << i for i in range(S.bit_length())] + [S]
                           if w <= S})
         buckets = [T for T in self.budget.buckets if T + 1 <= min(windows)] if self.run is None else []
-        total = len(modes) * (len(prompt_sizes) + len(windows) * len(buckets))
+        # chunked prefill: a block after the first reads the cached prefix (one executable per
+        # attention window): middle blocks of C tokens emit nothing, a last block of <= C does
+        chunks = []
+        if self.prefill_chunk is not None:
+            PC = prompt_bucket(self.prefill_chunk, S)
+            chunks = [(PC, False)] + [(P, True) for P in PROMPT_BUCKETS if P <= PC]
+        total = len(modes) * (len(prompt_sizes) + len(windows) * (len(buckets) + len(chunks)) + bool(chunks))
         done = 0
         before = len(self.engine.compiled.compilations)
         saved = (list(st.rows), st.lengths.copy(), st.root.copy())
@@ -295,8 +347,23 @@ class Slots:
                     done += 1
                     if progress:
                         progress(done, total)
-                for w in windows:  # every busy row at the window's last length for the tree
-                    for T in buckets:
+                for w in [0] + windows if chunks else windows:
+                    for P, emit in chunks:  # a block of P tokens ending in the window (0: a first block)
+                        if not w and emit:
+                            continue
+                        L = w and w - P - (w == S)
+                        st.rows[0] = RowState(0, [0] * (L + P), self.tokenizer, set(), (), 1, None)
+                        st.rows[0].sampling = sp
+                        st.rows[0].logprobs = [] if st.logprobs else None
+                        st.lengths = np.zeros(B, np.int64)
+                        st.lengths[0] = L
+                        st.cache = st.cache.replace(length=st.cache.length.at[0].set(L))
+                        st.set_row_values(self.engine.put)
+                        forward_rows(self.engine, st, [0], emit=emit)
+                        done += 1
+                        if progress:
+                            progress(done, total)
+                    for T in buckets if w else ():  # every busy row at the window's last length for the tree
                         L = max(0, w - 1 - T)
                         st.rows = [RowState(b, [0] * (L + 1), self.tokenizer, set(), (), 1 << 30, None)
                                    for b in range(B)]
@@ -331,7 +398,54 @@ class Slots:
         r = self.state.rows[b]
         final = len(r.ids) if self.run is None or r.finish is not None else self.run.final_upto(self.state, b)
         tokens, self._sent[b] = list(r.ids[self._sent[b]:final]), max(final, self._sent[b])
-        return SlotEvent(b, tokens, r.finish)
+        return SlotEvent(b, tokens, None if r.finish == PREFILL else r.finish)
+
+    def _forward_chunks(self, slots) -> None:
+        """The next block of each prefilling slot's prompt: its cached rows end at
+        `lengths[s]` and its root (the last token forwarded, not yet cached) is the prompt's
+        token there, so a block forwards prompt[lengths[s]:][:C] (`forward_rows`, which
+        reads the cached prefix, as `decode.extend` does). A block that reaches the prompt's
+        end is the last: the row gets its first token as a whole prefill gives it (same
+        position, so the same sampling key) and decodes; otherwise the block's last token
+        stays the root (emit=False) and the row still holds prompt[:lengths[s] + 1]."""
+        st, C = self.state, self.prefill_chunk
+        last, more = [], []
+        for s in slots:
+            prompt, r = self._prefill[s], st.rows[s]
+            if len(prompt) - int(st.lengths[s]) <= C:
+                del self._prefill[s]
+                r.prompt_ids, r.finish = prompt, None
+                st.finish_s.pop(s, None)
+                last.append(s)
+            else:
+                r.prompt_ids = prompt[:int(st.lengths[s]) + C]
+                more.append(s)
+        if more:
+            forward_rows(self.engine, st, more, emit=False)
+        if last:
+            forward_rows(self.engine, st, last)
+            self._activate(last)
+
+    def _activate(self, slots) -> None:
+        """Slots whose first token is out start decoding: the strategy's setup (the first
+        time: rows then hold prompts) and the drafter's begin (e.g. a draft model's prefill),
+        their time and compilation not counted as decode time (`begin_s`)."""
+        st = self.state
+        c0, s0, t0 = self.engine.compiled.compile_s, st.compile_s, time.perf_counter()
+        self._setup()
+        drafting = [s for s in slots if s not in self._plain]
+        if self.drafter is not None and drafting:
+            by_row = [[] for _ in range(self.n_slots)]
+            for s in drafting:
+                by_row[s] = self._refs[s]
+            if len(drafting) == self.n_slots:  # every row at once (generate): a new batch
+                self.drafter.begin(st, by_row)
+            else:
+                self.drafter.begin(st, by_row, rows=drafting)
+        for s in slots:
+            self._refs.pop(s, None)
+        st.compile_s += self.engine.compiled.compile_s - c0  # the target's (a drafter adds its own)
+        self.begin_s = time.perf_counter() - t0 - (st.compile_s - s0)
 
     # ------------------------------------------------------------------ helpers
     def _setup(self) -> None:

@@ -13,7 +13,7 @@ import sys
 
 from ..strategies import REGISTRY
 
-from .server import ServeConfig, make_server, run
+from .server import DEFAULT_PREFILL_CHUNK, ServeConfig, make_server, run
 
 
 def _value(text: str):
@@ -23,6 +23,19 @@ def _value(text: str):
         except ValueError:
             pass
     return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _chunk(text: str) -> int:
+    """--prefill-chunk: an integer >= 2, or 0 / "none" (whole prompts, as 0)."""
+    if text.strip().lower() in ("0", "none"):
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, or 0 / none for whole prompts, got {text!r}")
+    return n
 
 
 def parse(argv=None) -> ServeConfig:
@@ -38,6 +51,10 @@ def parse(argv=None) -> ServeConfig:
     p.add_argument("--max-len", type=int, default=2048, help="KV cache slots per request (prompt + completion "
                    "+ the verify block; ralm / ralmspec: + the retrieved passage)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests that may wait for a slot (then 429)")
+    p.add_argument("--prefill-chunk", type=_chunk, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="prompt tokens forwarded per prefill block: a longer prompt is prefilled one block "
+                   "per step while the running requests keep decoding (0 or none: whole prompts at once; "
+                   f"default {DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--no-logprobs", action="store_true", help="decode without log-probabilities")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--served-model-name", default=None)
@@ -61,7 +78,7 @@ def parse(argv=None) -> ServeConfig:
                     + (", ".join(fields) or "none"))
         opts.append((k, _value(v.strip())))
     return ServeConfig(a.model, a.strategy, tuple(opts), a.max_batch, a.max_len, a.max_waiting, not a.no_logprobs,
-                       a.dtype, a.served_model_name, a.host, a.port, a.warmup)
+                       a.dtype, a.served_model_name, a.host, a.port, a.warmup, a.prefill_chunk)
 
 
 def main(argv=None) -> None:

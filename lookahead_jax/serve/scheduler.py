@@ -8,7 +8,8 @@
 
 Between two `Slots.step()`s the thread frees the slots of cancelled jobs, inserts waiting
 jobs into free slots (a prefill each, as JetStream does: blocks of 1..max_batch rows would
-each compile for every prompt bucket) and, after the step, hands
+each compile for every prompt bucket; with `prefill_chunk` a long prompt's first block
+only, the rest one block per step, so running jobs keep decoding) and, after the step, hands
 each job its tokens, text delta (the row's own streaming text: stop strings held back,
 EOS and stop cut), log-probabilities and finish reason, freeing finished slots at once.
 
@@ -109,12 +110,16 @@ class Scheduler:
     """Continuous batching over one `Slots` of `max_batch` rows and `max_len` cache slots
     (module docstring). metrics: a `metrics.Metrics` (or None); max_waiting: jobs that may
     wait for a slot before `submit` raises QueueFull; logprobs: build the slots with
-    log-probabilities on (a job may then ask for them)."""
+    log-probabilities on (a job may then ask for them); prefill_chunk: prompt tokens forwarded
+    per block (`Slots(prefill_chunk=)`; None: whole prompts at insert). A prefilling job holds
+    its slot (not free) and gets its first output, TTFT included, when its last block is out."""
 
     def __init__(self, engine, tokenizer, strategy=None, *, max_batch: int = 8, max_len: int = 2048,
                  max_waiting: int = 256, eos_ids=(), logprobs: bool = True, metrics=None,
-                 sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties()):
+                 sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
+                 prefill_chunk: Optional[int] = None):
         self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
+        self.prefill_chunk = prefill_chunk
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
         self.eos_ids, self.logprobs, self.metrics = tuple(eos_ids), logprobs, metrics
         self.slots = self._new_slots(sampling, penalties)
@@ -378,7 +383,8 @@ class Scheduler:
         if old is not None and old.run is not None:
             old.run.close()
         return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
-                     sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids)
+                     sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids,
+                     prefill_chunk=self.prefill_chunk)
 
     def _gauges(self) -> None:
         if self.metrics is not None:

@@ -10,6 +10,10 @@ from typing import Optional
 
 log = logging.getLogger("lookahead_jax.serve")
 
+# a block of 64 prompt tokens costs ~5-7 decode steps of 4 slots (SmolLM2-135M f32 on the
+# 2-core CPU, docs/serving.md): a long prompt holds running requests that long per step
+DEFAULT_PREFILL_CHUNK = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
@@ -25,6 +29,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     warmup: str = "greedy"  # none | greedy | all: the steps compiled before serving (`Scheduler.warm_up`)
+    prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill block (None / 0: whole prompts)
 
 
 def make_server(cfg: ServeConfig, model=None, tokenizer=None):
@@ -45,6 +50,8 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None):
     if cfg.max_batch < 1 or cfg.max_len < 16 or cfg.max_waiting < 0:
         raise ValueError("--max-batch must be >= 1, --max-len >= 16 and --max-waiting >= 0")
     strategy = resolve(cfg.strategy, **dict(cfg.strategy_options))
+    if cfg.prefill_chunk not in (None, 0) and not (isinstance(cfg.prefill_chunk, int) and cfg.prefill_chunk >= 2):
+        raise ValueError(f"--prefill-chunk must be 0 (whole prompts) or an integer >= 2, got {cfg.prefill_chunk!r}")
     if model is None:
         model, tokenizer = load(cfg.model, cfg.dtype)
     engine = engine_for(model)
@@ -53,7 +60,8 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None):
     metrics = Metrics(name)
     eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
     sched = Scheduler(engine, tokenizer, strategy, max_batch=cfg.max_batch, max_len=cfg.max_len,
-                      max_waiting=cfg.max_waiting, eos_ids=eos, logprobs=cfg.logprobs, metrics=metrics)
+                      max_waiting=cfg.max_waiting, eos_ids=eos, logprobs=cfg.logprobs, metrics=metrics,
+                      prefill_chunk=cfg.prefill_chunk or None)
     server = Server(sched, tokenizer, name, metrics, vocab=int(engine.config.vocab_size),
                     max_position=int(engine.config.max_position))
     server.model = model  # the engine holds its model weakly

@@ -1,0 +1,205 @@
+"""Chunked prefill on the slot API (`Slots(prefill_chunk=C)`): a long prompt is forwarded
+one block of C tokens per step while the other slots keep decoding.
+
+* A long prompt inserted while two requests decode gives exactly its tokens alone, and so
+  do the others (greedy, lookahead, sampling; SpecInfer in the slow run), batch 3.
+* While it prefills, every decoding slot gets tokens on each step, the long one none, for
+  ceil((L - 1) / (C - 1)) - 1 steps after its insert; its first token comes in one event.
+* Many requests of mixed lengths queue their blocks (oldest first) and all equal alone.
+* Prompts at the edges of a block; free() of a prefilling slot cancels it and the slot
+  is reused; with no request decoding (one slot, an idle server) a prompt is prefilled
+  whole; bad chunk sizes are errors.
+* Through the server: tests/test_serve.py (test_chunked_prefill_server_equals_generate).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.sampling import SamplingParams
+from lookahead_jax.core.slots import PREFILL, Request, Slots
+from lookahead_jax.generate import generate
+from lookahead_jax.strategies import Lookahead, SpecInfer
+from tiny import ByteTokenizer, drive_slots, load_prompts, tiny_model
+
+C = 16
+CACHE = 1024
+PROMPTS = [p["prompt"] for p in load_prompts()]
+LONG = [PROMPTS[0][:250], PROMPTS[7][:180], PROMPTS[2][:120]]  # 251 / 181 / 121 byte tokens
+SHORT = [PROMPTS[1][:15], PROMPTS[3][:12], PROMPTS[4][:40]]  # 16 / 13 (one block) / 41 tokens
+SP = SamplingParams(0.8, 0, 0.95)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer()
+
+
+def alone(model, tok, text, row, max_new, sampling=None, seed=0):
+    """`text` decoded alone by generate (greedy, or `sampling` with `seed`), sampling row `row`."""
+    kw = {} if sampling is None else dict(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+    return generate(model, tok, [text], max_new_tokens=max_new, max_cache_len=CACHE, first_index=row,
+                    **kw).token_ids[0]
+
+
+def blocks(n_tokens: int) -> int:
+    """Blocks a prompt of n_tokens > C takes (each re-forwards the last token of the one before)."""
+    return math.ceil((n_tokens - 1) / (C - 1))
+
+
+STRATEGIES = {
+    "greedy": lambda model: (None, None),
+    "lookahead": lambda model: (Lookahead(decoding_length=7), None),
+    "sampling": lambda model: (Lookahead(decoding_length=7), SP),
+    "specinfer": lambda model: (SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2)), None),
+}
+
+
+@pytest.mark.parametrize("kind", ["greedy", "lookahead", "sampling",
+                                  pytest.param("specinfer", marks=pytest.mark.slow)])
+def test_long_prompt_prefills_in_chunks_while_others_decode(model, tok, kind):
+    strat, sp = STRATEGIES[kind](model)
+    seed = 5 if sp else 0
+    slots = Slots(engine_for(model), tok, 3, CACHE, strat, sampling=sp or SamplingParams(), prefill_chunk=C)
+    texts, max_new = {0: SHORT[0], 1: SHORT[1], 2: LONG[0]}, {0: 40, 1: 48, 2: 24}
+    got = {b: [] for b in texts}
+    rows = {}
+
+    def take(events):
+        for ev in events:
+            got[ev.slot] += ev.tokens
+            if ev.finish:
+                rows[ev.slot] = slots.free(ev.slot)
+
+    first = slots.insert([0, 1], [Request(tok.encode(texts[b]), max_new[b], seed=seed, sampling_row=b)
+                                  for b in (0, 1)])
+    assert [len(ev.tokens) for ev in first] == [1, 1] and slots.prefilling == []  # one block each: whole
+    take(first)
+    for _ in range(2):
+        take(slots.step())
+    long_ids = tok.encode(texts[2])
+    ev = slots.insert(2, Request(long_ids, max_new[2], seed=seed, sampling_row=2))
+    assert ev[0].tokens == [] and ev[0].finish is None
+    assert slots.prefilling == [2] and slots.busy == [0, 1, 2] and slots.free_slots == []
+    assert slots.row(2).finish == PREFILL and not slots.state.active[2]
+    steps = 0
+    while True:
+        decoding = [b for b in (0, 1) if b not in rows]
+        events = {e.slot: e for e in slots.step()}
+        take(events.values())
+        steps += 1
+        for b in decoding:  # the running requests are not stalled by the long prefill
+            assert events[b].tokens, (steps, b)
+        if events[2].tokens:
+            assert len(events[2].tokens) == 1 and slots.prefilling == [] and slots.state.active[2]
+            break
+        assert slots.prefilling == [2]
+    assert steps == blocks(len(long_ids)) - 1 == 16
+    while slots.busy:
+        take(slots.step())
+    for b, text in texts.items():
+        want = alone(model, tok, text, b, max_new[b], sp, seed)
+        assert got[b] == rows[b].ids == want, (kind, b)
+    assert rows[2].prompt_ids == long_ids and slots.free_slots == [0, 1, 2]
+
+
+def test_mixed_lengths_queue_their_blocks(model, tok):
+    """Six requests (three over C tokens) through 3 slots, a new one whenever a slot is
+    free: several prompts prefill at once, one block per step, and every one of them gives
+    its tokens alone (lookahead)."""
+    strat = Lookahead(decoding_length=7)
+    slots = Slots(engine_for(model), tok, 3, CACHE, strat, prefill_chunk=C)
+    texts = [LONG[0], SHORT[2], LONG[1], SHORT[0], LONG[2], SHORT[1]]
+    reqs = [Request(tok.encode(t), 20, sampling_row=i) for i, t in enumerate(texts)]
+    seen = []
+    step = slots.step
+
+    def watched():  # how many slots prefill at each step
+        seen.append(len(slots.prefilling))
+        return step()
+
+    slots.step = watched
+    out = drive_slots(slots, reqs, every=1)
+    assert max(seen) >= 2  # blocks of several prompts waited their turn
+    for i, (row, events) in enumerate(out):
+        assert events == row.ids == alone(model, tok, texts[i], i, 20), i
+    assert slots.free_slots == [0, 1, 2] and slots.prefilling == []
+
+
+def test_free_a_prefilling_slot_and_reuse_it(model, tok):
+    slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=C)
+    slots.insert(0, Request(tok.encode(SHORT[0]), 30, sampling_row=0))
+    long_ids = tok.encode(LONG[0])
+    slots.insert(1, Request(long_ids, 16, sampling_row=1))
+    for _ in range(3):
+        assert all(not e.tokens for e in slots.step() if e.slot == 1)
+    row = slots.free(1)  # cancelled mid-prefill
+    assert row.finish == "abort" and row.ids == [] and row.prompt_ids == long_ids
+    assert slots.prefilling == [] and slots.free_slots == [1] and slots.busy == [0]
+    with pytest.raises(ValueError, match="already free"):
+        slots.free(1)
+    got = {0: [], 1: []}
+    rows = {}
+    got[1] += slots.insert(1, Request(tok.encode(LONG[1]), 16, sampling_row=1))[0].tokens  # reused
+    while slots.busy:
+        for ev in slots.step():
+            got[ev.slot] += ev.tokens
+            if ev.finish:
+                rows[ev.slot] = slots.free(ev.slot)
+    assert got[1] == rows[1].ids == alone(model, tok, LONG[1], 1, 16)
+    assert rows[0].ids == alone(model, tok, SHORT[0], 0, 30)
+    # a request whose first token is its last: finished in the step that ends its prefill
+    slots.insert(1, Request(tok.encode(SHORT[2]), 40, sampling_row=2))  # decoding beside it
+    slots.insert(0, Request(long_ids, 1, sampling_row=1))
+    events = []
+    while slots.row(0).finish in (None, PREFILL):
+        events += [e for e in slots.step() if e.slot == 0]
+    assert [(e.tokens, e.finish) for e in events][-1] == (alone(model, tok, LONG[0], 1, 1), "length")
+    assert all(not e.tokens and e.finish is None for e in events[:-1]) and len(events) == blocks(len(long_ids)) - 1
+
+
+def test_lengths_at_block_edges(model, tok):
+    """Prompts of C, C + 1, 2C - 1 and 2C tokens inserted while another request decodes:
+    each takes the blocks the rule gives and its tokens alone."""
+    slots = Slots(engine_for(model), tok, 2, CACHE, prefill_chunk=C)
+    slots.insert(1, Request(tok.encode(SHORT[2]), 200, sampling_row=2))  # keeps decoding throughout
+    for n in (C, C + 1, 2 * C - 1, 2 * C):
+        text = PROMPTS[5][:n - 1]  # BOS + n - 1 bytes
+        ids = tok.encode(text)
+        first = slots.insert(0, Request(ids, 8, sampling_row=3))[0].tokens
+        got, steps = list(first), 0
+        while not got:
+            got += slots.step()[0].tokens
+            steps += 1
+        assert steps == (0 if n <= C else blocks(n) - 1), n
+        while slots.row(0).finish is None:
+            got += slots.step()[0].tokens
+        assert got == slots.free(0).ids == alone(model, tok, text, 3, 8), n
+    assert slots.busy == [1]
+
+
+def test_nothing_decoding_means_a_whole_prefill(model, tok):
+    """Chunks only keep running requests decoding: with none running (one slot, or an idle
+    server), a long prompt is forwarded whole at insert, its first token out at once."""
+    slots = Slots(engine_for(model), tok, 2, CACHE, prefill_chunk=C)
+    ids = tok.encode(LONG[0])
+    first = slots.insert(0, Request(ids, 8, sampling_row=0))[0].tokens
+    assert first and slots.prefilling == [] and slots.busy == [0]
+    got = list(first)
+    while slots.busy:
+        got += slots.step()[0].tokens
+    assert got == alone(model, tok, LONG[0], 0, 8)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, -4, 2.5, "16", True])
+def test_prefill_chunk_must_be_an_integer_of_two_or_more(model, tok, chunk):
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 2"):
+        Slots(engine_for(model), tok, 2, 256, prefill_chunk=chunk)
