@@ -134,6 +134,8 @@ def test_streaming_matches_reference_model(seq, cuts, branch_length):
     bounds = [0, *sorted(c for c in cuts if c <= len(seq)), len(seq)]
     for a, b in zip(bounds, bounds[1:]):
         trie.insert_output(seq[a:b], req=3)
+    trie.check_invariants()
+    assert all(trie.own_counts(path, req=3) == (0, n) for path, n in ref.items())  # own tier too
     trie.end_request(3)
     trie.insert_input(seq, req=0)
     trie.check_invariants()

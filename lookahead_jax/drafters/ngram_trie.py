@@ -33,7 +33,9 @@ token p extends every window that starts in the tail (start s, p - s < W) by one
 adding 1 to that node only (the earlier nodes of the window were counted when it was
 shorter); a window of two tokens counts both. Streaming a sequence in any chunks therefore
 counts exactly the windows of the whole sequence, each once, in the shared output and in
-the request's own output, and ``end_request`` drops the tail with the own counts.
+the request's own output, and ``end_request`` drops the tail with the own counts. The node
+ending each growing window is kept, so growing costs one lookup (a squeeze may detach
+nodes: after one, the window's path is walked again).
 
     # W=3   insert_output([5, 6]) -> [5,6]                 tail [5, 6]
     #       insert_output([7])    -> [5,6,7] (7 added), [6,7]         tail [6, 7]
@@ -96,12 +98,10 @@ Modes (``decoding_length`` caps the number of returned nodes in all of them):
   Keys never grow along a path, so the result is the top-``decoding_length`` nodes of
   the continuation tree (closed under parents): the own tier's first. Heap ties: key
   desc, token asc, then parent index asc.
-* ``"parallel"``: the root-to-leaf paths of the hierarchical tree, each emitted as an
-  independent chain (prefixes duplicated, not merged), in depth-first order visiting
-  better children first: first the paths of its own-tier part (the private trie's
-  chains), then, in what budget is left, the paths that reach shared-tier nodes. The
-  last chain is cut to the budget (and dropped when the cut adds no node not already
-  emitted). The ancestor mask is block diagonal.
+* ``"parallel"``: the root-to-leaf paths of the hierarchical tree as independent chains
+  (prefixes duplicated, a block-diagonal ancestor mask), depth first, better children
+  first, the own tier's chains before the rest; the last one cut to the budget
+  (`trie_drafts.parallel_chains`).
 * ``"single"``: the greedy best chain (best child at each step).
 
 The result is a ``Draft``: ``tokens`` and ``parents`` (index into the draft of each node's
@@ -115,34 +115,19 @@ parent; -1 = child of the root, i.e. of the last accepted token), parent before 
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from ..core.drafts import Draft
-from .trie_chains import parallel_chains
+from .trie_drafts import TrieDraft, parallel_chains
 
 INPUT_WEIGHT = 1 << 32  # own score = INPUT_WEIGHT * input count + own output count
 MODES = ("hierarchical", "parallel", "single")
 _IN = 1 << 32  # one input count in an own counter (input << 32 | own output)
 _OWN_OUT = _IN - 1  # mask of the own output count
 _OWN_TIER = 1 << 64  # added to an own score: above every shared output count
-
-
-@dataclasses.dataclass(frozen=True)
-class TrieDraft(Draft):
-    """A trie draft (`drafts.Draft`) with how it was found: match_len, how many context
-    tokens were matched (0 for the empty draft); dominance, 2 if the matched context has a
-    single continuation, 1 if the top one holds at least half of the counts (input +
-    output), else 0. Its `key` (the class for the acceptance statistics) is the pair."""
-
-    match_len: int = 0
-    dominance: int = 0
-
-    def __post_init__(self):
-        object.__setattr__(self, "key", (self.match_len, self.dominance))
 
 
 class _Node:
@@ -182,10 +167,8 @@ class NgramTrie:
         if branch_length < 1:
             raise ValueError(f"branch_length must be >= 1, got {branch_length}")
         if max_nodes < 1 or max_output_nodes < 0:
-            raise ValueError(
-                f"need max_nodes >= 1 and max_output_nodes >= 0, got {max_nodes}, "
-                f"{max_output_nodes}"
-            )
+            raise ValueError(f"need max_nodes >= 1 and max_output_nodes >= 0, got {max_nodes}, "
+                             f"{max_output_nodes}")
         self.branch_length = branch_length
         self.window = branch_length + 1  # W
         self.max_nodes = max_nodes
@@ -200,6 +183,10 @@ class NgramTrie:
         # creation order (parent before child), so end_request needs no traversal.
         self._trails: dict[Hashable, list[tuple[dict[int, _Node], int, _Node]]] = {}
         self._tails: dict[Hashable, list[int]] = {}  # per request: last W-1 output tokens
+        # Per request, aligned with its tail: (node, epoch) ending the window that starts
+        # there (None: stopped, or no window yet), valid if no squeeze ran since epoch.
+        self._ends: dict[Hashable, list] = {}
+        self._epoch = 0  # squeeze passes so far
 
     # ------------------------------------------------------------------ sizes
 
@@ -217,9 +204,6 @@ class NgramTrie:
         """(node, request) own counters (input and own output) over all live requests."""
         return self._n_own
 
-    def __len__(self) -> int:
-        return self._n_nodes
-
     def _node(self, path: Sequence[int]) -> _Node | None:
         children, node = self._root, None
         for t in _as_ints(path):
@@ -233,17 +217,13 @@ class NgramTrie:
         """(input count of ``req``, shared output count) of the node at ``path`` from the
         root, or None if there is no such node."""
         node = self._node(path)
-        if node is None:
-            return None
-        return (node.own.get(req, 0) >> 32 if node.own else 0), node.out
+        return None if node is None else ((node.own.get(req, 0) >> 32 if node.own else 0), node.out)
 
     def own_counts(self, path: Sequence[int], req: Hashable = 0) -> tuple[int, int] | None:
         """(input count, own output count) of ``req`` at ``path``, or None without a node."""
         node = self._node(path)
-        if node is None:
-            return None
-        v = node.own.get(req, 0) if node.own else 0
-        return v >> 32, v & _OWN_OUT
+        v = node.own.get(req, 0) if node is not None and node.own else 0
+        return None if node is None else (v >> 32, v & _OWN_OUT)
 
     # ---------------------------------------------------------------- inserts
 
@@ -270,14 +250,17 @@ class NgramTrie:
         """
         tail = self._tails.get(req, [])
         buf = tail + _as_ints(tokens)
+        ends = self._ends.get(req, []) + [None] * (len(buf) - len(tail))
         w = self.window
         trail = self._trails.setdefault(req, [])
         for p in range(len(tail), len(buf)):
             for s in range(max(0, p - w + 1), p - 1):  # windows of >= 3 tokens grow by one
-                self._grow_output_window(buf, s, p, req, trail)
+                if ends[s] is not None:
+                    ends[s] = self._grow_output_window(buf, s, p, ends[s], req, trail)
             if p >= 1:  # a new two-token window
-                self._put_output_window(buf, p - 1, p + 1, req, trail)
-        self._tails[req] = buf[max(0, len(buf) - w + 1):]
+                ends[p - 1] = self._put_output_window(buf, p - 1, p + 1, req, trail)
+        keep = max(0, len(buf) - w + 1)
+        self._tails[req], self._ends[req] = buf[keep:], ends[keep:]
         if not trail:
             del self._trails[req]
 
@@ -285,11 +268,12 @@ class NgramTrie:
         """Forget ``req``'s output tail: the next output tokens start new windows (after a
         rollback, the tail no longer precedes them). Counted n-grams stay."""
         self._tails.pop(req, None)
+        self._ends.pop(req, None)
 
     def end_request(self, req: Hashable = 0) -> None:
         """Finish ``req``: drop its output tail, then remove its own counts (input and own
         output), dropping nodes left with no count. Its share of the output counts stays."""
-        self._tails.pop(req, None)
+        self.restart_output(req)
         trail = self._trails.pop(req, None)
         if not trail:
             return
@@ -310,6 +294,7 @@ class NgramTrie:
         """One squeeze pass (module docstring). Runs by itself when over budget."""
         self._squeeze_level(self._root)
         self._full = False
+        self._epoch += 1
 
     # -------------------------------------------------------------- retrieval
 
@@ -341,11 +326,10 @@ class NgramTrie:
         if found is None:
             return TrieDraft([], [])
         k, node = found
-        counts = []  # per visible child: input + output (its own output if squeezed below)
-        for c in node.children.values():
-            v = c.own.get(req, 0) if c.own else 0
-            if n := (v >> 32) + max(c.out, v & _OWN_OUT):
-                counts.append(n)
+        counts = [c.out + (c.own.get(req, 0) >> 32 if c.own else 0) or  # input + output
+                  (c.own.get(req, 0) & _OWN_OUT if c.own else 0)  # (own output if squeezed)
+                  for c in node.children.values()]
+        counts = [c for c in counts if c]
         dominance = 2 if len(counts) == 1 else int(2 * max(counts) >= sum(counts))
         max_depth = min(depth_cap, self.window - k)
         w = self.input_weight
@@ -384,11 +368,12 @@ class NgramTrie:
         """Visible children of ``node`` as [(-key, token, child)], best first (own tier:
         _OWN_TIER + own score; shared tier: output count)."""
         kids = []
+        tier, mask = -_OWN_TIER, _OWN_OUT
         for t, c in node.children.items():
             own = c.own
             if own is not None and req in own:
-                v = own[req]
-                kids.append((-(_OWN_TIER + w * (v >> 32) + (v & _OWN_OUT)), t, c))
+                v = own[req]  # own score: v itself for the default weight
+                kids.append((tier - (v if w == _IN else w * (v >> 32) + (v & mask)), t, c))
             elif c.out:
                 kids.append((-c.out, t, c))
         if len(kids) > limit:
@@ -453,9 +438,8 @@ class NgramTrie:
         if self._n_own >= self.max_nodes:
             return False
         if own is None:
-            node.own = {req: add}
-        else:
-            own[req] = add
+            own = node.own = {}
+        own[req] = add
         self._n_own += 1
         trail.append((children, t, node))
         return True
@@ -479,51 +463,70 @@ class NgramTrie:
                 return
             children = node.children
 
-    def _put_output_window(self, seq: list[int], i: int, j: int, req: Hashable, trail: list) -> None:
-        self._reserve(j - i)
+    def _put_output_window(self, seq: list[int], i: int, j: int, req: Hashable, trail: list):
+        """Count the window seq[i:j]; its end as an ``_ends`` entry (None if cut)."""
+        if self._n_nodes + j - i > self.max_nodes:
+            self._reserve(j - i)
         children, own_ok = self._root, True
         for k in range(i, j):
             t = seq[k]
             node = children.get(t)
             if node is None and (node := self._new_node(children, t)) is None:
-                break
+                self._trim_output()
+                return None
             if node.out == 0:
                 self._n_out += 1
             node.out += 1
             own_ok = own_ok and self._count_own(children, t, node, req, 1, trail)
             children = node.children
-        self._trim_output()
+        end = (node, self._epoch)  # stamped before a squeeze may detach it
+        if self._n_out > self.max_output_nodes:
+            self._trim_output()
+        return end
 
-    def _grow_output_window(self, seq: list[int], i: int, p: int, req: Hashable, trail: list) -> None:
-        """Add 1 to the node of seq[p] below the path seq[i:p] (counted earlier), in the
-        shared output if the path still has it and in ``req``'s own output if it has that."""
-        self._reserve(1)  # may squeeze: before the walk, so the path below is current
-        children, node = self._root, None
-        for k in range(i, p):
-            node = children.get(seq[k])
-            if node is None:
-                return
-            children = node.children
-        out = node.out  # monotone: > 0 here means > 0 along the whole path
-        own = node.own.get(req, 0) & _OWN_OUT if node.own else 0
+    def _grow_output_window(self, seq: list[int], i: int, p: int, end: tuple, req: Hashable,
+                            trail: list):
+        """Add 1 to the node of seq[p] below the path seq[i:p] (counted earlier, ending at
+        ``end``), in the shared output if the path still has it and in ``req``'s own output
+        if it has that. Returns the new end (None: the window stops growing). Hot: once per
+        window and output token, so the common case makes no call."""
+        if self._n_nodes >= self.max_nodes:
+            self._reserve(1)  # may squeeze: before the walk, so the path below is current
+        node, epoch = end
+        if epoch != self._epoch:  # a squeeze ran since: walk the path again
+            children, node = self._root, None
+            for k in range(i, p):
+                node = children.get(seq[k])
+                if node is None:
+                    return None
+                children = node.children
+        out, mine = node.out, node.own  # monotone: out > 0 here means > 0 along the path
+        own = mine[req] & _OWN_OUT if mine is not None and req in mine else 0
         if not (out or own):  # evicted by a squeeze, or cut: stop growing
-            return
-        t = seq[p]
+            return None
+        children, t = node.children, seq[p]
         child = children.get(t)
         if child is None:
             if own and self._n_own >= self.max_nodes:
                 own = 0  # no counter for it: a new node would only hold the output count
             if not (out or own) or (child := self._new_node(children, t)) is None:
-                return
+                return None
         if out:
             if child.out == 0:
                 self._n_out += 1
             child.out = min(child.out + 1, out)
+        mine = child.own
         if own:
-            have = child.own.get(req, 0) & _OWN_OUT if child.own else 0
-            if have < own:
-                self._count_own(children, t, child, req, 1, trail)
-        self._trim_output()
+            if mine is not None and req in mine:
+                if mine[req] & _OWN_OUT < own:
+                    mine[req] += 1
+            elif self._count_own(children, t, child, req, 1, trail):
+                mine = child.own
+        # counted here (out, or req's own), so no other request's end_request drops it
+        end = (child, self._epoch) if out or (mine is not None and req in mine) else None
+        if self._n_out > self.max_output_nodes:
+            self._trim_output()
+        return end
 
     def _trim_output(self) -> None:
         """Past ``max_output_nodes`` output nodes, squeeze until at most 7/8 of it remain."""
@@ -578,18 +581,20 @@ class NgramTrie:
             assert node.out > 0 or own, "node without any count"
             for c in node.children.values():
                 assert c.out <= node.out, "output counts not monotone"
-                for r, v in (c.own or {}).items():
+                for r, v in (c.own or {}).items():  # input, own output: each monotone
                     u = own.get(r, 0)
-                    assert v >> 32 <= u >> 32, "input counts not monotone"
-                    assert v & _OWN_OUT <= u & _OWN_OUT, "own output counts not monotone"
+                    assert v >> 32 <= u >> 32 and v & _OWN_OUT <= u & _OWN_OUT, "own not monotone"
                 stack.append((c, depth + 1))
         assert (n_nodes, n_out, n_own) == (self._n_nodes, self._n_out, self._n_own)
-        assert n_nodes <= self.max_nodes and n_own <= self.max_nodes
-        assert n_out <= self.max_output_nodes
+        assert max(n_nodes, n_own) <= self.max_nodes and n_out <= self.max_output_nodes
         assert sum(len(tr) for tr in self._trails.values()) == n_own
         for r, trail in self._trails.items():
             assert trail, "an empty trail is kept"
             for children, t, node in trail:
                 assert children.get(t) is node and r in node.own
-        assert all(len(tail) < self.window for tail in self._tails.values())
+        for r, tail in self._tails.items():  # a current end is attached and counted for r
+            assert len(tail) < self.window and len(self._ends[r]) == len(tail)
+            for j, (node, epoch) in enumerate(e or (None, -1) for e in self._ends[r]):
+                assert epoch != self._epoch or (
+                    self._node(tail[j:]) is node and (node.out or r in (node.own or ())))
 

@@ -1,9 +1,28 @@
-"""Parallel drafts (host, no jax): a draft tree -> independent chains, one per
-root-to-leaf path, prefixes duplicated (the ancestor mask is block diagonal). The trie's
-``"parallel"`` mode (`ngram_trie`): its own-tier part first, as the private trie would
-give it, then the chains through shared-tier nodes."""
+"""The n-gram trie's drafts (host, no jax): `TrieDraft`, and `parallel_chains`, which
+turns a draft tree into independent chains, one per root-to-leaf path, prefixes
+duplicated (the ancestor mask is block diagonal): the trie's ``"parallel"`` mode
+(`ngram_trie`), its own-tier part first as the request's private trie would give it, then
+the chains through shared-tier nodes."""
 
 from __future__ import annotations
+
+import dataclasses
+
+from ..core.drafts import Draft
+
+
+@dataclasses.dataclass(frozen=True)
+class TrieDraft(Draft):
+    """A trie draft (`drafts.Draft`) with how it was found: match_len, how many context
+    tokens were matched (0 for the empty draft); dominance, 2 if the matched context has a
+    single continuation, 1 if the top one holds at least half of the counts (input +
+    output), else 0. Its `key` (the class for the acceptance statistics) is the pair."""
+
+    match_len: int = 0
+    dominance: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", (self.match_len, self.dominance))
 
 
 def parallel_chains(tokens: list[int], parents: list[int], budget: int, n_own: int):
