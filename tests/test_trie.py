@@ -402,6 +402,8 @@ def test_constructor_validates():
         NgramTrie(branch_length=0)
     with pytest.raises(ValueError):
         NgramTrie(max_nodes=0)
+    with pytest.raises(ValueError, match="input_weight"):
+        NgramTrie(input_weight=0)
 
 
 # ----------------------------------------------------------------- properties
@@ -603,6 +605,14 @@ def test_own_output_ranks_before_other_requests_output():
     assert trie.retrieve([9, 1], 4, req=0).tokens == [3, 4, 2, 5]  # own tier gone
 
 
+def test_input_weight_weighs_input_against_own_output():
+    for w, expect in ((INPUT_WEIGHT, [2, 3]), (1, [3, 2])):
+        trie = NgramTrie(branch_length=1, input_weight=w)
+        trie.insert_input([1, 2], req=0)  # own score of 2: w * 1
+        trie.insert_output([1, 3, 1, 3], req=0)  # own score of 3: 2
+        assert trie.retrieve([1], 4, req=0).tokens == expect
+
+
 def test_own_match_is_not_displaced_by_a_longer_shared_match():
     trie = NgramTrie(branch_length=3)
     trie.insert_output([5, 1, 7, 7], req=9)  # shared only: after [5, 1] comes 7
@@ -647,8 +657,11 @@ slot_op_st = st.one_of(
     branch_length=st.integers(1, 4),
     max_output_nodes=st.integers(0, 40),
     max_match=st.integers(1, 3),
+    input_weight=st.sampled_from([1, INPUT_WEIGHT]),
 )
-def test_shared_draft_begins_with_the_own_trie_draft(ops, probes, branch_length, max_output_nodes, max_match):
+def test_shared_draft_begins_with_the_own_trie_draft(
+    ops, probes, branch_length, max_output_nodes, max_match, input_weight
+):
     """For random streams of requests over three slots (vocab of 5, so n-grams collide), at
     every step, for every live request, probe context, budget and mode: let P be the draft
     of a private NgramTrie fed only that request's inputs and outputs and S the shared
@@ -656,7 +669,7 @@ def test_shared_draft_begins_with_the_own_trie_draft(ops, probes, branch_length,
     S.parents[:len(P)] == P.parents; in hierarchical and single mode the nodes after them
     have no own counts (the own tier is exhausted first). The shared trie squeezes its
     output (small max_output_nodes) and never has to cut a window (max_nodes is large)."""
-    shared = NgramTrie(branch_length, max_output_nodes=max_output_nodes)
+    shared = NgramTrie(branch_length, max_output_nodes=max_output_nodes, input_weight=input_weight)
     private: dict[int, NgramTrie] = {}
     live: dict[int, int] = {}  # slot -> request id
     ctx: dict[int, list[int]] = {}
@@ -666,7 +679,7 @@ def test_shared_draft_begins_with_the_own_trie_draft(ops, probes, branch_length,
             if slot in live:
                 shared.end_request(live[slot])
             req = live[slot] = next(ids)
-            private[req] = NgramTrie(branch_length)
+            private[req] = NgramTrie(branch_length, input_weight=input_weight)
             ctx[slot] = list(toks) if kind == "begin" else []
             for t in (shared, private[req]):
                 t.insert_input(ctx[slot], req)

@@ -127,7 +127,7 @@ INPUT_WEIGHT = 1 << 32  # own score = INPUT_WEIGHT * input count + own output co
 MODES = ("hierarchical", "parallel", "single")
 _IN = 1 << 32  # one input count in an own counter (input << 32 | own output)
 _OWN_OUT = _IN - 1  # mask of the own output count
-_OWN_TIER = 1 << 64  # added to an own score: above every shared output count
+_SHARED = 1 << 59  # rank (smaller first): -own score (< 0) in the own tier, _SHARED - out (> 0)
 
 
 class _Node:
@@ -136,7 +136,7 @@ class _Node:
     def __init__(self) -> None:
         self.children: dict[int, _Node] = {}
         self.out = 0  # output count (shared)
-        self.own: dict[Hashable, int] | None = None  # {req: input << 32 | own output}, None if empty
+        self.own: dict[Hashable, int] | None = None  # {req: input << 32 | own output} or None
 
 
 def _as_ints(tokens: Iterable[int]) -> list[int]:
@@ -166,9 +166,9 @@ class NgramTrie:
     ) -> None:
         if branch_length < 1:
             raise ValueError(f"branch_length must be >= 1, got {branch_length}")
-        if max_nodes < 1 or max_output_nodes < 0:
-            raise ValueError(f"need max_nodes >= 1 and max_output_nodes >= 0, got {max_nodes}, "
-                             f"{max_output_nodes}")
+        if max_nodes < 1 or max_output_nodes < 0 or input_weight < 1:
+            raise ValueError(f"need max_nodes >= 1, max_output_nodes >= 0, input_weight >= 1, got "
+                             f"{max_nodes}, {max_output_nodes}, {input_weight}")
         self.branch_length = branch_length
         self.window = branch_length + 1  # W
         self.max_nodes = max_nodes
@@ -179,9 +179,9 @@ class NgramTrie:
         self._n_out = 0  # nodes with out > 0
         self._n_own = 0  # own counters, summed over nodes and requests
         self._full = False  # own counts fill max_nodes: stop squeezing until freed
-        # Per request: every own counter it holds as (parent's children, token, node), in
-        # creation order (parent before child), so end_request needs no traversal.
-        self._trails: dict[Hashable, list[tuple[dict[int, _Node], int, _Node]]] = {}
+        # Per request: each own counter it holds as 3 items, parent's children, token, node
+        # (flat: no tuple for the gc), parent before child: end_request walks it backwards.
+        self._trails: dict[Hashable, list] = {}
         self._tails: dict[Hashable, list[int]] = {}  # per request: last W-1 output tokens
         # Per request, aligned with its tail: (node, epoch) ending the window that starts
         # there (None: stopped, or no window yet), valid if no squeeze ran since epoch.
@@ -279,10 +279,11 @@ class NgramTrie:
             return
         # Children were counted after their parents, so walking backwards removes each
         # countless node after its (countless) children: no subtree walk needed.
-        for children, t, node in reversed(trail):
+        self._n_own -= len(trail) // 3
+        for k in range(len(trail) - 3, -1, -3):
+            children, t, node = trail[k:k + 3]
             own = node.own
             del own[req]
-            self._n_own -= 1
             if not own:
                 node.own = None
                 if node.out == 0:
@@ -365,19 +366,19 @@ class NgramTrie:
         return None
 
     def _kids(self, node: _Node, req: Hashable, w: int, limit: int) -> list:
-        """Visible children of ``node`` as [(-key, token, child)], best first (own tier:
-        _OWN_TIER + own score; shared tier: output count)."""
+        """Visible children of ``node`` as [(rank, token, child)], best (smallest) first:
+        rank = -own score in the own tier (< 0), _SHARED - out in the shared tier (> 0)."""
         kids = []
-        tier, mask = -_OWN_TIER, _OWN_OUT
+        fast, shared = w == _IN, _SHARED
         for t, c in node.children.items():
             own = c.own
             if own is not None and req in own:
                 v = own[req]  # own score: v itself for the default weight
-                kids.append((tier - (v if w == _IN else w * (v >> 32) + (v & mask)), t, c))
+                kids.append((-v if fast else -(w * (v >> 32) + (v & _OWN_OUT)), t, c))
             elif c.out:
-                kids.append((-c.out, t, c))
+                kids.append((shared - c.out, t, c))
         if len(kids) > limit:
-            return heapq.nsmallest(limit, kids)  # (-key, token) is unique: no node compare
+            return heapq.nsmallest(limit, kids)  # (rank, token) is unique: no node compare
         kids.sort()
         return kids
 
@@ -391,14 +392,14 @@ class NgramTrie:
         kids = self._kids(start, req, w, budget)
         if not kids:
             return tokens, parents, n_own
-        # heap entry: (-key, token, parent index, sibling index, siblings, depth)
+        # heap entry: (rank, token, parent index, sibling index, siblings, depth)
         heap = [(kids[0][0], kids[0][1], -1, 0, kids, 1)]
         while heap and len(tokens) < budget:
-            key, t, p, i, sibs, depth = heapq.heappop(heap)
+            rank, t, p, i, sibs, depth = heapq.heappop(heap)
             idx = len(tokens)
             tokens.append(t)
             parents.append(p)
-            n_own += key <= -_OWN_TIER
+            n_own += rank < 0
             if i + 1 < len(sibs):
                 s2, t2, _ = sibs[i + 1]
                 heapq.heappush(heap, (s2, t2, p, i + 1, sibs, depth))
@@ -411,7 +412,7 @@ class NgramTrie:
     def _single(self, node: _Node, budget: int, max_depth: int, req: Hashable, w: int):
         tokens: list[int] = []
         for _ in range(min(budget, max_depth)):
-            best = self._kids(node, req, w, 1)  # [(-key, token, child)] of the best child
+            best = self._kids(node, req, w, 1)  # [(rank, token, child)] of the best child
             if not best:
                 break
             _, t, node = best[0]
@@ -441,11 +442,12 @@ class NgramTrie:
             own = node.own = {}
         own[req] = add
         self._n_own += 1
-        trail.append((children, t, node))
+        trail += children, t, node
         return True
 
-    def _new_node(self, children: dict, t: int) -> _Node | None:
-        if self._n_nodes >= self.max_nodes:
+    def _new_node(self, children: dict, t: int, counted: bool = False) -> _Node | None:
+        """A new child ``t``, or None at the node bound (or counter bound, if ``counted``)."""
+        if self._n_nodes >= self.max_nodes or (counted and self._n_own >= self.max_nodes):
             return None
         node = children[t] = _Node()
         self._n_nodes += 1
@@ -455,10 +457,9 @@ class NgramTrie:
         children = self._root
         for k in range(i, j):
             t = seq[k]
-            node = children.get(t)
-            if node is None:  # cut the window where the trie is full
-                if self._n_own >= self.max_nodes or (node := self._new_node(children, t)) is None:
-                    return
+            node = children.get(t)  # cut the window where the trie is full:
+            if node is None and (node := self._new_node(children, t, counted=True)) is None:
+                return
             if not self._count_own(children, t, node, req, _IN, trail):
                 return
             children = node.children
@@ -505,12 +506,9 @@ class NgramTrie:
         if not (out or own):  # evicted by a squeeze, or cut: stop growing
             return None
         children, t = node.children, seq[p]
-        child = children.get(t)
-        if child is None:
-            if own and self._n_own >= self.max_nodes:
-                own = 0  # no counter for it: a new node would only hold the output count
-            if not (out or own) or (child := self._new_node(children, t)) is None:
-                return None
+        child = children.get(t)  # a new one without output count needs a counter
+        if child is None and (child := self._new_node(children, t, counted=not out)) is None:
+            return None
         if out:
             if child.out == 0:
                 self._n_out += 1
@@ -587,10 +585,10 @@ class NgramTrie:
                 stack.append((c, depth + 1))
         assert (n_nodes, n_out, n_own) == (self._n_nodes, self._n_out, self._n_own)
         assert max(n_nodes, n_own) <= self.max_nodes and n_out <= self.max_output_nodes
-        assert sum(len(tr) for tr in self._trails.values()) == n_own
+        assert sum(len(tr) for tr in self._trails.values()) == 3 * n_own
         for r, trail in self._trails.items():
             assert trail, "an empty trail is kept"
-            for children, t, node in trail:
+            for children, t, node in zip(trail[::3], trail[1::3], trail[2::3]):
                 assert children.get(t) is node and r in node.own
         for r, tail in self._tails.items():  # a current end is attached and counted for r
             assert len(tail) < self.window and len(self._ends[r]) == len(tail)
