@@ -66,7 +66,7 @@ def test_insert_stores_windows_of_branch_length_plus_one():
     assert trie.counts([7, 8]) == (1, 0)
     assert trie.counts([8]) is None  # a one-token tail has no continuation: skipped
     assert trie.num_nodes == 3 + 3 + 2
-    assert trie.num_output_nodes == 0 and trie.num_input_counters == 8
+    assert trie.num_output_nodes == 0 and trie.num_own_counters == 8
     trie.check_invariants()
 
 
@@ -134,6 +134,8 @@ def test_streaming_matches_reference_model(seq, cuts, branch_length):
     bounds = [0, *sorted(c for c in cuts if c <= len(seq)), len(seq)]
     for a, b in zip(bounds, bounds[1:]):
         trie.insert_output(seq[a:b], req=3)
+    trie.check_invariants()
+    assert all(trie.own_counts(path, req=3) == (0, n) for path, n in ref.items())  # own tier too
     trie.end_request(3)
     trie.insert_input(seq, req=0)
     trie.check_invariants()
@@ -349,14 +351,14 @@ def test_frequent_output_survives_squeeze():
 def test_max_nodes_cuts_input_when_full_and_end_request_frees():
     trie = NgramTrie(branch_length=3, max_nodes=50, max_output_nodes=50)
     trie.insert_input(list(range(100)), req=0)  # 100 fresh windows: far over budget
-    assert trie.num_nodes == 50 and trie.num_input_counters == 50
+    assert trie.num_nodes == 50 and trie.num_own_counters == 50
     trie.check_invariants()
     trie.insert_output(list(range(200, 260)), req=1)  # nothing can be freed: cut too
     assert trie.num_nodes == 50
     trie.check_invariants()
     trie.end_request(0)
     trie.end_request(1)
-    assert trie.num_nodes <= 50 and trie.num_input_counters == 0
+    assert trie.num_nodes <= 50 and trie.num_own_counters == 0
     trie.insert_input([1, 2, 3], req=2)  # room again
     assert trie.retrieve([1], 4, req=2).tokens == [2, 3]
     trie.check_invariants()
@@ -388,7 +390,9 @@ def test_end_request_removes_only_its_input():
     assert trie.retrieve([1], 8, req=1).tokens == [5, 6]
     trie.end_request(2)
     assert trie.counts([1, 2]) is None
-    assert trie.num_input_counters == 0
+    assert trie.num_own_counters == 5  # req 3's own output: 1, 1-5, 1-5-6, 5, 5-6
+    trie.end_request(3)
+    assert trie.num_own_counters == 0 and trie.counts([1, 5, 6]) == (0, 1)  # shared stays
     trie.end_request(42)  # unknown request: no-op
     trie.check_invariants()
 
@@ -398,6 +402,8 @@ def test_constructor_validates():
         NgramTrie(branch_length=0)
     with pytest.raises(ValueError):
         NgramTrie(max_nodes=0)
+    with pytest.raises(ValueError, match="input_weight"):
+        NgramTrie(input_weight=0)
 
 
 # ----------------------------------------------------------------- properties
@@ -442,10 +448,14 @@ def test_drafts_are_observed_continuations(
         for p in paths(d):
             assert len(suffix) + len(p) <= w
             assert occurs(visible, suffix + p), (suffix, p)
-        # no longer suffix (within max_match) has any continuation
+        # own evidence first: the suffix is the longest with a continuation in the request's
+        # own data (its inputs here), or, if none has one, in all visible data
+        own_k = max((n for n in range(1, kmax + 1) if any(
+            occurs(inputs, tuple(context[-n:]) + (x,)) for x in range(6))), default=0)
+        assert k == own_k or own_k == 0
         for longer in range(k + 1, kmax + 1):
             suf = tuple(context[-longer:])
-            assert not any(occurs(visible, suf + (x,)) for x in range(6))
+            assert not any(occurs(inputs if own_k else visible, suf + (x,)) for x in range(6))
 
     # exhaustive: with an unbounded budget the hierarchical draft is every continuation
     d = trie.retrieve(context, 10**6, req=0, max_match=max_match)
@@ -462,9 +472,10 @@ def test_drafts_are_observed_continuations(
     if d.match_len:
         suf = tuple(context[-d.match_len :])
 
-        def score(p):
-            inp, out = trie.counts(suf + p, req=0)
-            return INPUT_WEIGHT * inp + out
+        def score(p):  # own tier (input, then own output) above the shared output
+            (inp, own_out), (_, out) = trie.own_counts(suf + p, req=0), trie.counts(suf + p, req=0)
+            own = INPUT_WEIGHT * inp + own_out
+            return (1, own) if own else (0, out)
 
         taken = set(paths(d))
         worst = min(score(p) for p in taken)
@@ -472,7 +483,7 @@ def test_drafts_are_observed_continuations(
             for x in range(6):
                 c = p + (x,)
                 if c not in taken and trie.counts(suf + c, req=0) is not None:
-                    assert len(suf + c) > w or score(c) <= worst or score(c) == 0
+                    assert len(suf + c) > w or score(c) <= worst or score(c) == (0, 0)
 
 
 op_st = st.one_of(
@@ -501,14 +512,14 @@ def test_memory_is_bounded(ops, max_nodes, max_output_nodes, branch_length):
         else:
             trie.end_request(req)
         assert trie.num_nodes <= max_nodes
-        assert trie.num_input_counters <= max_nodes
+        assert trie.num_own_counters <= max_nodes
         assert trie.num_output_nodes <= max_output_nodes
         trie.check_invariants()
         d = trie.retrieve(toks[-3:], 8, req=req, max_match=3)
         check_draft_shape(d, 8, branch_length)
     for req in range(4):
         trie.end_request(req)
-    assert trie.num_input_counters == 0
+    assert trie.num_own_counters == 0
     trie.check_invariants()
 
 
@@ -568,3 +579,247 @@ def test_draft_dominance_classes():
     t.insert_input([7, 1], req=0)
     assert t.retrieve([5, 7], 4, req=0).key == (1, 1)  # 7 -> 1 twice of 4
     assert t.retrieve([5, 6], 4, req=0).key == (0, 0)  # no match: the empty draft
+
+
+# ------------------------------------------- own trie first, reset, bounds
+
+
+def test_own_output_ranks_before_other_requests_output():
+    """Another request's frequent output neither outranks nor crowds out what the request's
+    own output would draft (before: a shared count of 50 beat an own count of 1)."""
+    trie = NgramTrie(branch_length=2)
+    for r in range(50):
+        trie.insert_output([1, 3, 4], req=100 + r)
+        trie.end_request(100 + r)
+    trie.insert_input([7, 8], req=0)
+    trie.insert_output([1, 2, 5], req=0)  # its own output: 1 -> 2 -> 5
+    assert trie.own_counts([1, 2], req=0) == (0, 1) and trie.counts([1, 2], req=0) == (0, 1)
+    assert trie.counts([1, 3], req=0) == (0, 50) and trie.own_counts([1, 3], req=0) == (0, 0)
+    d = trie.retrieve([9, 1], 2, req=0)
+    assert (d.tokens, d.parents) == ([2, 5], [-1, 0])  # budget 2: all own, shared crowded out
+    d = trie.retrieve([9, 1], 4, req=0)
+    assert (d.tokens, d.parents) == ([2, 5, 3, 4], [-1, 0, -1, 2])  # shared fills the rest
+    assert trie.retrieve([9, 1], 4, req=1).tokens == [3, 4, 2, 5]  # for others: by count
+    assert trie.retrieve([9, 1], 8, req=0, mode="single").tokens == [2, 5]
+    trie.end_request(0)
+    assert trie.retrieve([9, 1], 4, req=0).tokens == [3, 4, 2, 5]  # own tier gone
+
+
+def test_input_weight_weighs_input_against_own_output():
+    for w, expect in ((INPUT_WEIGHT, [2, 3]), (1, [3, 2])):
+        trie = NgramTrie(branch_length=1, input_weight=w)
+        trie.insert_input([1, 2], req=0)  # own score of 2: w * 1
+        trie.insert_output([1, 3, 1, 3], req=0)  # own score of 3: 2
+        assert trie.retrieve([1], 4, req=0).tokens == expect
+
+
+def test_own_match_is_not_displaced_by_a_longer_shared_match():
+    trie = NgramTrie(branch_length=3)
+    trie.insert_output([5, 1, 7, 7], req=9)  # shared only: after [5, 1] comes 7
+    trie.end_request(9)
+    trie.insert_input([1, 2, 3], req=0)  # own: after [1] comes 2
+    d = trie.retrieve([5, 1], 8, req=0)
+    assert (d.tokens, d.parents, d.match_len) == ([2, 3, 7, 7], [-1, 0, -1, 2], 1)
+    d = trie.retrieve([5, 1], 8, req=1)  # no own evidence: the longest match
+    assert (d.tokens, d.match_len) == ([7, 7], 2)
+
+
+def test_parallel_emits_the_own_chains_first():
+    trie = NgramTrie(branch_length=3)
+    for r in range(3):
+        trie.insert_output([1, 2, 9, 9], req=8 + r)
+        trie.end_request(8 + r)
+    trie.insert_output([1, 6, 6], req=7)
+    trie.end_request(7)  # shared: 1 -> 2 -> 9 -> 9 (x3), 1 -> 6 -> 6 (x1)
+    trie.insert_input([1, 2, 3], req=0)  # own: 1 -> 2 -> 3
+    d = trie.retrieve([1], 20, req=0, mode="hierarchical")
+    assert (d.tokens, d.parents) == ([2, 3, 9, 9, 6, 6], [-1, 0, 0, 2, -1, 4])
+    d = trie.retrieve([1], 20, req=0, mode="parallel")  # own chain 2-3, then 2-9-9, 6-6
+    assert (d.tokens, d.parents) == ([2, 3, 2, 9, 9, 6, 6], [-1, 0, -1, 2, 3, -1, 5])
+    d = trie.retrieve([1], 3, req=0, mode="parallel")  # 2-9 cut to 2 adds nothing: dropped
+    assert (d.tokens, d.parents) == ([2, 3], [-1, 0])
+    d = trie.retrieve([1], 4, req=0, mode="parallel")  # cut to 2-9: a new node, kept
+    assert (d.tokens, d.parents) == ([2, 3, 2, 9], [-1, 0, -1, 2])
+
+
+slot_op_st = st.one_of(
+    st.tuples(st.just("begin"), st.integers(0, 2), st.lists(st.integers(0, 4), max_size=16)),
+    st.tuples(st.just("ref"), st.integers(0, 2), st.lists(st.integers(0, 4), max_size=10)),
+    st.tuples(st.just("out"), st.integers(0, 2), st.lists(st.integers(0, 4), min_size=1, max_size=4)),
+    st.tuples(st.just("restart"), st.integers(0, 2), st.just([])),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ops=st.lists(slot_op_st, max_size=30),
+    probes=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=4), max_size=2),
+    branch_length=st.integers(1, 4),
+    max_output_nodes=st.integers(0, 40),
+    max_match=st.integers(1, 3),
+    input_weight=st.sampled_from([1, INPUT_WEIGHT]),
+)
+def test_shared_draft_begins_with_the_own_trie_draft(
+    ops, probes, branch_length, max_output_nodes, max_match, input_weight
+):
+    """For random streams of requests over three slots (vocab of 5, so n-grams collide), at
+    every step, for every live request, probe context, budget and mode: let P be the draft
+    of a private NgramTrie fed only that request's inputs and outputs and S the shared
+    trie's. If P is not empty, S has P's match length and S.tokens[:len(P)] == P.tokens,
+    S.parents[:len(P)] == P.parents; in hierarchical and single mode the nodes after them
+    have no own counts (the own tier is exhausted first). The shared trie squeezes its
+    output (small max_output_nodes) and never has to cut a window (max_nodes is large)."""
+    shared = NgramTrie(branch_length, max_output_nodes=max_output_nodes, input_weight=input_weight)
+    private: dict[int, NgramTrie] = {}
+    live: dict[int, int] = {}  # slot -> request id
+    ctx: dict[int, list[int]] = {}
+    ids = iter(range(10**6))
+    for kind, slot, toks in ops:
+        if kind == "begin" or slot not in live:  # a new request in the slot ends the old one
+            if slot in live:
+                shared.end_request(live[slot])
+            req = live[slot] = next(ids)
+            private[req] = NgramTrie(branch_length, input_weight=input_weight)
+            ctx[slot] = list(toks) if kind == "begin" else []
+            for t in (shared, private[req]):
+                t.insert_input(ctx[slot], req)
+            if kind == "begin":
+                continue
+        req = live[slot]
+        for t in (shared, private[req]):
+            if kind == "ref":
+                t.insert_input(toks, req)
+            elif kind == "out":
+                t.insert_output(toks, req)
+            else:
+                t.restart_output(req)
+        if kind == "out":
+            ctx[slot] += toks
+        shared.check_invariants()
+        for s, req in live.items():
+            for context in [ctx[s][-4:], *probes]:
+                for mode in MODES:
+                    for budget in (1, 2, 5, 40):
+                        p = private[req].retrieve(context, budget, mode=mode, req=req, max_match=max_match)
+                        d = shared.retrieve(context, budget, mode=mode, req=req, max_match=max_match)
+                        check_draft_shape(d, budget, branch_length)
+                        if not len(p):
+                            continue
+                        m = len(p)
+                        assert d.match_len == p.match_len, (mode, budget, context)
+                        assert (d.tokens[:m], d.parents[:m]) == (p.tokens, p.parents), (mode, budget)
+                        if mode != "parallel":
+                            suf = tuple(context[len(context) - d.match_len:])
+                            for path in paths(d)[m:]:
+                                assert shared.own_counts(suf + path, req) == (0, 0)
+
+
+def _own_requests(trie: NgramTrie) -> set:
+    """Every request id that holds an own counter somewhere in the trie."""
+    found, stack = set(), list(trie._root.values())
+    while stack:
+        node = stack.pop()
+        found.update(node.own or ())
+        stack.extend(node.children.values())
+    return found
+
+
+def test_bounds_hold_and_ended_requests_leave_over_thousands_of_requests():
+    """2,400 requests (up to 4 live) through a small trie: after every call nodes and own
+    counters stay <= max_nodes and output nodes <= max_output_nodes; the own tiers hold
+    exactly the live requests (nothing of an ended one), and once all end, no own counter."""
+    rng = np.random.default_rng(0)
+    max_nodes, max_output_nodes = 300, 120
+    trie = NgramTrie(branch_length=4, max_nodes=max_nodes, max_output_nodes=max_output_nodes)
+
+    def bounded():
+        assert trie.num_nodes <= max_nodes and trie.num_own_counters <= max_nodes
+        assert trie.num_output_nodes <= max_output_nodes
+
+    live: list[int] = []
+    full_seen = squeezed = 0
+    for req in range(2400):
+        trie.insert_input(rng.integers(0, 12, rng.integers(5, 40)), req)
+        bounded()
+        live.append(req)
+        for _ in range(rng.integers(1, 8)):
+            n_out = trie.num_output_nodes
+            trie.insert_output(rng.integers(0, 12, rng.integers(1, 5)), req)
+            bounded()
+            squeezed += trie.num_output_nodes < n_out
+            trie.retrieve(rng.integers(0, 12, 3), 8, req=req)
+        full_seen += trie.num_own_counters == max_nodes
+        if len(live) > 3:
+            trie.end_request(live.pop(0))
+            bounded()
+        if req % 100 == 0:
+            trie.check_invariants()
+            assert _own_requests(trie) <= set(live)
+    trie.check_invariants()
+    assert _own_requests(trie) == set(live)
+    for req in live:
+        trie.end_request(req)
+    assert trie.num_own_counters == 0 and _own_requests(trie) == set() and not trie._trails
+    trie.check_invariants()
+    assert full_seen and squeezed  # the bounds were reached (else the test shows nothing)
+
+
+class _Row:
+    def __init__(self, prompt_ids, ids=()):
+        self.prompt_ids, self.ids = list(prompt_ids), list(ids)
+
+
+class _State:
+    """What TrieDrafter reads of a DecodeState: batch, rows, active, context(b)."""
+
+    def __init__(self, *prompts):
+        self.rows = [_Row(p) for p in prompts]
+        self.batch = len(self.rows)
+        self.active = [True] * self.batch
+
+    def context(self, b):
+        return self.rows[b].prompt_ids + self.rows[b].ids
+
+
+def test_reused_slot_drafts_nothing_of_the_previous_request():
+    """Slot reuse through TrieDrafter (end(rows) / begin(rows), as core.slots does): the new
+    request sees neither the old one's prompt and references (input counts gone) nor any
+    own output of it (its own tier starts empty); the old output stays in the shared tier."""
+    from types import SimpleNamespace
+
+    from lookahead_jax.drafters.trie import TrieDrafter
+
+    drafter = TrieDrafter(branch_length=4, max_nodes=8)
+    trie = drafter.trie
+    state = _State([10, 11, 12, 13, 14], [20, 21, 22, 23])
+    drafter.begin(state, [[[15, 16, 17]], []])  # row 0: prompt + a reference
+    for kept in ([30, 31, 32], [33, 30, 31]):
+        state.rows[0].ids += kept
+        drafter.update(state, SimpleNamespace(kept=[kept, []]))
+    # before the reuse, row 0 drafts from its prompt, its reference and its own output
+    for context, expect in (([9, 11], [12, 13, 14]), ([9, 15], [16, 17]), ([9, 30], [31, 32, 33])):
+        assert drafter.propose(_State(context, []), 8).drafts[0].tokens[:len(expect)] == expect
+    row1 = drafter.propose(_State([], [7, 21]), 8).drafts[1]
+    assert row1.tokens == [22, 23]
+
+    drafter.end([0])  # the slot is freed ...
+    state.rows[0] = _Row([40, 41, 42])
+    drafter.begin(state, [[], []], rows=[0])  # ... and a new request takes it
+    fresh = NgramTrie(branch_length=4)
+    fresh.insert_input([20, 21, 22, 23], "row 1")
+    fresh.insert_input([40, 41, 42], "row 0")
+    assert trie.num_own_counters == fresh.num_own_counters  # only the two live prompts
+    for context in ([9, 11], [12, 13], [9, 15], [16, 17]):  # the old prompt / reference
+        assert drafter.propose(_State(context, []), 8).drafts[0].tokens == []
+    for context in ([33, 30], [30, 31], [9, 32]):  # the old output: shared tier only
+        d = drafter.propose(_State(context, []), 8).drafts[0]
+        assert d.tokens and d == trie.retrieve(context, 8, 4, req="never seen")
+    assert drafter.propose(_State([], [7, 21]), 8).drafts[1] == row1  # row 1 untouched
+    assert drafter.propose(_State([40, 41], []), 8).drafts[0].tokens == [42]
+    state.rows[1] = _Row([50, 51])
+    drafter.begin(state, [[], []], rows=[1])  # begin alone also ends the slot's request
+    assert drafter.propose(_State([], [7, 21]), 8).drafts[1].tokens == []
+    assert drafter.propose(_State([], [7, 50]), 8).drafts[1].tokens == [51]
+    drafter.end()
+    assert trie.num_own_counters == 0 and not trie._trails
+    trie.check_invariants()

@@ -9,18 +9,20 @@ of one token has no continuation and is skipped.
 
     # tokens [5, 6, 7, 8], branch_length=2 (W=3) -> windows [5,6,7], [6,7,8], [7,8]
 
-Each node holds two kinds of counts:
+Each node holds counts of three kinds, in two places:
 
-* ``out``: output count, shared by every request. Generated tokens are inserted as they
-  stream out, so the trie warms up across requests.
-* ``inp``: input counts, one counter per request id (``{req: count}``): the request's
-  prompt and its reference documents (e.g. retrieved passages). Another request never
-  sees them, so batch rows do not interfere; ``end_request(req)`` removes them.
+* own counts, one counter per request id (``{req: count}``), visible only to that request:
+  its *input* (its prompt and reference documents, e.g. retrieved passages) and its *own
+  output* (the tokens it generated). Another request never sees them, so batch rows do
+  not interfere; ``end_request(req)`` removes them. One counter holds both tiers
+  (``input << 32 | own output``), so a node costs one counter per request that saw it.
+* ``out``: output count, shared by every request: every request's generated tokens (a
+  request's own output included), so the trie warms up across requests.
 
 Inserting a window adds 1 to each count of its kind along its path, so counts are
-monotone: ``count(child) <= count(parent)`` for ``out`` and for each ``inp[req]``. A node
-left with no count at all is removed; monotonicity guarantees its subtree is countless
-too, so nothing counted is ever orphaned.
+monotone: ``count(child) <= count(parent)`` for ``out`` and for each request's input and
+own output. A node left with no count at all is removed; monotonicity guarantees its
+subtree is countless too, so nothing counted is ever orphaned.
 
 Streaming output
 ----------------
@@ -30,62 +32,76 @@ tokens later). ``insert_output`` keeps a per-request tail of the last W-1 tokens
 token p extends every window that starts in the tail (start s, p - s < W) by one node,
 adding 1 to that node only (the earlier nodes of the window were counted when it was
 shorter); a window of two tokens counts both. Streaming a sequence in any chunks therefore
-counts exactly the windows of the whole sequence, each once, and ``end_request`` only
-drops the tail.
+counts exactly the windows of the whole sequence, each once, in the shared output and in
+the request's own output, and ``end_request`` drops the tail with the own counts. The node
+ending each growing window is kept, so growing costs one lookup (a squeeze may detach
+nodes: after one, the window's path is walked again).
 
     # W=3   insert_output([5, 6]) -> [5,6]                 tail [5, 6]
     #       insert_output([7])    -> [5,6,7] (7 added), [6,7]         tail [6, 7]
     #       insert_output([8])    -> [6,7,8] (8 added), [7,8]         tail [7, 8]
 
-Should a squeeze evict part of a window that is still growing, the window stops growing,
-and a grown node's count is capped by its parent's, which keeps counts monotone.
+Should a squeeze evict part of a window that is still growing, its shared output stops
+growing (own counts are never squeezed), and a grown node's count of each kind is capped by
+its parent's, which keeps counts monotone.
 
 Capacity and squeeze
 --------------------
-``max_nodes`` bounds the number of nodes and, separately, the number of input counters
-(node, request) pairs; ``max_output_nodes`` bounds the nodes whose output count is > 0.
-Both hold after every public call, whatever the number of requests.
+``max_nodes`` bounds the number of nodes and, separately, the number of own counters
+(node, request) pairs (input and own output alike); ``max_output_nodes`` bounds the nodes
+whose shared output count is > 0. Both hold after every public call, whatever the number
+of requests; a request's own counters leave with ``end_request``.
 
 One squeeze pass (PIA's rule) visits every node with an output count:
 ``out <= 1 -> out = 0`` and ``out >= 2 -> out // 2`` (so it stays >= 1). A node then left
-with no count of either kind is dropped with its subtree; a node that still holds input
-counts of a live request is kept with its output count zeroed.
+with no count at all is dropped with its subtree; a node that still holds own counts of a
+live request is kept with its output count zeroed. Own counts are never squeezed.
 
 * After each output window, if the output nodes exceed ``max_output_nodes``, passes
   repeat until at most 7/8 of it remain (the low-water mark amortises the O(nodes) pass
   over at least budget/8 later insertions).
 * Before each window, if it might not fit under ``max_nodes``, passes repeat until the
   nodes are at most ``max_nodes - max(W, max_nodes // 8)`` or no output count is left.
-  If input counts alone fill the budget, the trie is "full": windows are cut where a new
+  If own counts alone fill the budget, the trie is "full": windows are cut where a new
   node or counter would be needed, until ``end_request`` or a squeeze frees nodes.
 
 Retrieval
 ---------
-``retrieve(context, ...)`` matches the longest suffix of ``context`` (lengths
-``min(max_match, len(context), W - 1)`` down to 1) that is a visible path (count > 0 for
-this request or for output) with at least one visible child. From the matched node it
-takes continuations by score::
+``retrieve(context, ..., req)`` drafts from ``req``'s own evidence first. It matches the
+longest suffix of ``context`` (lengths ``min(max_match, len(context), W - 1)`` down to 1)
+whose path has own counts of ``req`` and that has a child with them; only if there is
+none, the longest suffix that is a visible path (own counts or output count > 0) with a
+visible child. From the matched node it takes continuations by key, in two tiers::
 
-    score = input_weight * inp[req] + out        # input_weight = 2**32 by default
+    own = input_weight * input + own_output     # input_weight = 2**32 by default
+    key = (1, own) if own > 0 else (0, out)     # then the smaller token id first
 
-so input counts come first and output counts break their ties (lexicographic while
-output counts stay below 2**32). Ties in score go to the smaller token id. A match of k
-tokens leaves paths of at most W - k tokens, so the draft depth is at most
+Every node the request saw itself ranks before every node only the shared output holds.
+Among them input counts come first and own output counts break their ties (lexicographic
+while they stay below 2**32); shared output counts order only the shared tier. A match of
+k tokens leaves paths of at most W - k tokens, so the draft depth is at most
 ``min(branch_length, W - k)``; the matched tokens themselves are never returned.
 ``max_match`` defaults to 2, as PIA's decoding loop matches the last two tokens: longer
 matches are more specific but leave fewer levels. PIA's geometry (two-token match, full
 depth b) is ``NgramTrie(branch_length=b + 1)`` retrieved with ``branch_length=b``.
 
+Own trie first: the own tier is what a private ``NgramTrie`` fed only ``req``'s inputs and
+outputs holds, with the same keys, so in every mode and for every budget the draft begins
+with that private trie's draft (same match length, its nodes first with the same tokens
+and parents) and shared output only fills what budget is left: other requests' outputs
+never displace, reorder or shorten it. This holds as long as none of ``req``'s windows was
+cut because the trie was full (below); squeezes never touch own counts.
+
 Modes (``decoding_length`` caps the number of returned nodes in all of them):
 
-* ``"hierarchical"``: one tree, shared prefixes merged; best-first expansion by score.
-  Scores never grow along a path, so the result is the top-``decoding_length`` nodes of
-  the continuation tree (closed under parents). Heap ties: score desc, token asc, then
-  parent index asc.
-* ``"parallel"``: the root-to-leaf paths of the hierarchical tree, each emitted as an
-  independent chain (prefixes duplicated, not merged), in depth-first order visiting
-  better children first; the last chain is cut to the budget (and dropped when the cut
-  leaves only a prefix already emitted). The ancestor mask is block diagonal.
+* ``"hierarchical"``: one tree, shared prefixes merged; best-first expansion by key.
+  Keys never grow along a path, so the result is the top-``decoding_length`` nodes of
+  the continuation tree (closed under parents): the own tier's first. Heap ties: key
+  desc, token asc, then parent index asc.
+* ``"parallel"``: the root-to-leaf paths of the hierarchical tree as independent chains
+  (prefixes duplicated, a block-diagonal ancestor mask), depth first, better children
+  first, the own tier's chains before the rest; the last one cut to the budget
+  (`trie_drafts.parallel_chains`).
 * ``"single"``: the greedy best chain (best child at each step).
 
 The result is a ``Draft``: ``tokens`` and ``parents`` (index into the draft of each node's
@@ -99,39 +115,28 @@ parent; -1 = child of the root, i.e. of the last accepted token), parent before 
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
 from ..core.drafts import Draft
+from .trie_drafts import TrieDraft, parallel_chains
 
-INPUT_WEIGHT = 1 << 32  # score = INPUT_WEIGHT * input count + output count
+INPUT_WEIGHT = 1 << 32  # own score = INPUT_WEIGHT * input count + own output count
 MODES = ("hierarchical", "parallel", "single")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrieDraft(Draft):
-    """A trie draft (`drafts.Draft`) with how it was found: match_len, how many context
-    tokens were matched (0 for the empty draft); dominance, 2 if the matched context has a
-    single continuation, 1 if the top one holds at least half of the counts (input +
-    output), else 0. Its `key` (the class for the acceptance statistics) is the pair."""
-
-    match_len: int = 0
-    dominance: int = 0
-
-    def __post_init__(self):
-        object.__setattr__(self, "key", (self.match_len, self.dominance))
+_IN = 1 << 32  # one input count in an own counter (input << 32 | own output)
+_OWN_OUT = _IN - 1  # mask of the own output count
+_SHARED = 1 << 59  # rank (smaller first): -own score (< 0) in the own tier, _SHARED - out (> 0)
 
 
 class _Node:
-    __slots__ = ("children", "out", "inp")
+    __slots__ = ("children", "out", "own")
 
     def __init__(self) -> None:
         self.children: dict[int, _Node] = {}
         self.out = 0  # output count (shared)
-        self.inp: dict[Hashable, int] | None = None  # {req: input count}, None if empty
+        self.own: dict[Hashable, int] | None = None  # {req: input << 32 | own output} or None
 
 
 def _as_ints(tokens: Iterable[int]) -> list[int]:
@@ -141,14 +146,15 @@ def _as_ints(tokens: Iterable[int]) -> list[int]:
 
 
 class NgramTrie:
-    """Token n-gram trie with per-request input counts and shared output counts.
+    """Token n-gram trie with per-request own counts (input, own output) and shared output
+    counts.
 
     Args:
       branch_length: windows of ``branch_length + 1`` tokens are stored; drafts are at
         most ``branch_length`` deep.
-      max_nodes: bound on the number of nodes, and on the number of input counters.
-      max_output_nodes: bound on the number of nodes with an output count > 0.
-      input_weight: score weight of an input count against an output count.
+      max_nodes: bound on the number of nodes, and on the number of own counters.
+      max_output_nodes: bound on the number of nodes with a shared output count > 0.
+      input_weight: score weight of an input count against an own output count.
     """
 
     def __init__(
@@ -160,11 +166,9 @@ class NgramTrie:
     ) -> None:
         if branch_length < 1:
             raise ValueError(f"branch_length must be >= 1, got {branch_length}")
-        if max_nodes < 1 or max_output_nodes < 0:
-            raise ValueError(
-                f"need max_nodes >= 1 and max_output_nodes >= 0, got {max_nodes}, "
-                f"{max_output_nodes}"
-            )
+        if max_nodes < 1 or max_output_nodes < 0 or input_weight < 1:
+            raise ValueError(f"need max_nodes >= 1, max_output_nodes >= 0, input_weight >= 1, got "
+                             f"{max_nodes}, {max_output_nodes}, {input_weight}")
         self.branch_length = branch_length
         self.window = branch_length + 1  # W
         self.max_nodes = max_nodes
@@ -173,12 +177,16 @@ class NgramTrie:
         self._root: dict[int, _Node] = {}
         self._n_nodes = 0
         self._n_out = 0  # nodes with out > 0
-        self._n_inp = 0  # input counters, summed over nodes and requests
-        self._full = False  # input counts fill max_nodes: stop squeezing until freed
-        # Per request: every input counter it owns as (parent's children, token, node),
-        # in creation order (parent before child), so end_request needs no traversal.
-        self._trails: dict[Hashable, list[tuple[dict[int, _Node], int, _Node]]] = {}
+        self._n_own = 0  # own counters, summed over nodes and requests
+        self._full = False  # own counts fill max_nodes: stop squeezing until freed
+        # Per request: each own counter it holds as 3 items, parent's children, token, node
+        # (flat: no tuple for the gc), parent before child: end_request walks it backwards.
+        self._trails: dict[Hashable, list] = {}
         self._tails: dict[Hashable, list[int]] = {}  # per request: last W-1 output tokens
+        # Per request, aligned with its tail: (node, epoch) ending the window that starts
+        # there (None: stopped, or no window yet), valid if no squeeze ran since epoch.
+        self._ends: dict[Hashable, list] = {}
+        self._epoch = 0  # squeeze passes so far
 
     # ------------------------------------------------------------------ sizes
 
@@ -188,29 +196,34 @@ class NgramTrie:
 
     @property
     def num_output_nodes(self) -> int:
-        """Nodes whose output count is > 0."""
+        """Nodes whose shared output count is > 0."""
         return self._n_out
 
     @property
-    def num_input_counters(self) -> int:
-        """(node, request) input counters over all live requests."""
-        return self._n_inp
+    def num_own_counters(self) -> int:
+        """(node, request) own counters (input and own output) over all live requests."""
+        return self._n_own
 
-    def __len__(self) -> int:
-        return self._n_nodes
-
-    def counts(self, path: Sequence[int], req: Hashable = 0) -> tuple[int, int] | None:
-        """(input count of ``req``, output count) of the node at ``path`` from the root,
-        or None if there is no such node."""
+    def _node(self, path: Sequence[int]) -> _Node | None:
         children, node = self._root, None
         for t in _as_ints(path):
             node = children.get(t)
             if node is None:
                 return None
             children = node.children
-        if node is None:
-            return None
-        return (node.inp.get(req, 0) if node.inp else 0), node.out
+        return node
+
+    def counts(self, path: Sequence[int], req: Hashable = 0) -> tuple[int, int] | None:
+        """(input count of ``req``, shared output count) of the node at ``path`` from the
+        root, or None if there is no such node."""
+        node = self._node(path)
+        return None if node is None else ((node.own.get(req, 0) >> 32 if node.own else 0), node.out)
+
+    def own_counts(self, path: Sequence[int], req: Hashable = 0) -> tuple[int, int] | None:
+        """(input count, own output count) of ``req`` at ``path``, or None without a node."""
+        node = self._node(path)
+        v = node.own.get(req, 0) if node is not None and node.own else 0
+        return None if node is None else (v >> 32, v & _OWN_OUT)
 
     # ---------------------------------------------------------------- inserts
 
@@ -229,41 +242,50 @@ class NgramTrie:
             del self._trails[req]
 
     def insert_output(self, tokens: Sequence[int], req: Hashable = 0) -> None:
-        """Stream newly accepted tokens of ``req`` into the shared output counts.
+        """Stream newly accepted tokens of ``req`` into the shared output counts and into
+        ``req``'s own output counts.
 
         Every window that ends at a new token grows by that token at once (module
         docstring, "Streaming output").
         """
         tail = self._tails.get(req, [])
         buf = tail + _as_ints(tokens)
+        ends = self._ends.get(req, []) + [None] * (len(buf) - len(tail))
         w = self.window
+        trail = self._trails.setdefault(req, [])
         for p in range(len(tail), len(buf)):
             for s in range(max(0, p - w + 1), p - 1):  # windows of >= 3 tokens grow by one
-                self._grow_output_window(buf, s, p)
+                if ends[s] is not None:
+                    ends[s] = self._grow_output_window(buf, s, p, ends[s], req, trail)
             if p >= 1:  # a new two-token window
-                self._put_output_window(buf, p - 1, p + 1)
-        self._tails[req] = buf[max(0, len(buf) - w + 1):]
+                ends[p - 1] = self._put_output_window(buf, p - 1, p + 1, req, trail)
+        keep = max(0, len(buf) - w + 1)
+        self._tails[req], self._ends[req] = buf[keep:], ends[keep:]
+        if not trail:
+            del self._trails[req]
 
     def restart_output(self, req: Hashable = 0) -> None:
         """Forget ``req``'s output tail: the next output tokens start new windows (after a
         rollback, the tail no longer precedes them). Counted n-grams stay."""
         self._tails.pop(req, None)
+        self._ends.pop(req, None)
 
     def end_request(self, req: Hashable = 0) -> None:
-        """Finish ``req``: drop its output tail, then remove its input counts (dropping
-        nodes left with no count)."""
-        self._tails.pop(req, None)
+        """Finish ``req``: drop its output tail, then remove its own counts (input and own
+        output), dropping nodes left with no count. Its share of the output counts stays."""
+        self.restart_output(req)
         trail = self._trails.pop(req, None)
         if not trail:
             return
         # Children were counted after their parents, so walking backwards removes each
         # countless node after its (countless) children: no subtree walk needed.
-        for children, t, node in reversed(trail):
-            inp = node.inp
-            del inp[req]
-            self._n_inp -= 1
-            if not inp:
-                node.inp = None
+        self._n_own -= len(trail) // 3
+        for k in range(len(trail) - 3, -1, -3):
+            children, t, node = trail[k:k + 3]
+            own = node.own
+            del own[req]
+            if not own:
+                node.own = None
                 if node.out == 0:
                     del children[t]
                     self._n_nodes -= 1
@@ -273,6 +295,7 @@ class NgramTrie:
         """One squeeze pass (module docstring). Runs by itself when over budget."""
         self._squeeze_level(self._root)
         self._full = False
+        self._epoch += 1
 
     # -------------------------------------------------------------- retrieval
 
@@ -286,7 +309,8 @@ class NgramTrie:
         *,
         max_match: int = 2,
     ) -> Draft:
-        """Draft continuing ``context`` (its last token is the root).
+        """Draft continuing ``context`` (its last token is the root), ``req``'s own trie's
+        draft first (module docstring, "Retrieval").
 
         At most ``decoding_length`` nodes, at most ``branch_length`` deep (default: the
         trie's). ``max_match`` caps the suffix length tried. Empty draft if nothing
@@ -299,63 +323,83 @@ class NgramTrie:
         if decoding_length <= 0 or depth_cap <= 0 or kmax <= 0:
             return TrieDraft([], [])
         suffix = _as_ints(context[len(context) - kmax:])
-        w, root = self.input_weight, self._root
-        for k in range(kmax, 0, -1):
-            node, children = None, root
-            for t in suffix[kmax - k:]:
-                node = children.get(t)
-                if node is None or not (node.out or (node.inp and node.inp.get(req))):
-                    node = None
-                    break
-                children = node.children
-            if node is not None and any(
-                c.out or (c.inp and c.inp.get(req)) for c in children.values()
-            ):
-                break
-        else:
+        found = self._match(suffix, req, True) or self._match(suffix, req, False)
+        if found is None:
             return TrieDraft([], [])
-        counts = [c.out + (c.inp.get(req, 0) if c.inp else 0) for c in children.values()]
+        k, node = found
+        counts = [c.out + (c.own.get(req, 0) >> 32 if c.own else 0) or  # input + output
+                  (c.own.get(req, 0) & _OWN_OUT if c.own else 0)  # (own output if squeezed)
+                  for c in node.children.values()]
         counts = [c for c in counts if c]
         dominance = 2 if len(counts) == 1 else int(2 * max(counts) >= sum(counts))
         max_depth = min(depth_cap, self.window - k)
+        w = self.input_weight
         if mode == "single":
             tokens, parents = self._single(node, decoding_length, max_depth, req, w)
         else:
-            tokens, parents = self._hierarchical(node, decoding_length, max_depth, req, w)
+            tokens, parents, n_own = self._hierarchical(node, decoding_length, max_depth, req, w)
             if mode == "parallel":
-                tokens, parents = _parallel(tokens, parents, decoding_length)
+                tokens, parents = parallel_chains(tokens, parents, decoding_length, n_own)
         return TrieDraft(tokens, parents, match_len=k, dominance=dominance)
 
     # -------------------------------------------------------------- internals
 
+    def _match(self, suffix: list[int], req: Hashable, own_only: bool):
+        """(k, node) of the longest suffix of ``suffix`` whose path and one child are
+        visible: through ``req``'s own counts (own_only) or any count. None if none is."""
+        kmax = len(suffix)
+        for k in range(kmax, 0, -1):
+            node, children = None, self._root
+            for t in suffix[kmax - k:]:
+                node = children.get(t)
+                if node is None or not (
+                    (node.own is not None and req in node.own) or (node.out and not own_only)
+                ):
+                    node = None
+                    break
+                children = node.children
+            if node is not None and any(
+                (c.own is not None and req in c.own) or (c.out and not own_only)
+                for c in children.values()
+            ):
+                return k, node
+        return None
+
     def _kids(self, node: _Node, req: Hashable, w: int, limit: int) -> list:
-        """Visible children of ``node`` as [(-score, token, child)], best first."""
+        """Visible children of ``node`` as [(rank, token, child)], best (smallest) first:
+        rank = -own score in the own tier (< 0), _SHARED - out in the shared tier (> 0)."""
         kids = []
+        fast, shared = w == _IN, _SHARED
         for t, c in node.children.items():
-            inp = c.inp
-            s = c.out if inp is None else w * inp.get(req, 0) + c.out
-            if s:
-                kids.append((-s, t, c))
+            own = c.own
+            if own is not None and req in own:
+                v = own[req]  # own score: v itself for the default weight
+                kids.append((-v if fast else -(w * (v >> 32) + (v & _OWN_OUT)), t, c))
+            elif c.out:
+                kids.append((shared - c.out, t, c))
         if len(kids) > limit:
-            return heapq.nsmallest(limit, kids)  # (-score, token) is unique: no node compare
+            return heapq.nsmallest(limit, kids)  # (rank, token) is unique: no node compare
         kids.sort()
         return kids
 
     def _hierarchical(self, start: _Node, budget: int, max_depth: int, req: Hashable, w: int):
         """Best-first: the heap holds, per expanded node, its best not-yet-taken child;
-        taking a child pushes its next sibling and its own best child."""
+        taking a child pushes its next sibling and its own best child. Also returns how
+        many of the nodes are own-tier (they come first)."""
         tokens: list[int] = []
         parents: list[int] = []
+        n_own = 0
         kids = self._kids(start, req, w, budget)
         if not kids:
-            return tokens, parents
-        # heap entry: (-score, token, parent index, sibling index, siblings, depth)
+            return tokens, parents, n_own
+        # heap entry: (rank, token, parent index, sibling index, siblings, depth)
         heap = [(kids[0][0], kids[0][1], -1, 0, kids, 1)]
         while heap and len(tokens) < budget:
-            _, t, p, i, sibs, depth = heapq.heappop(heap)
+            rank, t, p, i, sibs, depth = heapq.heappop(heap)
             idx = len(tokens)
             tokens.append(t)
             parents.append(p)
+            n_own += rank < 0
             if i + 1 < len(sibs):
                 s2, t2, _ = sibs[i + 1]
                 heapq.heappush(heap, (s2, t2, p, i + 1, sibs, depth))
@@ -363,12 +407,12 @@ class NgramTrie:
                 sub = self._kids(sibs[i][2], req, w, budget - len(tokens))
                 if sub:
                     heapq.heappush(heap, (sub[0][0], sub[0][1], idx, 0, sub, depth + 1))
-        return tokens, parents
+        return tokens, parents, n_own
 
     def _single(self, node: _Node, budget: int, max_depth: int, req: Hashable, w: int):
         tokens: list[int] = []
         for _ in range(min(budget, max_depth)):
-            best = self._kids(node, req, w, 1)  # [(-score, token, child)] of the best child
+            best = self._kids(node, req, w, 1)  # [(rank, token, child)] of the best child
             if not best:
                 break
             _, t, node = best[0]
@@ -384,66 +428,103 @@ class NgramTrie:
             self.squeeze()
         self._full = self._n_nodes + n_new > self.max_nodes
 
+    def _count_own(self, children: dict, t: int, node: _Node, req: Hashable, add: int,
+                   trail: list) -> bool:
+        """Add ``add`` to ``req``'s own counter at ``node``; False if that needs a new
+        counter and the counter budget is spent."""
+        own = node.own
+        if own is not None and req in own:
+            own[req] += add
+            return True
+        if self._n_own >= self.max_nodes:
+            return False
+        if own is None:
+            own = node.own = {}
+        own[req] = add
+        self._n_own += 1
+        trail += children, t, node
+        return True
+
+    def _new_node(self, children: dict, t: int, counted: bool = False) -> _Node | None:
+        """A new child ``t``, or None at the node bound (or counter bound, if ``counted``)."""
+        if self._n_nodes >= self.max_nodes or (counted and self._n_own >= self.max_nodes):
+            return None
+        node = children[t] = _Node()
+        self._n_nodes += 1
+        return node
+
     def _put_input(self, seq: list[int], i: int, j: int, req: Hashable, trail: list) -> None:
         children = self._root
         for k in range(i, j):
             t = seq[k]
-            node = children.get(t)
-            inp = None if node is None else node.inp
-            if inp is not None and req in inp:
-                inp[req] += 1
-            else:  # needs a new counter (and maybe a new node): cut the window if full
-                if self._n_inp >= self.max_nodes:
-                    return
-                if node is None:
-                    if self._n_nodes >= self.max_nodes:
-                        return
-                    node = children[t] = _Node()
-                    self._n_nodes += 1
-                if inp is None:
-                    node.inp = {req: 1}
-                else:
-                    inp[req] = 1
-                self._n_inp += 1
-                trail.append((children, t, node))
+            node = children.get(t)  # cut the window where the trie is full:
+            if node is None and (node := self._new_node(children, t, counted=True)) is None:
+                return
+            if not self._count_own(children, t, node, req, _IN, trail):
+                return
             children = node.children
 
-    def _put_output_window(self, seq: list[int], i: int, j: int) -> None:
-        self._reserve(j - i)
-        children = self._root
+    def _put_output_window(self, seq: list[int], i: int, j: int, req: Hashable, trail: list):
+        """Count the window seq[i:j]; its end as an ``_ends`` entry (None if cut)."""
+        if self._n_nodes + j - i > self.max_nodes:
+            self._reserve(j - i)
+        children, own_ok = self._root, True
         for k in range(i, j):
             t = seq[k]
             node = children.get(t)
-            if node is None:
-                if self._n_nodes >= self.max_nodes:
-                    break
-                node = children[t] = _Node()
-                self._n_nodes += 1
+            if node is None and (node := self._new_node(children, t)) is None:
+                self._trim_output()
+                return None
             if node.out == 0:
                 self._n_out += 1
             node.out += 1
+            own_ok = own_ok and self._count_own(children, t, node, req, 1, trail)
             children = node.children
-        self._trim_output()
+        end = (node, self._epoch)  # stamped before a squeeze may detach it
+        if self._n_out > self.max_output_nodes:
+            self._trim_output()
+        return end
 
-    def _grow_output_window(self, seq: list[int], i: int, p: int) -> None:
-        """Add 1 to the node of seq[p] below the path seq[i:p] (counted earlier)."""
-        self._reserve(1)  # may squeeze: before the walk, so the path below is current
-        children, node = self._root, None
-        for k in range(i, p):
-            node = children.get(seq[k])
-            if node is None or node.out == 0:  # evicted by a squeeze: stop growing
-                return
-            children = node.children
-        child = children.get(seq[p])
-        if child is None:
-            if self._n_nodes >= self.max_nodes:
-                return
-            child = children[seq[p]] = _Node()
-            self._n_nodes += 1
-        if child.out == 0:
-            self._n_out += 1
-        child.out = min(child.out + 1, node.out)
-        self._trim_output()
+    def _grow_output_window(self, seq: list[int], i: int, p: int, end: tuple, req: Hashable,
+                            trail: list):
+        """Add 1 to the node of seq[p] below the path seq[i:p] (counted earlier, ending at
+        ``end``), in the shared output if the path still has it and in ``req``'s own output
+        if it has that. Returns the new end (None: the window stops growing). Hot: once per
+        window and output token, so the common case makes no call."""
+        if self._n_nodes >= self.max_nodes:
+            self._reserve(1)  # may squeeze: before the walk, so the path below is current
+        node, epoch = end
+        if epoch != self._epoch:  # a squeeze ran since: walk the path again
+            children, node = self._root, None
+            for k in range(i, p):
+                node = children.get(seq[k])
+                if node is None:
+                    return None
+                children = node.children
+        out, mine = node.out, node.own  # monotone: out > 0 here means > 0 along the path
+        own = mine[req] & _OWN_OUT if mine is not None and req in mine else 0
+        if not (out or own):  # evicted by a squeeze, or cut: stop growing
+            return None
+        children, t = node.children, seq[p]
+        child = children.get(t)  # a new one without output count needs a counter
+        if child is None and (child := self._new_node(children, t, counted=not out)) is None:
+            return None
+        if out:
+            if child.out == 0:
+                self._n_out += 1
+            child.out = min(child.out + 1, out)
+        mine = child.own
+        if own:
+            if mine is not None and req in mine:
+                if mine[req] & _OWN_OUT < own:
+                    mine[req] += 1
+            elif self._count_own(children, t, child, req, 1, trail):
+                mine = child.own
+        # counted here (out, or req's own), so no other request's end_request drops it
+        end = (child, self._epoch) if out or (mine is not None and req in mine) else None
+        if self._n_out > self.max_output_nodes:
+            self._trim_output()
+        return end
 
     def _trim_output(self) -> None:
         """Past ``max_output_nodes`` output nodes, squeeze until at most 7/8 of it remain."""
@@ -460,7 +541,7 @@ class NgramTrie:
             if out == 1:
                 node.out = 0
                 self._n_out -= 1
-                if node.inp is None:  # countless; its subtree too (all out <= 1, no inp)
+                if node.own is None:  # countless; its subtree too (all out <= 1, no own)
                     del children[t]
                     self._drop(node)
                     continue
@@ -484,58 +565,34 @@ class NgramTrie:
 
     def check_invariants(self) -> None:
         """Recount everything and assert the documented invariants (for tests)."""
-        n_nodes = n_out = n_inp = 0
+        n_nodes = n_out = n_own = 0
         stack = [(c, 1) for c in self._root.values()]
         while stack:
             node, depth = stack.pop()
             n_nodes += 1
             n_out += node.out > 0
             assert depth <= self.window, "path deeper than a window"
-            assert node.inp is None or (node.inp and all(v > 0 for v in node.inp.values()))
-            n_inp += len(node.inp) if node.inp else 0
-            assert node.out > 0 or node.inp, "node without any count"
+            own = node.own or {}
+            assert node.own is None or (own and all(v > 0 for v in own.values()))
+            assert all(r in self._trails for r in own), "own counts of an ended request"
+            n_own += len(own)
+            assert node.out > 0 or own, "node without any count"
             for c in node.children.values():
                 assert c.out <= node.out, "output counts not monotone"
-                for r, v in (c.inp or {}).items():
-                    assert v <= (node.inp or {}).get(r, 0), "input counts not monotone"
+                for r, v in (c.own or {}).items():  # input, own output: each monotone
+                    u = own.get(r, 0)
+                    assert v >> 32 <= u >> 32 and v & _OWN_OUT <= u & _OWN_OUT, "own not monotone"
                 stack.append((c, depth + 1))
-        assert (n_nodes, n_out, n_inp) == (self._n_nodes, self._n_out, self._n_inp)
-        assert n_nodes <= self.max_nodes and n_inp <= self.max_nodes
-        assert n_out <= self.max_output_nodes
-        assert sum(len(tr) for tr in self._trails.values()) == n_inp
+        assert (n_nodes, n_out, n_own) == (self._n_nodes, self._n_out, self._n_own)
+        assert max(n_nodes, n_own) <= self.max_nodes and n_out <= self.max_output_nodes
+        assert sum(len(tr) for tr in self._trails.values()) == 3 * n_own
         for r, trail in self._trails.items():
-            for children, t, node in trail:
-                assert children.get(t) is node and r in node.inp
-        assert all(len(tail) < self.window for tail in self._tails.values())
+            assert trail, "an empty trail is kept"
+            for children, t, node in zip(trail[::3], trail[1::3], trail[2::3]):
+                assert children.get(t) is node and r in node.own
+        for r, tail in self._tails.items():  # a current end is attached and counted for r
+            assert len(tail) < self.window and len(self._ends[r]) == len(tail)
+            for j, (node, epoch) in enumerate(e or (None, -1) for e in self._ends[r]):
+                assert epoch != self._epoch or (
+                    self._node(tail[j:]) is node and (node.out or r in (node.own or ())))
 
-
-def _parallel(tokens: list[int], parents: list[int], budget: int):
-    """Hierarchical draft -> independent chains, one per root-to-leaf path.
-
-    # tokens [2, 3, 4, 5], parents [-1, 0, 1, 0]  (paths 2-3-4 and 2-5)
-    #   -> tokens [2, 3, 4, 2, 5], parents [-1, 0, 1, -1, 3]
-    """
-    kids: list[list[int]] = [[] for _ in tokens]
-    roots = []
-    for i, p in enumerate(parents):
-        (roots if p < 0 else kids[p]).append(i)
-    out_t: list[int] = []
-    out_p: list[int] = []
-    prev: list[int] = []  # previous emitted path (draft indices)
-    stack = [[r] for r in reversed(roots)]
-    while stack and len(out_t) < budget:
-        path = stack.pop()
-        if kids[path[-1]]:
-            stack.extend(path + [c] for c in reversed(kids[path[-1]]))
-            continue
-        lcp = 0  # DFS order: the longest shared prefix is with the previous path
-        while lcp < min(len(prev), len(path)) and prev[lcp] == path[lcp]:
-            lcp += 1
-        keep = min(len(path), budget - len(out_t))
-        if keep <= lcp:
-            break  # the cut path would only repeat a prefix already emitted
-        for j in range(keep):
-            out_p.append(-1 if j == 0 else len(out_t) - 1)
-            out_t.append(tokens[path[j]])
-        prev = path
-    return out_t, out_p

@@ -1,10 +1,13 @@
 """Lookahead's drafter: an n-gram trie over the prompt, its references and past outputs.
 
 It implements the drafter protocol of `drafters/base.py` (one call per step for the batch).
-Input n-grams (prompt + references) belong to the request; output n-grams go into a
-trie that is shared across requests (`TrieDrafter.shared`: one per engine), so it warms
-up. `acceptance` (a `budget.AcceptanceStats`, per draft class `Draft.key` = (match
-length, dominance)) also outlives the request: `decoding_length="auto"` reads it.
+The trie is shared across requests (`TrieDrafter.shared`: one per engine), so it warms
+up: every request's output n-grams count for all. A request's input n-grams (prompt +
+references) and its own output n-grams are its own as well, ranked first, so its draft
+begins with what its own n-grams alone would draft (`ngram_trie`, "Retrieval"); they
+leave the trie when the request ends (a slot's next request starts with none).
+`acceptance` (a `budget.AcceptanceStats`, per draft class `Draft.key` = (match length,
+dominance)) also outlives the request: `decoding_length="auto"` reads it.
 """
 
 from __future__ import annotations
