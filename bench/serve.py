@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -82,7 +83,7 @@ async def one(http, url: str, kind: str, prompt, max_tokens: int, model: str, st
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     body.update(messages=prompt) if kind == "chat" else body.update(prompt=prompt)
     t0 = time.perf_counter()
-    times, n = [], 0
+    times, n, text = [], 0, []
     async with http.stream("POST", url + path, json=body) as r:
         if r.status_code != 200:
             return dict(ok=False, status=r.status_code)
@@ -94,10 +95,12 @@ async def one(http, url: str, kind: str, prompt, max_tokens: int, model: str, st
                 n = d["usage"]["completion_tokens"]
                 continue
             for c in d.get("choices", ()):
-                if (c.get("text") or (c.get("delta") or {}).get("content")):
+                delta = c.get("text") or (c.get("delta") or {}).get("content")
+                if delta:
                     times.append(time.perf_counter())
+                    text.append(delta)
     t1 = time.perf_counter()
-    return dict(ok=True, tokens=n, ttft=(times[0] - t0) if times else t1 - t0, e2e=t1 - t0,
+    return dict(ok=True, tokens=n, text="".join(text), ttft=(times[0] - t0) if times else t1 - t0, e2e=t1 - t0,
                 itl=list(np.diff(times)), tpot=(t1 - times[0]) / (n - 1) if times and n > 1 else None)
 
 
@@ -143,8 +146,10 @@ def summarize(res, wall, before, after) -> dict:
     itl = [x for r in ok for x in r["itl"]]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     ttft = [r["ttft"] for r in ok]
+    digest = hashlib.sha256(json.dumps([r.get("text") for r in res]).encode()).hexdigest()[:16]
     return dict(
-        requests=len(res), failed=len(res) - len(ok), output_tokens=toks, duration_s=round(wall, 3),
+        requests=len(res), failed=len(res) - len(ok), output_tokens=toks, outputs_sha256=digest,
+        duration_s=round(wall, 3),
         output_tokens_per_s=round(toks / wall, 3), requests_per_s=round(len(ok) / wall, 4),
         ttft_p50_ms=pct(ttft, 50) * 1e3, ttft_p99_ms=pct(ttft, 99) * 1e3,
         tpot_p50_ms=pct(tpot, 50) and pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) and pct(tpot, 99) * 1e3,
@@ -240,6 +245,9 @@ def main(argv=None) -> None:
                 print(f"  c={c}: {strat} / greedy = {r['speedup_vs_greedy']:.2f}x "
                       f"(per repeat: {[round(a['output_tokens_per_s'] / b['output_tokens_per_s'], 2) for a, b in zip(result['reps'][strat][str(c)], result['reps']['greedy'][str(c)])]})",
                       flush=True)
+        digests = {r["outputs_sha256"] for st in args.strategies for r in result["reps"][st][str(c)]}
+        result.setdefault("identical_outputs", {})[str(c)] = len(digests) == 1
+        print(f"  c={c}: outputs identical across strategies and repeats: {len(digests) == 1}", flush=True)
         save(result, args.out)  # after every level: a long run keeps what it measured
     save(result, args.out)
     plot(result, str(Path(args.out).with_suffix(".png")))

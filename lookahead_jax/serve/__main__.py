@@ -84,8 +84,11 @@ def parse(argv=None) -> ServeConfig:
 def main(argv=None) -> None:
     from ..retrieval import EncoderUnavailable, IndexUnavailable
 
+    from ..core.compile import enable_compilation_cache
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = parse(argv)
+    enable_compilation_cache()  # the server owns its process: a restart's warm-up loads the compiled steps
     try:
         server = make_server(cfg)
     except (ValueError, OSError, IndexUnavailable, EncoderUnavailable) as e:
