@@ -86,7 +86,9 @@ def main(argv=None) -> None:
 
     from ..core.compile import enable_compilation_cache
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # force: an import (absl, via jax) may have configured the root logger at WARNING first,
+    # which would hide the server's own INFO lines (warm-up progress, engine errors)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     cfg = parse(argv)
     enable_compilation_cache()  # the server owns its process: a restart's warm-up loads the compiled steps
     try:
