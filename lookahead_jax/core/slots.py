@@ -305,8 +305,7 @@ class Slots:
         `sampled`: also rows that sample without and with top-k / top-p filters). A server
         calls it before it accepts requests, so no request waits for a compilation (with
         `prefill_chunk`, also the blocks of a chunked prefill at every window; each
-        is 1-3 s on a 2-core CPU; with JAX's persistent compilation cache, a restart loads
-        them). Only while every slot is free: the steps run on the slots' own cache, whose
+        is 1-3 s on a 2-core CPU). Only while every slot is free: the steps run on the slots' own cache, whose
         rows hold nothing yet. Retrieval runs compile their own steps (not covered).
         progress(done, total) after each step. Returns the number of steps compiled."""
         from .tree import verify_block

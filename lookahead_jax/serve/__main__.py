@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     # which would hide the server's own INFO lines (warm-up progress, engine errors)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
     cfg = parse(argv)
-    enable_compilation_cache()  # the server owns its process: a restart's warm-up loads the compiled steps
+    enable_compilation_cache()  # the server owns its process: compiled steps go to JAX's persistent cache
     try:
         server = make_server(cfg)
     except (ValueError, OSError, IndexUnavailable, EncoderUnavailable) as e:

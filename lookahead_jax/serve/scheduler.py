@@ -143,7 +143,7 @@ class Scheduler:
         """Compile the steps the slots will run before the thread starts serving
         (`Slots.warm_up`: every prompt bucket, every tree size of the budget at every
         attention window; `sampled`: sampled rows too), logging progress. Returns the
-        number of steps compiled (0 when JAX's persistent cache or an earlier warm-up had them)."""
+        number of steps compiled (0 when an earlier warm-up on this engine had them)."""
         if self.alive:
             raise RuntimeError("warm_up() runs before start()")
         t0, shown = time.perf_counter(), [0]
