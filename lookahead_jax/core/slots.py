@@ -333,50 +333,45 @@ class Slots:
         done = 0
         before = len(self.engine.compiled.compilations)
         saved = (list(st.rows), st.lengths.copy(), st.root.copy())
+
+        def tick():
+            nonlocal done
+            done += 1
+            if progress:
+                progress(done, total)
+
+        def rows_at(n_rows, L, context, max_new, sp):  # rows 0..n_rows-1 hold `context` tokens, L cached
+            for b in range(n_rows):
+                st.rows[b] = RowState(b, [0] * context, self.tokenizer, set(), (), max_new, None)
+                st.rows[b].sampling, st.rows[b].logprobs = sp, ([] if st.logprobs else None)
+            st.set_row_values(self.engine.put)
+            st.lengths = np.zeros(B, np.int64)
+            st.lengths[:n_rows] = L
+            st.cache = st.cache.replace(length=st.cache.length.at[:n_rows].set(L))
+
+        first_emit = self.run is None or not self.run.picks_first_token
         try:
             for sp in modes:
                 for P in prompt_sizes:  # a one-request insert, as `insert` forwards it
-                    st.rows[0] = RowState(0, [0] * P, self.tokenizer, set(), (), 1, None)
-                    st.rows[0].sampling = sp
-                    st.rows[0].logprobs = [] if st.logprobs else None
-                    st.lengths = np.zeros(B, np.int64)
-                    st.cache = st.cache.replace(length=st.cache.length.at[0].set(0))
-                    st.set_row_values(self.engine.put)
-                    forward_rows(self.engine, st, [0], emit=self.run is None or not self.run.picks_first_token)
-                    done += 1
-                    if progress:
-                        progress(done, total)
+                    rows_at(1, 0, P, 1, sp)
+                    forward_rows(self.engine, st, [0], emit=first_emit)
+                    tick()
                 for w in [0] + windows if chunks else windows:
                     for P, emit in chunks:  # a block of P tokens ending in the window (0: a first block)
                         if not w and emit:
                             continue
                         L = w and w - P - (w == S)
-                        st.rows[0] = RowState(0, [0] * (L + P), self.tokenizer, set(), (), 1, None)
-                        st.rows[0].sampling = sp
-                        st.rows[0].logprobs = [] if st.logprobs else None
-                        st.lengths = np.zeros(B, np.int64)
-                        st.lengths[0] = L
-                        st.cache = st.cache.replace(length=st.cache.length.at[0].set(L))
-                        st.set_row_values(self.engine.put)
+                        rows_at(1, L, L + P, 1, sp)
                         forward_rows(self.engine, st, [0], emit=emit)
-                        done += 1
-                        if progress:
-                            progress(done, total)
+                        tick()
                     for T in buckets if w else ():  # every busy row at the window's last length for the tree
                         L = max(0, w - 1 - T)
-                        st.rows = [RowState(b, [0] * (L + 1), self.tokenizer, set(), (), 1 << 30, None)
-                                   for b in range(B)]
-                        for r in st.rows:
-                            r.sampling, r.logprobs = sp, ([] if st.logprobs else None)
-                        st.set_row_values(self.engine.put)
-                        st.cache = st.cache.replace(length=st.cache.length.at[:].set(L))
+                        rows_at(B, L, L + 1, 1 << 30, sp)
                         blk = verify_block(np.zeros(B, np.int32), [EMPTY] * B, T)
                         out, st.cache = self.engine.verify(
                             st.cache, blk, np.ones(B, bool), st.seeds, st.rowids, rule=self.rule,
                             window=window_for(L + 1 + T, S), sampling=st.row_sampling(), **st.step_options())
-                        done += 1
-                        if progress:
-                            progress(done, total)
+                        tick()
         finally:  # every slot free again, the cache empty
             st.rows[:], st.lengths, st.root = saved
             st.cache = st.cache.replace(length=st.cache.length.at[:].set(0))
