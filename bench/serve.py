@@ -198,7 +198,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     import lookahead_jax as lj
+    from lookahead_jax.core.compile import enable_compilation_cache
 
+    enable_compilation_cache()  # as the server does: a rerun loads its compiled steps
     model, tok = lj.load(args.model, progress=False)
     prompts = repo_prompts()
     random.Random(args.seed).shuffle(prompts)
