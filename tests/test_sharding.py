@@ -393,6 +393,7 @@ def _child_mesh_generate(model, tok) -> dict:
     from lookahead_jax.generate import generate
     from lookahead_jax.drafters.trie import TrieDrafter
     from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.strategies import Greedy
 
     base = "def fib(n):\n    return fib(n - 1) + fib(n - 2)\n\ndef fib abc abc abc abc"
     prompts = [base[: 12 + 7 * i] for i in range(8)]
@@ -410,6 +411,8 @@ def _child_mesh_generate(model, tok) -> dict:
         mesh = sh.make_mesh(data=shape[0], model=shape[1])
         name = f"data={shape[0]},model={shape[1]}"
         out[name + "/greedy"] = generate(model, tok, prompts, **kw, mesh=mesh).token_ids
+        out[name + "/greedy-device-steps"] = generate(model, tok, prompts, **kw, mesh=mesh,
+                                                      strategy=Greedy(device_steps=5)).token_ids
         la = generate(model, tok, prompts, **kw, **look, mesh=mesh, drafter=TrieDrafter(branch_length=12))
         out[name + "/lookahead"] = la.token_ids
         exe = engine_for(model, mesh).compiled.executables("verify")[-1]
@@ -513,7 +516,7 @@ def test_sharded_generate_matches_one_device(mesh_runs, family):
 @pytest.mark.parametrize("family", MESH_FAMILIES)
 def test_generate_with_a_mesh_matches_one_device(mesh_runs, family):
     """generate(mesh=...) on (data=2, model=4) and (data=8): batch 8, prompts of 8
-    lengths, greedy and lookahead give the one-device tokens; the cache is split over
+    lengths, greedy (also 5 steps per device call) and lookahead give the one-device tokens; the cache is split over
     "data" (and kv heads over "model" where they divide) going into and out of the step."""
     r = mesh_runs(family)["generate"]["mesh_generate"]
     t = r["tokens"]

@@ -215,7 +215,8 @@ def test_verify_step_returns_hidden_states(model):
 
 
 @pytest.mark.parametrize("strategy,sampled,chunk", [(None, True, None), (Lookahead(decoding_length=7), False, None),
-                                                    (Lookahead(decoding_length=3), False, 24)])
+                                                    (Lookahead(decoding_length=3), False, 24),
+                                                    (Greedy(device_steps=4), True, None)])
 def test_warm_up_compiles_every_step_before_requests(model, tok, ids, strategy, sampled, chunk):
     """After `warm_up`, requests of any prompt length decode (greedy, and sampled when
     warmed up for it) at every tree size the budget may pick and every attention window,

@@ -307,6 +307,23 @@ class Engine:
         fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule), args, static)
         return self.compiled("verify", fn, *args, **static)
 
+    def plain_steps(self, cache, block, active, seeds, rows, remaining, stop_ids, *, rule, window: int,
+                    steps: int, suppress=None, ban: tuple = (), logprobs: bool = False, sampling=None):
+        """`verify.plain_steps` (up to `steps` plain decode steps in one call) on the packed
+        root-only `tree.VerifyBlock`: returns (`verify.StepsOut`, cache). remaining [B],
+        stop_ids [B,E]; the other options as in `verify`."""
+        from .verify import jitted_plain_steps
+
+        args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents), self.arg(block.depth),
+                self.arg(block.mask), self.arg(active), seeds, rows, self.arg(np.asarray(remaining, np.int32)),
+                self.arg(np.asarray(stop_ids, np.int32)))
+        static = dict(window=window, steps=int(steps))
+        args = self._options(args, static, [], suppress, ban, None, None, None, [sampling])
+        if logprobs:
+            static["logprobs"] = True
+        fn, static = self._step("steps", rule, lambda: jitted_plain_steps(self.config, rule), args, static)
+        return self.compiled("steps", fn, *args, **static)
+
     def measure_verify_costs(self, rule, B: int, S: int, buckets, length: Optional[int] = None,
                              rounds: int = 7) -> dict:
         """Seconds per verify step for each tree bucket T (cached per shape).

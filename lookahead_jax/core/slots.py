@@ -70,7 +70,7 @@ import numpy as np
 
 from .acceptance import TokenMatch
 from .budget import FixedBudget
-from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, prompt_bucket, step
+from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, plain_steps, prompt_bucket, step
 from .rows import RowState
 from .drafts import EMPTY, DraftBatch
 from .sampling import Penalties, SamplingParams
@@ -149,6 +149,8 @@ class Slots:
         if strategy is not None and strategy.runs_own_loop and run is None:
             run = strategy.start(tokenizer, n_slots, engine=engine)
         self.run = run
+        # plain decoding's tokens per device call (a strategy's `device_steps`; 1: one step a call)
+        self.device_steps = int(getattr(strategy, "device_steps", 1) or 1)
         # a run's rows are prefilled whole (its add / replace_prompt edit whole prompts)
         self.prefill_chunk = None if prefill_chunk is None or run is not None else int(prefill_chunk)
         if penalties.on and strategy is not None and not strategy.supports_penalties:
@@ -269,6 +271,9 @@ class Slots:
                 else self.drafter
             if self.run is not None:
                 self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
+            elif self.device_steps > 1 and self.drafter is None and self.state.row_penalties() is None:
+                # plain decoding, several tokens per call (the strategy's device_steps)
+                self.last_step = plain_steps(self.engine, self.state, self.rule, self.device_steps)
             else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
                 self.last_step = step(self.engine, self.state, drafter, self.rule, self.budget)
         if self._prefill:
@@ -329,7 +334,9 @@ class Slots:
         if self.prefill_chunk is not None:
             PC = prompt_bucket(self.prefill_chunk, S)
             chunks = [(PC, False)] + [(P, True) for P in PROMPT_BUCKETS if P <= PC]
-        total = len(modes) * (len(prompt_sizes) + len(windows) * (len(buckets) + len(chunks)) + bool(chunks))
+        K = self.device_steps if self.run is None and self.drafter is None and self.device_steps > 1 else 0
+        total = len(modes) * (len(prompt_sizes) + len(windows) * (len(buckets) + len(chunks) + bool(K))
+                              + bool(chunks))
         done = 0
         before = len(self.engine.compiled.compilations)
         saved = (list(st.rows), st.lengths.copy(), st.root.copy())
@@ -371,6 +378,11 @@ class Slots:
                         out, st.cache = self.engine.verify(
                             st.cache, blk, np.ones(B, bool), st.seeds, st.rowids, rule=self.rule,
                             window=window_for(L + 1 + T, S), sampling=st.row_sampling(), **st.step_options())
+                        tick()
+                    if K and w:  # plain decoding's blocks of K steps (device_steps) ending in the window
+                        L = max(0, w - K)
+                        rows_at(B, L, L + 1, 1 << 30, sp)
+                        plain_steps(self.engine, st, self.rule, K)
                         tick()
         finally:  # every slot free again, the cache empty
             st.rows[:], st.lengths, st.root = saved

@@ -270,6 +270,62 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
                      last[:, 0] if hidden else None, *top), cache
 
 
+class StepsOut(NamedTuple):
+    """What `plain_steps` returns beside the cache."""
+
+    tokens: jax.Array  # [B,K] int32 each row's tokens in order, -1 past n
+    n: jax.Array  # [B] int32 tokens each row emitted (it stops at a stop id or its remaining count)
+    logprobs: Optional[jax.Array] = None  # [B,K] f32 of the tokens (logprobs=True), 0 past n
+
+
+def plain_steps(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row, remaining, stop_ids,
+                suppress=None, seen=None, counts=None, sampling=None, *, config: ModelConfig, rule, window: int,
+                steps: int, ban: tuple = (), logprobs: bool = False):
+    """Up to `steps` plain decode steps in one call: a `lax.while_loop` of the verify step
+    of a root-only block (tokens [B,1], the rows' roots; parent / depth / anc its constant
+    rows), so the host is woken once per `steps` tokens instead of once per token. Each
+    iteration is exactly `verify_step` on that block (the same tokens and log-probs as
+    `steps` separate calls); a row stops after emitting one of its `stop_ids` [B,E] (-1
+    pads) or `remaining` [B] tokens, and the loop ends when every row has stopped or
+    after `steps` iterations. window: static, covers every active row's length + steps.
+    No penalties (seen / counts change every token; the caller takes single steps then).
+    Returns (`StepsOut`, cache advanced by each row's n)."""
+    if seen is not None or counts is not None:
+        raise ValueError("plain_steps takes no penalties")
+    B = tokens.shape[0]
+    root = tokens[:, 0]
+
+    def body(carry):
+        i, cache, root, live, out, lps, n = carry
+        o, cache = verify_step(params, cache, root[:, None], parent, depth, anc, live, seed, row, None,
+                               suppress, None, None, sampling, config=config, rule=rule, window=window,
+                               ban=ban, logprobs=logprobs)
+        new = o.tokens[:, 0]
+        out = out.at[:, i].set(jnp.where(live, new, -1))
+        if logprobs:
+            lps = lps.at[:, i].set(jnp.where(live, o.logprobs[:, 0], 0.0))
+        n = n + live.astype(jnp.int32)
+        stop = (new[:, None] == stop_ids).any(axis=1) | (n >= remaining)
+        root = jnp.where(live, new, root)
+        return i + 1, cache, root, live & ~stop, out, lps, n
+
+    def cond(carry):
+        return (carry[0] < steps) & carry[3].any()
+
+    live = active.astype(bool) & (remaining > 0)
+    init = (jnp.int32(0), cache, root, live, jnp.full((B, steps), -1, jnp.int32),
+            jnp.zeros((B, steps), jnp.float32) if logprobs else None, jnp.zeros((B,), jnp.int32))
+    _, cache, _, _, out, lps, n = jax.lax.while_loop(cond, body, init)
+    return StepsOut(out, n, lps), cache
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_plain_steps(config: ModelConfig, rule):
+    """jit(plain_steps) for one (config, rule); the cache donated; window / steps static."""
+    return jax.jit(functools.partial(plain_steps, config=config, rule=rule), donate_argnums=(1,),
+                   static_argnames=("window", "steps", "ban", "logprobs"))
+
+
 @functools.lru_cache(maxsize=None)
 def jitted_extend(config: ModelConfig, sampling: SamplingParams):
     """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
