@@ -240,7 +240,7 @@ class DecodeState:
                 self.finish_s[r.index] = self.elapsed()
 
 
-def _timed(engine, state, fn):
+def timed(engine, state, fn):
     """Run fn() -> (named result, cache); time it apart from any compilation it triggers.
     Returns (the result as host arrays, the cache, seconds, compiled?)."""
     c0, t0 = engine.compiled.compile_s, time.perf_counter()
@@ -358,7 +358,7 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
                     kw[k] = kw[k][sel]
             if "penalties" in kw:
                 kw["penalties"] = jax.tree.map(lambda x: np.asarray(x)[sel], kw["penalties"])
-        out, state.cache, _, _ = _timed(engine, state, lambda: engine.extend(
+        out, state.cache, _, _ = timed(engine, state, lambda: engine.extend(
             state.cache, block, n_new, seeds, rowids, sampling=sampling, window=window,
             emit=emit, **kw))
         for b in group:
@@ -539,7 +539,7 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     state.tree_sizes.append(T)
     opts = state.step_options()
     sampling = state.row_sampling()
-    out, state.cache, seconds, compiled = _timed(engine, state, lambda: engine.verify(
+    out, state.cache, seconds, compiled = timed(engine, state, lambda: engine.verify(
         state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
         draft_probs=probs, sampling=sampling, **opts))
     emitted, n_emit, path, lps = out.tokens, out.n, out.path, out.logprobs
@@ -563,57 +563,3 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     state.host_s += time.perf_counter() - h0
     state.mark_finished()
     return result
-
-
-def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
-    """Up to `steps` plain decode steps (no drafts) over the active rows in one device call
-    (`Engine.plain_steps`, a `lax.while_loop`): each row stops on the device at one of its
-    EOS ids or its max_new_tokens, the host takes the tokens once (stop strings cut there,
-    as after single steps: each row takes the block's tokens one by one). The same tokens
-    (and per-row forward steps) as `steps` calls of `step` without a drafter; the host and
-    the device meet once per block instead of once per token; `state.steps` counts the
-    loop's iterations (a row cut by a stop string mid-block leaves the rest computed). Not with
-    penalties (their counts change every token: use `step`). Returns the block as one
-    StepResult (emitted [B,steps], n_emit the tokens each row took, T = 0)."""
-    B, S = state.batch, state.max_len
-    active = state.active
-    h0 = time.perf_counter()
-    remaining = np.zeros(B, np.int32)
-    stops = [()] * B
-    for b in np.flatnonzero(active):
-        r = state.rows[b]
-        remaining[b] = max(0, r.max_new - len(r.ids))
-        stops[b] = sorted(int(t) for t in r.eos_ids)
-    E = max(8, 1 << max(0, max(len(x) for x in stops) - 1).bit_length())  # one shape for most models' EOS sets
-    stop_ids = np.full((B, E), -1, np.int32)
-    for b, ids in enumerate(stops):
-        stop_ids[b, :len(ids)] = ids
-    need = max(int(state.lengths[b]) + min(steps, int(remaining[b])) for b in np.flatnonzero(active))
-    window = window_for(max(need, 1), S)
-    blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, 0)
-    opts = state.step_options()
-    if "penalties" in opts:
-        raise ValueError("plain_steps takes no penalties: decode with step()")
-    sampling = state.row_sampling()
-    state.host_s += time.perf_counter() - h0
-    out, state.cache, seconds, compiled = _timed(engine, state, lambda: engine.plain_steps(
-        state.cache, blk, active, state.seeds, state.rowids, remaining, stop_ids, rule=rule, window=window,
-        steps=steps, sampling=sampling, **opts))
-    h0 = time.perf_counter()
-    emitted, n_emit, lps = out.tokens, out.n, out.logprobs
-    state.lengths = state.lengths + n_emit
-    state.steps += int(n_emit.max(initial=0))
-    state.tree_sizes += [0] * int(n_emit.max(initial=0))
-    kept = [[] for _ in range(B)]
-    for b in np.flatnonzero(n_emit):
-        r = state.rows[b]
-        n = int(n_emit[b])
-        for j in range(n):  # token by token, as single steps hand them over (stop strings, streaming)
-            r.steps += 1
-            kept[b] += r.accept(emitted[b, j:j + 1], None if lps is None else lps[b, j:j + 1])
-            if r.finish:
-                break
-        state.root[b] = emitted[b, n - 1]
-    state.host_s += time.perf_counter() - h0
-    state.mark_finished()
-    return StepResult(emitted, n_emit, np.zeros_like(emitted), kept, 0, window, np.zeros(B, np.int32))

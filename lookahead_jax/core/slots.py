@@ -70,7 +70,8 @@ import numpy as np
 
 from .acceptance import TokenMatch
 from .budget import FixedBudget
-from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, plain_steps, prompt_bucket, step
+from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, prompt_bucket, step
+from .device_steps import plain_steps
 from .rows import RowState
 from .drafts import EMPTY, DraftBatch
 from .sampling import Penalties, SamplingParams
