@@ -215,10 +215,23 @@ class _FlatExecutable:
         return getattr(self._compiled, item)
 
 
-def _compile_exported(exp, out_tree, leaves, donate) -> _FlatExecutable:
-    """Compile a stored program for these argument leaves (donating the `donate` ones)."""
-    call = jax.jit(lambda *xs: exp.call(*xs), donate_argnums=donate)
-    return _FlatExecutable(call.lower(*leaves).compile(), out_tree)
+def _compile_exported(exp, out_tree, leaves, donate, fun_name: str) -> _FlatExecutable:
+    """Compile a stored program for these argument leaves (donating the `donate` ones); the
+    wrapper carries the step function's name, so JAX's logs name it as without the cache
+    (e.g. "Persistent compilation cache hit for 'jit_verify_step'")."""
+    def call(*xs):
+        return exp.call(*xs)
+
+    call.__name__ = call.__qualname__ = fun_name
+    return _FlatExecutable(jax.jit(call, donate_argnums=donate).lower(*leaves).compile(), out_tree)
+
+
+def _fun_name(jitted, default: str) -> str:
+    f = getattr(jitted, "__wrapped__", None)
+    while isinstance(f, functools.partial):
+        f = f.func
+    name = getattr(f, "__name__", default)
+    return name if name.isidentifier() else default
 
 
 def _compile_cached(name, jitted, args, static):
@@ -239,7 +252,8 @@ def _compile_cached(name, jitted, args, static):
             entry = pickle.loads(path.read_bytes())
             if entry.get("key") != key:
                 raise ValueError("key differs")
-            return _compile_exported(jax.export.deserialize(entry["exported"]), entry["out_tree"], leaves, donate)
+            return _compile_exported(jax.export.deserialize(entry["exported"]), entry["out_tree"], leaves, donate,
+                                     _fun_name(jitted, name))
         except Exception as e:  # noqa: BLE001 - a damaged entry is traced again and rewritten
             log.info("step cache: entry %s unreadable (%s: %s); tracing the step", path.name,
                      type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -266,4 +280,4 @@ def _compile_cached(name, jitted, args, static):
         tmp.replace(path)
     except OSError as e:
         log.info("step cache: could not write %s (%s)", path, e)
-    return _compile_exported(exp, out_tree[0], leaves, donate)
+    return _compile_exported(exp, out_tree[0], leaves, donate, _fun_name(jitted, name))
