@@ -9,7 +9,6 @@ compilations stays small and known.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import os
 import time
@@ -84,7 +83,6 @@ def enable_compilation_cache(subdir: str = "xla") -> Optional[str]:
     suite uses it too, with `subdir="xla-tests"`.) With it goes the step cache
     (`enable_step_cache`, in `<subdir>-steps/`; off with LOOKAHEAD_JAX_STEP_CACHE=0), which
     skips the tracing a warm process would still do."""
-    import os
     import platform
 
     from ..models.cpu_kernels import cpu_id
@@ -245,8 +243,9 @@ def _compile_cached(name, jitted, args, static):
         return jitted.lower(*args, **static).compile()
     path = Path(root) / f"{name}-{key[:40]}.step"
     leaves, in_tree = jax.tree.flatten(args)
+    donated = set(jitted._jit_info.donate_argnums)
     arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-    donate = tuple(j for j, i in enumerate(arg_of_leaf) if i in set(jitted._jit_info.donate_argnums))
+    donate = tuple(j for j, i in enumerate(arg_of_leaf) if i in donated)
     if path.exists():
         try:
             entry = pickle.loads(path.read_bytes())

@@ -14,6 +14,8 @@ from . import tree as tree_lib
 from .decode import DecodeState, StepResult, timed
 from .drafts import DraftBatch
 from .verify import window_for
+
+
 def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
     """Up to `steps` plain decode steps (no drafts) over the active rows in one device call
     (`Engine.plain_steps`, a `lax.while_loop`): each row stops on the device at one of its
@@ -45,7 +47,7 @@ def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
         raise ValueError("plain_steps takes no penalties: decode with step()")
     sampling = state.row_sampling()
     state.host_s += time.perf_counter() - h0
-    out, state.cache, seconds, compiled = timed(engine, state, lambda: engine.plain_steps(
+    out, state.cache, _, _ = timed(engine, state, lambda: engine.plain_steps(
         state.cache, blk, active, state.seeds, state.rowids, remaining, stop_ids, rule=rule, window=window,
         steps=steps, sampling=sampling, **opts))
     h0 = time.perf_counter()

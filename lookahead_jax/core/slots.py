@@ -272,7 +272,7 @@ class Slots:
                 else self.drafter
             if self.run is not None:
                 self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
-            elif self.device_steps > 1 and self.drafter is None and self.state.row_penalties() is None:
+            elif self._block_steps and self.state.row_penalties() is None:
                 # plain decoding, several tokens per call (the strategy's device_steps)
                 self.last_step = plain_steps(self.engine, self.state, self.rule, self.device_steps)
             else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
@@ -280,6 +280,11 @@ class Slots:
         if self._prefill:
             self._forward_chunks([next(iter(self._prefill))])
         return [self._event(b) for b in busy]
+
+    @property
+    def _block_steps(self) -> int:
+        """Tokens per device call of plain slots (`device_steps` > 1, no drafter, no run), else 0."""
+        return self.device_steps if self.device_steps > 1 and self.drafter is None and self.run is None else 0
 
     def free(self, slot: int) -> RowState:
         """Release `slot` (finished, or cancelled mid-decode or while prefilling: finish
@@ -335,7 +340,7 @@ class Slots:
         if self.prefill_chunk is not None:
             PC = prompt_bucket(self.prefill_chunk, S)
             chunks = [(PC, False)] + [(P, True) for P in PROMPT_BUCKETS if P <= PC]
-        K = self.device_steps if self.run is None and self.drafter is None and self.device_steps > 1 else 0
+        K = self._block_steps
         total = len(modes) * (len(prompt_sizes) + len(windows) * (len(buckets) + len(chunks) + bool(K))
                               + bool(chunks))
         done = 0

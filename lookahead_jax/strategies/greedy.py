@@ -32,6 +32,7 @@ class Greedy(StrategyBase):
         k = self.device_steps
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 256:
             raise ValueError(f"device_steps must be an integer in [1, 256], got {k!r}")
+
     def max_nodes(self, drafter=None) -> int:
         return 0
 
