@@ -6,6 +6,8 @@ inter-chunk latency (ITL) p50 / p99, and from the server's /metrics the acceptan
 (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts).
 
     python bench/serve.py --strategies greedy lookahead --concurrency 1 4 8 --requests 16
+    python bench/serve.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
+        --strategies greedy lookahead specinfer --concurrency 1 4 --requests 8 --out bench/results/serve-qwen.json
 
 Each (strategy, concurrency) gets a server of its own in this process, with --max-batch =
 the concurrency (a step computes every slot: idle slots cost), warmed up first: every step
@@ -63,14 +65,19 @@ def repo_prompts() -> list:
 def start_server(args, strategy: str, batch: int, model, tok):
     from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
 
-    opts = (("decoding_length", args.decoding_length),) if strategy == "lookahead" and args.decoding_length else ()
+    opts = ()
+    if strategy == "lookahead" and args.decoding_length:
+        opts = (("decoding_length", args.decoding_length),)
+    elif strategy == "specinfer":
+        opts = (("draft_model", args.draft),)
     cfg = ServeConfig(model=args.model, strategy=strategy, strategy_options=opts, max_batch=batch,
                       max_len=args.max_len, max_waiting=100000, logprobs=False)
     srv = make_server(cfg, model, tok)
     stores = srv.scheduler.engine.stores
     stores.tries.clear()  # each level starts with a cold trie (its warm-up prompts seed it), not the last level's
     stores.acceptance.clear()
-    srv.scheduler.warm_up()  # every step the slots may run compiled before serving (the server's --warmup)
+    if args.server_warmup:  # every step the slots may run compiled before serving (the server's --warmup)
+        srv.scheduler.warm_up()
     uv, th, url = start_in_thread(srv)
     return srv, uv, th, url
 
@@ -192,21 +199,36 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--decoding-length", type=int, default=0, help="lookahead's fixed budget (0: auto, the default)")
+    ap.add_argument("--draft", default=None, help="specinfer's draft model (a preset or path, same tokenizer as "
+                    "--model), e.g. qwen2.5-coder-0.5b for --model qwen2.5-coder-1.5b")
+    ap.add_argument("--no-server-warmup", dest="server_warmup", action="store_false",
+                    help="do not compile every step the slots may run before serving (the server's --warmup "
+                    "none): the steps the unmeasured --warmup requests need compile as they come, the rest "
+                    "while measuring (listed in the JSON as compiled_while_measuring). For large models on "
+                    "a small CPU, where compiling every prompt bucket x tree size x window takes long")
     ap.add_argument("--repeats", type=int, default=2, help="runs per (strategy, concurrency), alternated ABBA")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = ap.parse_args(argv)
+    if "specinfer" in args.strategies and not args.draft:
+        ap.error("--strategies specinfer needs --draft NAME_OR_PATH (same tokenizer as --model), "
+                 "e.g. --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b")
 
     import lookahead_jax as lj
     from lookahead_jax.core.compile import enable_compilation_cache
 
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    for name in ("httpx", "jax", "absl"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     enable_compilation_cache()  # as the server does: a rerun loads its compiled steps
     model, tok = lj.load(args.model, progress=False)
     prompts = repo_prompts()
     random.Random(args.seed).shuffle(prompts)
     warm, measured = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
-    result = dict(model=args.model, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
-                  repeats=args.repeats, decoding_length=args.decoding_length or "auto",
+    result = dict(model=args.model, draft=args.draft if "specinfer" in args.strategies else None, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
+                  repeats=args.repeats, server_warmup=args.server_warmup, decoding_length=args.decoding_length or "auto",
                   host_line=host_line(), runs={st: {} for st in args.strategies}, reps={st: {} for st in args.strategies})
     print(host_line())
     for c in args.concurrency:
