@@ -253,13 +253,14 @@ class RalmSpecRun(RalmRun):
             probe = spec + [b for b in verify if self.s[b] == 0 or asynchronous]
             looks = self._lookup(state, probe) if probe else {}
             change = {b for b in probe if looks[b][1] != self.passage[b]}
+            hurry = [b for b in spec if b in change or self.urgent[b]]  # urgent: async only
             launch = []
             if not asynchronous or ended or any(self.s[b] == 0 for b in verify):
                 # a blocking call: every row that needs a verification joins it
-                now = ended + verify + urgent + [b for b in spec if b in change]
+                now = ended + verify + urgent + hurry
             else:
                 now = []
-                launch = verify + urgent + [b for b in spec if b in change and self._pending is None]
+                launch = verify + urgent + (hurry if self._pending is None else [])
             swaps = []
             if now:
                 self._verify(state, sorted(now), swaps, {b: looks[b][1] for b in now if b in looks})
