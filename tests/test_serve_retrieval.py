@@ -178,7 +178,7 @@ def test_ralmspec_concurrent_requests_equal_generate(model, tok, corpus_path):
                             ("speculations", "speculations"), ("speculation_checks", "speculation_checks"),
                             ("speculation_hits", "speculation_hits"), ("rollbacks", "rollbacks"),
                             ("rollback_tokens", "rollback_tokens"), ("verify_calls", "verify_calls")):
-        assert m[P + metric + "_total"] == run[counter], metric
+        assert m.get(P + metric + "_total", 0) == run[counter], metric  # a counter never incremented is not listed
     assert m[P + "speculation_checks_total"] > 0 and m[P + "verify_calls_total"] > 0
     assert m[P + "seconds_total"] > 0
     assert plain.status_code == 400 and "--strategy greedy" in plain.json()["error"]["message"]

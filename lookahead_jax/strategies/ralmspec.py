@@ -2,59 +2,77 @@
 ICML'24), on ralm.py's run.
 
 The same outputs, token for token, with fewer calls to the full index (speculated
-boundaries are checked in one batched call). Each row keeps a speculation cache of corpus
-positions (every real retrieval adds its top-`prefetch`). At a boundary the *speculated*
-top-1 is the best cached passage (`retriever.retrieve_from`, which scores a subset exactly
-as the full index does and ranks ties the same way); the row goes on with it. After `s`
-speculated boundaries, at the next boundary g', one batched `retriever.retrieve` takes the
-s speculated queries plus the query at g': the first speculated boundary whose true top-1
-differs is rolled back (generated ids cut to it, prompt replaced by the true passage,
-later speculation dropped); when all s were right the query at g' is a real retrieval,
-whose passage takes effect like RaLM's. A row that ends with unverified boundaries is
-verified before it is final (a mismatch revives it).
+boundaries are checked in one batched call) and never more re-prefills than RaLM. Each row
+keeps a speculation cache of corpus positions (every real retrieval adds its
+top-`prefetch`). At a boundary the *speculated* top-1 is the best cached passage
+(`retriever.retrieve_from`, which scores a subset exactly as the full index does and ranks
+ties the same way). When it is the passage in effect the row goes on with it (a
+speculation); when it is another passage the row does not change passage on a guess: it is
+verified at once, one batched `retriever.retrieve` of its speculated queries plus the
+query at this boundary (a real retrieval, as RaLM's). After `s` speculated boundaries, at
+the next boundary g', the same batched call takes the s speculated queries plus the query
+at g'. The first speculated boundary whose true top-1 differs is rolled back (generated ids
+cut to it, prompt replaced by the true passage, later speculation dropped); when all were
+right the query at the current boundary is a real retrieval, whose passage takes effect
+like RaLM's. A row that ends with unverified boundaries is verified before it is final (a
+mismatch revives it).
 
 Why the outputs are RaLM's: a verified boundary has RaLM's passage, so the tokens up to the
 next boundary are RaLM's (greedy, or sampling keyed by (seed, row, absolute position)); a
-passage change re-prefills exactly the context RaLM re-prefills. With an exact retriever a
-rollback always changes the passage (the passage in effect is cached, so when it is still
-the true top-1 the cache's top-1 is it too), i.e. RaLM re-prefilled there as well. A
-retriever whose `retrieve_from` disagrees with `retrieve` (tests force this) can make a
-rollback return to the passage it left: the row is then re-prefilled where RaLM kept
-decoding, which gives RaLM's tokens as far as a block forward computes the K/V of an
-incremental one (the property lookahead == greedy rests on). Rows are edited and
-re-prefilled in different groupings by the two strategies, so identity also rests on a
-row's logits not depending on the other rows of a forward, as for every strategy here.
+passage change re-prefills exactly the context RaLM re-prefills. Why the re-prefills are
+RaLM's, one for one: a row's passage changes only on a verified answer, at a verified
+boundary; a speculation never changes it (it keeps the passage), so a wrong one is a
+boundary where the true passage differs from the one in effect, where RaLM re-prefills too
+(the rollback's re-prefill is that one); a right one is a boundary where RaLM keeps its
+passage. Rows are edited and re-prefilled in different groupings by the two strategies, so
+identity also rests on a row's logits not depending on the other rows of a forward, as for
+every strategy here.
 
-OS3 (`speculation_stride="auto"`, `speculation.os3_stride`): a round decodes s + 1 strides
+OS3 (`speculation_stride="auto"`; the cost model is `speculation.os3_rates`, its argmax
+`speculation.os3_stride`): after each verification a row picks its next s in
+0..MAX_SPECULATION_STRIDE. s = 0 is plain RaLM: a real retrieval at every boundary (the
+cache lookup is still made and checked, so the row's acceptance estimate keeps measuring
+and speculation comes back when it pays). Synchronous s >= 1: a round decodes s + 1 strides
 (one after the round's real boundary, one after each of its s speculated boundaries) and
-ends with one batched retrieval. With per-boundary speculation accuracy gamma
-(independent), the round resolves
+ends with one batched retrieval of s + 1 queries. With per-boundary chance gamma that a
+speculation is right and keeps the passage (independent), the round resolves
 E(s) = sum_{i=0..s} gamma^i = (1 - gamma^(s+1)) / (1 - gamma) boundaries (all s right:
-s+1, the last by the real retrieval; first miss at i: i) in (s + 1) * a + b seconds, a = one stride of decoding plus one cache lookup, b = one
-verification retrieval. Each round picks
+s+1, the last by the real retrieval; first miss at i: i) in
+T(s) = (s + 1) a + b(s + 1) + (1 - gamma^(s+1)) R seconds, a = one stride of decoding plus
+one cache lookup, b(n) = b0 + b1 n one verification of n queries, R one re-prefill (a
+miss is a passage change: it costs R, as it does RaLM). Each round picks
 
-    s = argmax_{1 <= s <= MAX_SPECULATION_STRIDE}  E(s) / ((s + 1) * a + b)
+    s = argmax_{0 <= s <= MAX_SPECULATION_STRIDE}  E(s) / T(s),  E(0) = 1, T(0) = a + b(1) + (1 - gamma) R
 
-from measured a (decode seconds per step * steps per stride + seconds per cache lookup), b
-(seconds per verification call) and the row's running gamma ((hits + 1) / (checks + 2)).
+from measured a (decode seconds per step * steps per stride + seconds per cache lookup),
+b0 and b1 (`speculation.fit_verify_cost`: least squares over the last VERIFY_FIT_CALLS
+verification calls' (queries, seconds)), R (seconds per re-prefill call) and gamma, the
+row's sliding window (`speculation.AcceptanceWindow`: (hits + 1) / (n + 2) over its last
+OS3_WINDOW checks; a check is a hit when the speculation was right and kept the passage).
+A lookup that would change the passage ends the round at once, so the model, which lets
+every miss run to the round's end, overstates what a miss costs: it errs towards s = 0.
 Until a and b are measured, s = RALM_DEFAULT_STRIDE (3).
 
 Asynchronous verification (`async_verify=True`): when a row has s speculated boundaries
-and reaches the next one, its batched verification goes to a worker thread and the row
-speculates that boundary too and decodes on (XLA, numpy, bm25s and faiss release the GIL,
-so the retrieval overlaps decoding). The result is applied at the next pause after it is
-ready: a wrong speculation rolls the row back as above, dropping the speculations made
-since. One verification is in flight at a time; a row that needs the next one, or ends
-with unverified boundaries, waits for it. OS3's async form (the verification of a round
-overlaps the first stride of the next; a miss wastes that stride):
-E(s) = (1 - gamma^s) / (1 - gamma) boundaries (all s right: s; first miss at i: i) in
-T(s) = s * a + gamma^s * max(0, b - a) + (1 - gamma^s) * max(a, b) seconds. Stats (`speculation.SpeculationStats`):
+and reaches the next one whose lookup keeps the passage, its batched verification goes to
+a worker thread and the row speculates that boundary too and decodes on (XLA, numpy, bm25s
+and faiss release the GIL, so the retrieval overlaps decoding). The result is applied at
+the next pause after it is ready: a wrong speculation rolls the row back as above,
+dropping the speculations made since. One verification is in flight at a time; a row that
+needs the next one, ends with unverified boundaries, or whose lookup would change the
+passage waits for it (then is verified at once, as above; rows with s = 0 too). OS3's
+async form (the verification of s queries overlaps the first stride of the next round; a
+miss wastes that stride): E(s) = (1 - gamma^s) / (1 - gamma) boundaries (all s right: s;
+first miss at i: i) in T(s) = s * a + gamma^s * max(0, b(s) - a) + (1 - gamma^s) *
+max(a, b(s)) + (1 - gamma^s) R seconds. Stats (`speculation.SpeculationStats`):
 `verify_s` is the worker's retrieval time, `verify_wait_s` (counted in `retrieval_s`) the
 time decoding waited for it, `speculations_while_verifying` the boundaries speculated
-while a verification was in flight."""
+while a verification was in flight; `speculations` counts every lookup that was recorded
+or checked at once, `mean_speculation_stride` the s chosen at each verification."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -63,8 +81,8 @@ from typing import Optional
 import numpy as np
 
 from .ralm import RaLM, RalmRun
-from .speculation import (RALM_DEFAULT_STRIDE, SpeculationStats, auto_or_int, check_speculation_stride, number_in,
-                          os3_stride)
+from .speculation import (RALM_DEFAULT_STRIDE, VERIFY_FIT_CALLS, AcceptanceWindow, SpeculationStats, auto_or_int,
+                          check_speculation_stride, fit_verify_cost, number_in, os3_stride)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +126,9 @@ class RaLMSpec(RaLM):
 class _Spec:
     g: int  # boundary (generated tokens)
     query: str
-    spec: int  # speculated passage (cache top-1)
+    spec: int  # the passage the row went on with: always the one in effect (`before`)
     before: int  # passage in effect before the boundary
+    looked: int  # the cache's top-1 (differs from spec only in async: a change not yet verified)
 
 
 class RalmSpecRun(RalmRun):
@@ -124,8 +143,12 @@ class RalmSpecRun(RalmRun):
         self.records = [[] for _ in range(B)]
         self.s = [self._fixed_s() or RALM_DEFAULT_STRIDE] * B
         self.stats = SpeculationStats(B)
-        self._step_s = self._tokens_per_step = None  # OS3 measurements
+        self._step_s = self._tokens_per_step = None  # OS3 measurements: decoding,
+        self._verify_cost = collections.deque(maxlen=VERIFY_FIT_CALLS)  # (queries, seconds) per verification,
+        self._reprefill_s, self._reprefill_calls = 0.0, 0  # re-prefills,
+        self.window = AcceptanceWindow(B)  # and each row's last checks
         self.inflight = [[] for _ in range(B)]  # async: speculations being verified, per row
+        self.urgent = [False] * B  # async: a lookup said another passage; verify at the next call
         self.epoch = [0] * B  # async: a verification's answers for a row whose request has left are dropped
         self._pending = None  # async: (future, rows, spans, epochs) of the verification in flight
         self._pool = None
@@ -133,9 +156,11 @@ class RalmSpecRun(RalmRun):
     def _reset(self, b: int) -> None:
         super()._reset(b)
         self.cache[b], self.records[b], self.inflight[b] = set(), [], []
+        self.urgent[b] = False
         self.s[b] = self._fixed_s() or RALM_DEFAULT_STRIDE
         self.epoch[b] += 1
         self.stats.retire(b)
+        self.window.reset(b)
 
     def _fixed_s(self) -> Optional[int]:
         s = self.strat.speculation_stride
@@ -176,47 +201,76 @@ class RalmSpecRun(RalmRun):
             self._tokens_per_step = ema(self._tokens_per_step, tokens / row_steps)
 
     def os3(self, b: int) -> int:
-        """The speculation stride of row b's next round (module docstring)."""
+        """The speculation stride of row b's next round, 0 = plain RaLM (module docstring)."""
         fixed = self._fixed_s()
         if fixed is not None:
             return fixed
         st = self.stats
-        if self._step_s is None or not st.verify_calls:
+        if self._step_s is None or not self._verify_cost:
             return RALM_DEFAULT_STRIDE
         a = self._step_s * self.strat.stride / self._tokens_per_step
         a += st.spec_s / max(st.spec_calls, 1)
-        bt = st.verify_s / st.verify_calls
-        return os3_stride(st.accuracy(b), a, bt, asynchronous=self.strat.async_verify)
+        b0, b1 = fit_verify_cost(self._verify_cost)
+        r = self._reprefill_s / self._reprefill_calls if self._reprefill_calls else 0.0
+        return os3_stride(self.window.gamma(b), a, b0, b1, r, asynchronous=self.strat.async_verify)
+
+    def _swap(self, engine, state, drafter, swaps) -> None:
+        if not swaps:
+            return
+        t0 = time.perf_counter()
+        super()._swap(engine, state, drafter, swaps)
+        self._reprefill_s += time.perf_counter() - t0
+        self._reprefill_calls += 1
 
     def _resolve(self, engine, state, drafter) -> None:
+        """The retrievals due, in one batched call where they can share one: rows at a
+        boundary look their speculation up in the cache; one that keeps the passage goes on
+        (speculated). Sync: one that would change it, a row whose round is full (s
+        speculations) and a finished row with unverified boundaries are verified now
+        (their speculations plus the real query at the boundary). Async: full rounds go to
+        the worker; a row whose lookup would change the passage goes on with the passage
+        in effect and has its speculations verified by the next call on the worker
+        (`urgent`); only rows with s = 0 and finished rows wait for a call."""
         asynchronous = self.strat.async_verify
         while True:
-            spec, verify = [], []
+            spec, verify, ended = [], [], []
             for b in self._held(state):
                 if self._due(state, b):
                     (verify if len(self.records[b]) >= self.s[b] else spec).append(b)
                 elif self._unverified_end(state, b):
-                    verify.append(b)
-            if self._pending is not None and (verify or self._pending[0].done()):
+                    ended.append(b)
+            if self._pending is not None and (verify or ended or self._pending[0].done()):
                 swaps = []
                 self._collect(state, swaps)
                 self._swap(engine, state, drafter, swaps)
                 continue  # rolled-back rows have new boundaries; verified ones fewer records
-            if not spec and not verify:
+            urgent = [b for b in self._held(state) if self.urgent[b] and self._pending is None
+                      and b not in spec + verify + ended]
+            if not spec and not verify and not ended and not urgent:
                 return
+            # s = 0 rows probe the cache too (their window keeps measuring); async full rounds
+            # probe to know whether their current boundary joins the launch
+            probe = spec + [b for b in verify if self.s[b] == 0 or asynchronous]
+            looks = self._lookup(state, probe) if probe else {}
+            change = {b for b in probe if looks[b][1] != self.passage[b]}
+            hurry = [b for b in spec if b in change or self.urgent[b]]  # urgent: async only
+            launch = []
+            if not asynchronous or ended or any(self.s[b] == 0 for b in verify):
+                # a blocking call: every row that needs a verification joins it
+                now = ended + verify + urgent + hurry
+            else:
+                now = []
+                launch = verify + urgent + (hurry if self._pending is None else [])
             swaps = []
-            if asynchronous:
-                launch = [b for b in verify if self._due(state, b)]
-                ended = [b for b in verify if not self._due(state, b)]
-                if ended:  # nothing decodes on for a finished row: verify it now
-                    self._verify(state, ended, swaps)
-                if launch:
-                    self._launch(launch)
-                    spec += launch
-            elif verify:
-                self._verify(state, verify, swaps)
-            if spec:
-                self._speculate(state, sorted(spec), swaps)
+            if now:
+                self._verify(state, sorted(now), swaps, {b: looks[b][1] for b in now if b in looks})
+            first = [b for b in launch if b in change]  # their current boundary goes with the launch
+            for b in first:
+                self._record(b, *looks[b])
+            if launch:
+                self._launch(sorted(launch))
+            for b in sorted(b for b in looks if b not in now and b not in first):
+                self._record(b, *looks[b])
             self._swap(engine, state, drafter, swaps)
 
     # ---- asynchronous verification
@@ -226,7 +280,7 @@ class RalmSpecRun(RalmRun):
         queries, spans = [], []
         for b in rows:
             recs, self.records[b] = self.records[b], []
-            self.inflight[b] = recs
+            self.inflight[b], self.urgent[b] = recs, False
             spans.append((len(queries), len(recs)))
             queries += [r.query for r in recs]
         if self._pool is None:
@@ -252,15 +306,18 @@ class RalmSpecRun(RalmRun):
         self.retrieval_s += wait
         self.stats.verify_s += seconds
         self.stats.verify_calls += 1
+        n = sum(k for _, k in spans)
+        self._verify_cost.append((n, seconds))
         self.retrieval_calls += 1
-        self.retrievals += sum(n for _, n in spans)
+        self.retrievals += n
         for b, (i0, n), epoch in zip(rows, spans, epochs):
             if epoch != self.epoch[b]:  # the row's request left (cancelled) while it was verified
                 continue
             recs, self.inflight[b] = self.inflight[b], []
             self._apply(state, b, recs, ids[i0:i0 + n], False, swaps)
 
-    def _speculate(self, state, rows, swaps) -> None:
+    def _lookup(self, state, rows) -> dict:
+        """Each listed row's speculation at its boundary: {row: (query, cache top-1)}."""
         queries = [self._query(state, b, self.next_g[b]) for b in rows]
         t0 = time.perf_counter()
         ids, _ = self.retriever.retrieve_from(queries, [np.fromiter(self.cache[b], np.int64) for b in rows], 1)
@@ -268,23 +325,26 @@ class RalmSpecRun(RalmRun):
         self.stats.spec_s += dt
         self.retrieval_s += dt
         self.stats.spec_calls += 1
-        for b, q, row in zip(rows, queries, ids):
-            g, pid = self.next_g[b], int(row[0])
-            pid = self.passage[b] if pid < 0 else pid  # INVALID: nothing cached (never: the passage is)
-            if not self.records[b]:
-                self.stats.strides.append(self.s[b])
-            self.records[b].append(_Spec(g, q, pid, self.passage[b]))
-            self.stats.speculations[b] += 1
-            self.stats.overlapped += self._pending is not None
-            self.next_g[b] = g + self.strat.stride
-            if pid != self.passage[b]:
-                self.passage[b] = pid
-                self.history[b].append((g, pid))
-                swaps.append((b, g))
+        # INVALID (nothing cached) never happens: the passage in effect is cached
+        return {b: (q, self.passage[b] if int(row[0]) < 0 else int(row[0])) for b, q, row in zip(rows, queries, ids)}
 
-    def _verify(self, state, rows, swaps) -> None:
+    def _record(self, b, query, pid) -> None:
+        """Row b goes on past its boundary with the passage in effect; its lookup `pid` said
+        so, or (async) said another passage: the row is then `urgent` (to be verified by the
+        next call; never a re-prefill on a guess)."""
+        assert pid == self.passage[b] or self.strat.async_verify, "sync: a change is verified first"
+        g = self.next_g[b]
+        self.records[b].append(_Spec(g, query, self.passage[b], self.passage[b], pid))
+        self.urgent[b] = self.urgent[b] or pid != self.passage[b]
+        self.stats.speculations[b] += 1
+        self.stats.overlapped += self._pending is not None
+        self.next_g[b] = g + self.strat.stride
+
+    def _verify(self, state, rows, swaps, probes=None) -> None:
         """One batched retrieval: every listed row's speculated queries, plus the query at
-        its current boundary when it is at one."""
+        its current boundary when it is at one (its cache lookup there, `probes[b]`, is
+        checked against it)."""
+        probes = probes or {}
         queries, spans = [], []
         for b in rows:
             now = self._due(state, b)
@@ -293,28 +353,36 @@ class RalmSpecRun(RalmRun):
             queries += q
         t0 = time.perf_counter()
         ids = self._retrieve(queries, self.strat.prefetch)
-        self.stats.verify_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.verify_s += dt
         self.stats.verify_calls += 1
+        self._verify_cost.append((len(queries), dt))
         for b, (i0, n, now) in zip(rows, spans):
-            recs, self.records[b] = self.records[b], []
-            self._apply(state, b, recs, ids[i0:i0 + n], now, swaps)
+            recs, self.records[b], self.urgent[b] = self.records[b], [], False
+            if b in probes:
+                self.stats.speculations[b] += 1
+            self._apply(state, b, recs, ids[i0:i0 + n], now, swaps, probes.get(b))
 
-    def _apply(self, state, b, recs, got, now, swaps) -> None:
+    def _apply(self, state, b, recs, got, now, swaps, probe=None) -> None:
         """A verification's answers for row b: its top-k enter the cache, the speculations
         are checked (a rollback also drops those made since: async), the next s is chosen."""
         self._prefetched([b] * len(got), got)
-        if not self._check(state, b, recs, got, now, swaps):
-            self.records[b] = []
+        if not self._check(state, b, recs, got, now, swaps, probe):
+            self.records[b], self.urgent[b] = [], False
         self.s[b] = self.os3(b)
+        self.stats.strides.append(self.s[b])
 
-    def _check(self, state, b, recs, got, now, swaps) -> bool:
+    def _check(self, state, b, recs, got, now, swaps, probe=None) -> bool:
         """Row b's speculations `recs` against the true top-1s `got` (plus, when `now`, the
-        real retrieval at its current boundary). False: rolled back at the first wrong one."""
+        real retrieval at its current boundary, against which its lookup `probe` is checked).
+        False: rolled back at the first wrong one. Each check enters the row's window: right
+        and passage kept (the round could go on) or not."""
         for rec, row in zip(recs, got):
             true = int(row[0])
             self.stats.checks[b] += 1
+            self.window.note(b, true == rec.spec == rec.before)
+            self.stats.hits[b] += true == rec.looked
             if true == rec.spec:
-                self.stats.hits[b] += 1
                 continue
             # first wrong speculation: back to its boundary with the true passage
             self.stats.rolled_back(b, len(state.rows[b].ids) - rec.g)
@@ -327,6 +395,10 @@ class RalmSpecRun(RalmRun):
             return False
         if now:  # all right: the query at the current boundary was a real retrieval
             g, true = self.next_g[b], int(got[-1][0])
+            if probe is not None:
+                self.stats.checks[b] += 1
+                self.stats.hits[b] += probe == true
+                self.window.note(b, probe == true == self.passage[b])
             self.next_g[b] = g + self.strat.stride
             if true != self.passage[b]:
                 self.passage[b] = true

@@ -5,24 +5,36 @@ change.
 
 OS3 (RaLMSpec, Zhang et al. ICML'24) picks the speculation stride s of the next round:
 the number of positions a round resolves, E(s), over the round's seconds, T(s), both from
-g, the measured chance that a speculation is right ((hits + 1) / (checks + 2)), a (the
-seconds of one speculated position) and b (of one verification). Three forms:
+g, the chance that a speculation is right, a (the seconds of one speculated position) and
+the verification's cost. Two forms:
 
-* RaLMSpec (`os3_stride`): a round decodes s + 1 strides (one after its real boundary, one
-  after each of its s speculated boundaries): E(s) = (1 - g^(s+1)) / (1 - g),
-  T(s) = (s + 1) a + b.
-* RaLMSpec with asynchronous verification (`os3_stride(..., asynchronous=True)`): the
-  verification of a round overlaps the first stride of the next (a miss wastes it):
-  E(s) = (1 - g^s) / (1 - g), T(s) = s a + g^s max(0, b - a) + (1 - g^s) max(a, b).
+* RaLMSpec (`os3_stride`, `os3_rates`): g is the row's sliding-window estimate
+  (`AcceptanceWindow`: of its last OS3_WINDOW checks, (hits + 1) / (n + 2)); a
+  verification of n queries costs b(n) = b0 + b1 n (fitted by `fit_verify_cost` from the
+  measured verification calls); a passage change costs a re-prefill, R seconds, which a
+  row pays at a fraction 1 - g of its boundaries whatever s is (ralmspec re-prefills only
+  where RaLM does). s = 0 is plain RaLM (a real retrieval at every boundary):
+  E(0) = 1, T(0) = a + b(1) + (1 - g) R. Synchronous s >= 1: a round decodes s + 1
+  strides (one after its real boundary, one after each of its s speculated boundaries) and
+  verifies s + 1 queries: E(s) = (1 - g^(s+1)) / (1 - g),
+  T(s) = (s + 1) a + b(s + 1) + (1 - g^(s+1)) R. Asynchronous s >= 1 (the verification of
+  s queries overlaps the first stride of the next round; a miss wastes it):
+  E(s) = (1 - g^s) / (1 - g),
+  T(s) = s a + g^s max(0, b(s) - a) + (1 - g^s) max(a, b(s)) + (1 - g^s) R.
+  The re-prefill term is E(s) (1 - g) R for every s: it shifts T/E by the same (1 - g) R,
+  so it never changes the argmax; it keeps the predicted rates (and their ratio to s = 0)
+  true.
 * KNN-LM (`os3_stride_knnlm`): every position of a round is speculated and the
-  verification adds none: E(s) = (1 - g^s) / (1 - g), T(s) = s a + b.
+  verification adds none: E(s) = (1 - g^s) / (1 - g), T(s) = s a + b, g the cumulative
+  (kept + 1) / (checks + 2), s >= 1.
 
-s = argmax over 1..MAX_SPECULATION_STRIDE; until a and b are measured a round uses the
-strategy's default (RALM_DEFAULT_STRIDE, KNNLM_DEFAULT_STRIDE).
+s = argmax over 0..MAX_SPECULATION_STRIDE (knnlm: 1..); until a and b are measured a round
+uses the strategy's default (RALM_DEFAULT_STRIDE, KNNLM_DEFAULT_STRIDE).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -32,6 +44,8 @@ from ..core.rows import stop_holdback
 MAX_SPECULATION_STRIDE = 16
 RALM_DEFAULT_STRIDE = 3  # ralmspec's s before OS3 has measurements
 KNNLM_DEFAULT_STRIDE = 4  # speculative knnlm's
+OS3_WINDOW = 16  # ralmspec's acceptance estimate: the row's last OS3_WINDOW checks
+VERIFY_FIT_CALLS = 64  # b0 + b1 n is fitted to the last VERIFY_FIT_CALLS verification calls
 
 
 def number_in(name, v, lo, hi, integer: bool = True) -> None:
@@ -65,21 +79,71 @@ def check_speculation_stride(v) -> None:
 
 
 # ----------------------------------------------------------------------------- OS3
-def os3_stride(gamma: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE,
-               asynchronous: bool = False) -> int:
-    """RaLMSpec's OS3: argmax over s in 1..max_s of E(s) / T(s) (module docstring).
-    Synchronous: E(s) = (1 - gamma^(s+1)) / (1 - gamma), T(s) = (s + 1) a + b
-    # gamma 0.9, a 1, b 2 -> 5 (E/T: s=1 .475, 3 .573, 4 .585, 5 .586, 6 .580).
-    Asynchronous: E(s) = (1 - gamma^s) / (1 - gamma),
-    T(s) = s a + gamma^s max(0, b - a) + (1 - gamma^s) max(a, b)."""
-    gamma = min(max(gamma, 0.0), 1.0 - 1e-9)
-    s = np.arange(1, max_s + 1)
+def os3_rates(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: float = 0.0,
+              max_s: int = MAX_SPECULATION_STRIDE, asynchronous: bool = False) -> np.ndarray:
+    """RaLMSpec's predicted boundaries per second E(s) / T(s) for s = 0..max_s (module
+    docstring); rates[0] is plain RaLM's."""
+    g = min(max(gamma, 0.0), 1.0 - 1e-9)
+    s = np.arange(0, max_s + 1, dtype=np.float64)
+    cost = lambda n: b0 + b1 * n  # noqa: E731  a verification of n queries
     if asynchronous:
-        g = gamma ** s
-        rate = (1 - g) / (1 - gamma) / (s * a + g * max(0.0, b - a) + (1 - g) * max(a, b))
+        gs = g ** s
+        e = (1 - gs) / (1 - g)
+        t = s * a + gs * np.maximum(0.0, cost(s) - a) + (1 - gs) * np.maximum(a, cost(s)) + (1 - gs) * reprefill
     else:
-        rate = (1 - gamma ** (s + 1)) / (1 - gamma) / ((s + 1) * a + b)
-    return int(s[int(np.argmax(rate))])
+        e = (1 - g ** (s + 1)) / (1 - g)
+        t = (s + 1) * a + cost(s + 1) + (1 - g ** (s + 1)) * reprefill
+    e[0], t[0] = 1.0, a + cost(1) + (1 - g) * reprefill  # s = 0: plain RaLM
+    return e / np.maximum(t, 1e-30)
+
+
+def os3_stride(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: float = 0.0,
+               max_s: int = MAX_SPECULATION_STRIDE, asynchronous: bool = False, min_s: int = 0) -> int:
+    """RaLMSpec's OS3: argmax over s in min_s..max_s of `os3_rates` (module docstring); 0
+    (plain RaLM) when speculation cannot pay.
+    # gamma 0.9, a 1, b0 2 -> 5 (E/T: s=0 .333, 1 .475, 3 .573, 4 .585, 5 .586, 6 .580);
+    # gamma 0, a 1, b0 100 -> 0 (every speculation wrong: each round wastes a stride)."""
+    rates = os3_rates(gamma, a, b0, b1, reprefill, max_s, asynchronous)
+    return int(min_s + np.argmax(rates[min_s:]))
+
+
+def fit_verify_cost(calls) -> tuple:
+    """(b0, b1) of b(n) = b0 + b1 n, least squares over (n queries, seconds) of the
+    verification calls, both >= 0. With fewer than two distinct n the slope cannot be
+    seen: (mean seconds, 0), the cost taken as constant in n."""
+    calls = list(calls)
+    if not calls:
+        return 0.0, 0.0
+    n = np.array([c[0] for c in calls], np.float64)
+    t = np.array([c[1] for c in calls], np.float64)
+    if len(np.unique(n)) < 2:
+        return float(t.mean()), 0.0
+    b1, b0 = np.polyfit(n, t, 1)
+    if b1 < 0:  # noise: no growth with n
+        return float(t.mean()), 0.0
+    if b0 < 0:  # through the origin
+        return 0.0, float((n * t).sum() / (n * n).sum())
+    return float(b0), float(b1)
+
+
+class AcceptanceWindow:
+    """Per row, the outcomes (True: the speculation was right and kept the row's round
+    going) of its last `size` checks; `gamma(b)` = (hits + 1) / (n + 2) over them (0.5
+    before any), so old hits are forgotten (the paper's sliding window)."""
+
+    def __init__(self, n_rows: int, size: int = OS3_WINDOW):
+        self.size = int(size)
+        self.rows = [collections.deque(maxlen=self.size) for _ in range(int(n_rows))]
+
+    def note(self, b: int, ok: bool) -> None:
+        self.rows[b].append(bool(ok))
+
+    def reset(self, b: int) -> None:
+        self.rows[b].clear()
+
+    def gamma(self, b: int) -> float:
+        w = self.rows[b]
+        return (sum(w) + 1) / (len(w) + 2)
 
 
 def os3_stride_knnlm(g: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
@@ -100,7 +164,8 @@ class SpeculationStats:
     earlier rollback are never checked), right (`hits`: the speculated passage / neighbours
     equal the true ones), rollbacks and the generated tokens they took back. Per call:
     verifications (calls, seconds), speculative lookups (calls, seconds), the stride of
-    every round started; with asynchronous verification the seconds decoding waited for a
+    every round started (`plain_rounds`: those with s = 0, ralmspec's OS3 turning
+    speculation off); with asynchronous verification the seconds decoding waited for a
     verification and the speculations made while one was in flight."""
 
     batch: int
@@ -154,6 +219,7 @@ class SpeculationStats:
             speculations=self.total("speculations"), speculation_checks=checks, speculation_hits=hits,
             speculation_accuracy=round(hits / checks, 4) if checks else None,
             mean_speculation_stride=round(float(np.mean(self.strides)), 3) if self.strides else 0.0,
+            plain_rounds=sum(1 for x in self.strides if x == 0),
             rollbacks=self.total("rollbacks"), rollback_tokens=self.total("rollback_tokens"),
             verify_calls=self.verify_calls, verify_s=round(self.verify_s, 4), speculation_s=round(self.spec_s, 4),
         )

@@ -1,0 +1,94 @@
+"""RaLMSpec's OS3 as pure functions (speculation.py): the cost model E(s) / T(s) over
+s = 0..16 written out here, s = 0 (plain RaLM) where speculation cannot pay and a positive
+stride where it clearly does, the verification cost b0 + b1 n fitted from measured calls,
+the sliding-window acceptance estimate. RaLMSpec choosing s = 0 in a real run:
+tests/test_ralm.py::test_every_speculation_wrong[auto]."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lookahead_jax.strategies.speculation import AcceptanceWindow, fit_verify_cost, os3_rates, os3_stride
+
+
+def sync_rate(g, a, b0, b1, r, s):
+    """RaLMSpec's boundaries per second at stride s (s = 0: plain RaLM), written out."""
+    if s == 0:
+        return 1 / (a + b0 + b1 + (1 - g) * r)
+    return (1 - g ** (s + 1)) / (1 - g) / ((s + 1) * a + b0 + b1 * (s + 1) + (1 - g ** (s + 1)) * r)
+
+
+def async_rate(g, a, b0, b1, r, s):
+    if s == 0:
+        return sync_rate(g, a, b0, b1, r, 0)
+    b = b0 + b1 * s
+    return (1 - g ** s) / (1 - g) / (s * a + g ** s * max(0, b - a) + (1 - g ** s) * max(a, b) + (1 - g ** s) * r)
+
+
+def test_os3():
+    """s = argmax over 0..16 of E(s) / T(s) (speculation.py's docstring); min_s=1 gives the
+    argmax over 1..16 (the form OS3 had before s = 0 was allowed)."""
+    cases = [(0.9, 1.0, 2.0), (0.5, 1.0, 10.0), (0.99, 0.1, 10.0), (0.0, 1.0, 1.0), (0.7, 2.0, 0.1)]
+    for g, a, b in cases:
+        for b1, r in ((0.0, 0.0), (0.3, 0.0), (0.3, 5.0)):
+            for asyn, rate in ((False, sync_rate), (True, async_rate)):
+                want = [rate(g, a, b, b1, r, s) for s in range(17)]
+                np.testing.assert_allclose(os3_rates(g, a, b, b1, r, asynchronous=asyn), want, rtol=1e-9)
+                assert os3_stride(g, a, b, b1, r, asynchronous=asyn) == int(np.argmax(want))
+                assert os3_stride(g, a, b, b1, r, asynchronous=asyn, min_s=1) == 1 + int(np.argmax(want[1:]))
+    assert os3_stride(0.9, 1.0, 2.0) == 5
+    assert os3_stride(1.0, 1.0, 100.0) == 16  # always right: as far as allowed
+    assert os3_stride(0.95, 1.0, 50.0) > os3_stride(0.95, 1.0, 1.0)  # dearer verification, longer rounds
+    assert os3_stride(0.9, 1.0, 0.5, asynchronous=True) == 1  # verification hidden: verify every boundary
+    assert os3_stride(0.9, 1.0, 20.0, asynchronous=True) > 3  # dear verification: longer rounds
+    # the re-prefill is paid at a fraction 1 - g of the boundaries whatever s: same argmax
+    for g, a, b in cases:
+        assert os3_stride(g, a, b, 0.1, 50.0) == os3_stride(g, a, b, 0.1, 0.0)
+
+
+def test_os3_chooses_zero_when_speculation_cannot_pay():
+    """s = 0 (plain RaLM) where speculation cannot pay, a positive stride where it clearly
+    does; the verification cost grows with its batch."""
+    # never right: each round only wastes strides, sync or async
+    assert os3_stride(0.0, 1.0, 100.0) == 0 and os3_stride(0.0, 1.0, 5.0, asynchronous=True) == 0
+    assert os3_stride(0.0, 1.0, 100.0, min_s=1) == 1  # the old OS3: verify every boundary, still speculating
+    # verification all per query (b0 = 0): batching saves nothing, a lookup and a wasted stride cost
+    assert os3_stride(0.9, 1.0, 0.0, 2.0) == 0
+    # retrieval negligible beside decoding (0.2%, as bm25 on this CPU): nothing to save
+    assert os3_stride(0.6, 1.0, 0.002, 0.0005, 26.0) == 0
+    # retrieval dominates, mostly a fixed cost per call, speculation usually right: long rounds
+    s = os3_stride(0.9, 1.0, 10.0, 0.2, 26.0)
+    assert s >= 4
+    rates = os3_rates(0.9, 1.0, 10.0, 0.2, 26.0)
+    assert rates[s] > 1.5 * rates[0]
+    assert os3_stride(0.9, 1.0, 10.0, 0.2, 26.0, asynchronous=True) >= 1
+    # a steeper b1 shortens the rounds
+    assert os3_stride(0.95, 1.0, 10.0, 2.0) < os3_stride(0.95, 1.0, 10.0, 0.0)
+
+
+def test_verify_cost_fit():
+    calls = [(n, 0.5 + 0.1 * n) for n in (1, 2, 3, 5, 8, 3, 1)]
+    b0, b1 = fit_verify_cost(calls)
+    assert b0 == pytest.approx(0.5) and b1 == pytest.approx(0.1)
+    assert fit_verify_cost([(4, 1.0), (4, 3.0)]) == (2.0, 0.0)  # one batch size: constant
+    assert fit_verify_cost([]) == (0.0, 0.0)
+    b0, b1 = fit_verify_cost([(1, 0.1), (2, 0.3), (4, 0.8)])  # intercept < 0: through the origin
+    assert b0 == 0.0 and b1 > 0
+    assert fit_verify_cost([(1, 0.5), (4, 0.2)])[1] == 0.0  # no growth: constant
+
+
+def test_acceptance_window_forgets_old_hits():
+    w = AcceptanceWindow(2, size=4)
+    assert w.gamma(0) == 0.5  # nothing seen
+    for _ in range(10):
+        w.note(0, True)
+    assert w.gamma(0) == (4 + 1) / (4 + 2)  # only the last 4 count
+    for _ in range(4):
+        w.note(0, False)
+    assert w.gamma(0) == 1 / 6  # the 10 hits are forgotten
+    w.note(0, True)
+    assert w.gamma(0) == 2 / 6
+    assert w.gamma(1) == 0.5  # rows are separate
+    w.reset(0)
+    assert w.gamma(0) == 0.5
