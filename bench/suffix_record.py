@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import sys
 from collections import defaultdict
 
-from common import dataset_prompts, read_jsonl
+from common import dataset_prompts, host_line, read_jsonl
 
 
 def shared_prompts(n: int, per_passage: int, max_chars: int = 2400):
@@ -50,7 +51,8 @@ def main(argv=None):
     from lookahead_jax.prompts import encode_prompts
 
     model, tok = lj.load(a.model)
-    result = dict(model=a.model, max_new_tokens=a.max_new_tokens, stop_at_eos=True, sets={})
+    result = dict(model=a.model, max_new_tokens=a.max_new_tokens, stop_at_eos=True, sets={},
+                  command=" ".join(["python"] + sys.argv), host=host_line())
     for s in a.sets:
         prompts, refs = dataset_prompts("nq", a.n) if s == "nq" else shared_prompts(a.n, a.per_passage)
         ids = encode_prompts(tok, prompts, chat=False)

@@ -18,7 +18,13 @@ exactly as in a server):
 * oracle: the copy oracle: at each step, the longest prefix of the true continuation that
   occurs anywhere in the prompt + references + output so far (any span, any position:
   unlimited tree width and depth); "+ earlier" also in earlier requests' outputs;
-* suffix (...): the new `drafters.suffix.SuffixDrafter` at a few settings.
+* suffix (...): the new `drafters.suffix.SuffixDrafter` at a few settings; "cost-trimmed"
+  cuts each tree to the prefix with the most expected tokens per unit of verify time
+  (`COSTS`, its acceptance calibrated online per match class).
+
+Besides tokens and drafted tokens per step and host drafting time, `est_speedup` is tokens
+per unit of verify time with the measured relative verify costs `COSTS` (a tree is padded
+to the next bucket), over greedy's one token per plain step.
 
     python bench/suffix_replay.py --records /tmp/suffix-records.pkl --peer-dir /tmp/suffix-decoding-peer
 """
@@ -52,12 +58,24 @@ def accepted(tokens, parents, truth) -> int:
     return a
 
 
+# verify cost of a tree of T nodes relative to T = 0 (one token), per tree bucket T (the
+# verify step pads a tree to the next bucket), SmolLM2-135M on this 2-core CPU, S = 512
+# (bench/results/replay.json: relative_verify_cost)
+COSTS = {0: 1.0, 1: 1.0071, 3: 1.15, 7: 1.4878, 15: 1.8759, 31: 3.1741, 63: 5.2473}
+
+
+def bucket_cost(n: int) -> float:
+    return COSTS[next(T for T in COSTS if T >= n)]
+
+
 def replay_set(recs, make, budget):
     """Replay a drafter over a set's records in order; make() -> adapter with begin(prompt,
-    refs, first), propose(context, budget) -> (tokens, parents), emit(tokens), end()."""
+    refs, first), propose(context, budget) -> (tokens, parents), emit(tokens), end().
+    est_speedup: tokens per unit of verify time over greedy's one token per t(0), with the
+    relative costs `COSTS` (decode steps only, host time excluded)."""
     d = make()
     tokens = steps = drafted = 0
-    host = 0.0
+    host = cost = 0.0
     for prompt, refs, out in recs:
         d.begin(prompt, refs, out[:1])
         j = 0
@@ -70,10 +88,12 @@ def replay_set(recs, make, budget):
             tokens += a + 1
             steps += 1
             drafted += len(toks)
+            cost += bucket_cost(len(toks))
             d.emit(out[j + 1:j + a + 2])
             j += a + 1
         d.end()
     return dict(tokens_per_step=round(tokens / steps, 3), drafted_per_step=round(drafted / steps, 2),
+                est_speedup=round(tokens / cost, 3),
                 host_ms_per_step=round(1000 * host / steps, 3), steps=steps)
 
 
@@ -173,7 +193,7 @@ def main(argv=None):
     ap.add_argument("--records", required=True, help="pickle from bench/suffix_record.py")
     ap.add_argument("--peer-dir", default="/tmp/suffix-decoding-peer",
                     help="where bench/peers/build_suffix_decoding.sh built SuffixDecoding (skipped if absent)")
-    ap.add_argument("--budget", type=int, default=64, help="most draft nodes per step for the suffix drafters")
+    ap.add_argument("--budget", type=int, default=63, help="most draft nodes per step for the suffix drafters")
     ap.add_argument("--only", nargs="*", help="run only drafters whose name contains one of these")
     ap.add_argument("--out", default=None, help="default bench/results/suffix-replay.json")
     a = ap.parse_args(argv)
@@ -196,16 +216,24 @@ def main(argv=None):
         drafters[f"trie {T}"] = (lambda T=T: ProtocolAdapter(TrieDrafter(12, "hierarchical", max_nodes=T,
                                                                           trie=NgramTrie(branch_length=12))), T)
     if SuffixDecodingCache is not None:
-        drafters["suffixdecoding defaults"] = (lambda: SuffixDecodingAdapter(SuffixDecodingCache), 64)
+        drafters["suffixdecoding defaults"] = (lambda: SuffixDecodingAdapter(SuffixDecodingCache), 63)
         drafters["suffixdecoding aggressive"] = (
-            lambda: SuffixDecodingAdapter(SuffixDecodingCache, factor=4.0, offset=4.0, min_prob=0.01), 64)
-    for alpha, mp in ((1.0, 0.1), (2.0, 0.1), (4.0, 0.1), (4.0, 0.02), (8.0, 0.05)):
-        drafters[f"suffix alpha {alpha:g} p {mp:g}"] = (
-            lambda alpha=alpha, mp=mp: ProtocolAdapter(SuffixDrafter(max_nodes=a.budget, alpha=alpha, min_prob=mp,
-                                                                     cache=SuffixCache())), a.budget)
+            lambda: SuffixDecodingAdapter(SuffixDecodingCache, factor=4.0, offset=4.0, min_prob=0.01), 63)
+    settings = {"alpha 2, offset 4": dict(alpha=2.0, offset=4.0, min_prob=0.03, backoff=0.0),
+                "alpha 4, offset 4 (default)": dict(alpha=4.0, offset=4.0, min_prob=0.03, backoff=0.3),
+                "alpha 8, offset 8": dict(alpha=8.0, offset=8.0, min_prob=0.03, backoff=0.3),
+                "alpha 1, offset 2, cost-trimmed": dict(alpha=1.0, offset=2.0, min_prob=0.03, backoff=0.3,
+                                                        costs=COSTS),
+                "alpha 2, offset 4, cost-trimmed": dict(alpha=2.0, offset=4.0, min_prob=0.03, backoff=0.3,
+                                                        costs=COSTS)}
+    for name, kw in settings.items():
+        drafters[f"suffix {name}"] = (
+            lambda kw=kw: ProtocolAdapter(SuffixDrafter(max_nodes=a.budget, cache=SuffixCache(), **kw)), a.budget)
     if a.only:
         drafters = {k: v for k, v in drafters.items() if any(s in k for s in a.only)}
-    result = dict(model=rec["model"], max_new_tokens=rec["max_new_tokens"], stop_at_eos=rec["stop_at_eos"], sets={})
+    result = dict(model=rec["model"], max_new_tokens=rec["max_new_tokens"], stop_at_eos=rec["stop_at_eos"],
+                  records=dict(command=rec.get("command"), host=rec.get("host")),
+                  relative_verify_cost={str(T): c for T, c in COSTS.items()}, sets={})
     for s, recs in rec["sets"].items():
         rows = {"oracle (own)": dict(tokens_per_step=oracle(recs, False)),
                 "oracle (+ earlier outputs)": dict(tokens_per_step=oracle(recs, True))}
@@ -214,8 +242,8 @@ def main(argv=None):
               flush=True)
         for name, (make, budget) in drafters.items():
             rows[name] = r = replay_set(recs, make, budget)
-            print(f"  {name:32s} {r['tokens_per_step']:.3f} tok/step, drafted {r['drafted_per_step']:.1f}/step, "
-                  f"host {r['host_ms_per_step']:.3f} ms/step", flush=True)
+            print(f"  {name:40s} {r['tokens_per_step']:.3f} tok/step, drafted {r['drafted_per_step']:.1f}/step, "
+                  f"est. {r['est_speedup']:.2f}x, host {r['host_ms_per_step']:.3f} ms/step", flush=True)
         result["sets"][s] = rows
     save(result, a.out or str(__import__("pathlib").Path(__file__).resolve().parent / "results" / "suffix-replay.json"))
 

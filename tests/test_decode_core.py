@@ -145,6 +145,18 @@ def test_suffix_drafter_is_lossless(model, tok, greedy, batch):
     assert steps < sum(len(x) for x in ids)  # some drafts were accepted
 
 
+@pytest.mark.parametrize("decoding_length", [7, "auto"])
+def test_lookahead_drafts_suffix_is_lossless(model, tok, greedy, decoding_length):
+    """Lookahead(drafts="suffix") through the strategy (the engine's shared cache of earlier
+    outputs; a fixed budget and auto): greedy's tokens, batch 4."""
+    out = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
+                   strategy=Lookahead(decoding_length=decoding_length, drafts="suffix"),
+                   references=[[t] for t in TEXTS[:4]])
+    assert out.token_ids == greedy[4][:4]
+    with pytest.raises(ValueError, match="drafts must be one of"):
+        generate(model, tok, "x", strategy=Lookahead(drafts="suffixes"))
+
+
 def test_strategy_objects_equal_the_flat_forms(model, tok, greedy):
     a = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
                    strategy=Lookahead(decoding_length=7, branch_length=4), drafter=TrieDrafter(branch_length=4))

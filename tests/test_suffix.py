@@ -18,11 +18,11 @@ def _state(prompts, outputs=None):
 def test_longest_match_wins():
     s = TokenStore()
     s.extend([1, 2, 3, 9, 8, 1, 2, 3, 4, 5, 7, 2, 3, 6])
-    length, pos = s.match([1, 2, 3])
-    assert length == 3 and sorted(s.buf[p] for p in pos) == [4, 9]
-    length, pos = s.match([5, 7, 2, 3])  # only the last occurrence matches 4 tokens
-    assert length == 4 and [s.buf[p] for p in pos] == [6]
-    assert s.match([42]) == (0, [])
+    assert sorted((k, s.buf[p]) for k, p in s.match([1, 2, 3])) == [(2, 6), (3, 4), (3, 9)]
+    assert [(k, s.buf[p]) for k, p in s.match([5, 7, 2, 3])] == [(4, 6)]  # the 4-token key: one
+    assert sorted((k, s.buf[p]) for k, p in s.match([5, 7, 2, 3], backoff=True)) == [
+        (2, 4), (2, 9), (4, 6)]  # and those found by the last token alone, extended back
+    assert s.match([42]) == []
 
 
 def test_matches_do_not_cross_segments():
@@ -31,13 +31,12 @@ def test_matches_do_not_cross_segments():
     s.segment()
     s.extend([3, 4])
     assert SEP in s.buf
-    length, pos = s.match([2, 3])
-    assert length == 1 and [s.buf[p] for p in pos] == [4]  # "2 3" spans the separator
+    assert [(k, s.buf[p]) for k, p in s.match([2, 3])] == [(1, 4)]  # "2 3" spans the separator
 
 
 def test_draft_is_best_first_by_frequency_and_capped_by_match_length():
     prompt = [5, 6, 7, 1, 5, 6, 7, 1, 5, 6, 7, 2, 0]
-    d = SuffixDrafter(max_nodes=16, alpha=1.0, min_prob=0.2)
+    d = SuffixDrafter(max_nodes=16, alpha=1.0, offset=0.0, min_prob=0.2, backoff=0.0)
     state = _state([prompt + [5, 6]])
     d.begin(state)
     draft = d.propose(state, 16).drafts[0]
@@ -79,3 +78,16 @@ def test_cache_is_bounded_with_fifo_eviction():
         assert cache.tokens <= 1000 and cache.store.n <= 1000
     assert cache.outputs[-1][-1] == 9_999  # the newest stay, the oldest left first
     assert cache.outputs[0][-1] == 9_999 - len(cache.outputs) + 1
+
+
+def test_cost_trim_keeps_the_prefix_worth_its_verify_time():
+    prompt = [5, 6, 7, 1, 2, 3, 4, 8, 9, 0]
+    state = _state([prompt + [5, 6]])
+    free = SuffixDrafter(alpha=8.0, costs={0: 1.0, 1: 1.0, 3: 1.0, 7: 1.0, 15: 1.0})
+    free.begin(state)
+    assert free.propose(state, 16).drafts[0].tokens == [7, 1, 2, 3, 4, 8, 9, 0, 5, 6]  # uncut at no cost
+    dear = SuffixDrafter(alpha=8.0, costs={0: 1.0, 1: 1.1, 3: 10.0, 7: 20.0, 15: 40.0})
+    dear.begin(state)
+    assert dear.propose(state, 16).drafts[0].tokens == [7]  # worth one node only
+    dear.update(state, SimpleNamespace(kept=[[7, 1]]))  # calibration: 1 accepted of 1 predicted
+    assert dear.calibration[("suffix", 2)] == [1.0, 1.0]

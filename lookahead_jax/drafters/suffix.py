@@ -64,31 +64,27 @@ class TokenStore:
                     continue
                 index.setdefault(key, []).append(p)
 
-    def match(self, tail: list):
-        """Occurrences of the longest suffix of `tail` found here: (match length, positions
-        that follow them, the most recent `max_candidates`), or (0, [])."""
-        buf, n_buf = self.buf, len(self.buf)
+    def match(self, tail: list, backoff: bool = False):
+        """Occurrences of suffixes of `tail`: [(match length, position that follows it)] at
+        the longest key length (`KEYS`) with any (the most recent `max_candidates`), and
+        with `backoff` also those of the last token alone; [] if none."""
+        buf, n_buf, m = self.buf, len(self.buf), len(tail)
+        found = []
         for n in self.KEYS:
-            if len(tail) < n:
+            if m < n or (found and not (backoff and n == 1)):
                 continue
             hits = self.index[n].get(tuple(tail[-n:]) if n > 1 else tail[-1])
             if not hits:
                 continue
-            best, found = 0, []
-            m = len(tail)
+            seen = {p for _, p in found}
             for p in reversed(hits[-self.max_candidates - 1:]):
-                if p >= n_buf or buf[p] == SEP:  # no continuation (yet: the context's own end)
+                if p >= n_buf or buf[p] == SEP or p in seen:  # no continuation (yet: the context's own end)
                     continue
                 k = n
                 while k < m and p - k - 1 >= 0 and buf[p - k - 1] == tail[-k - 1]:
                     k += 1
-                if k > best:
-                    best, found = k, [p]
-                elif k == best:
-                    found.append(p)
-            if found:
-                return best, found
-        return 0, []
+                found.append((k, p))
+        return found
 
 
 class SuffixCache:
@@ -124,16 +120,28 @@ class SuffixDrafter:
     """The drafter protocol (`drafters/base.py`) over per-request token stores and a shared
     `SuffixCache` (module docstring)."""
 
-    def __init__(self, max_nodes: int = 32, max_match: int = 32, alpha: float = 2.0, offset: float = 0.0,
-                 min_prob: float = 0.1, cache: SuffixCache | None = None, share_outputs: bool = True):
+    def __init__(self, max_nodes: int = 32, max_match: int = 32, alpha: float = 4.0, offset: float = 4.0,
+                 min_prob: float = 0.03, backoff: float = 0.3, cache: SuffixCache | None = None,
+                 share_outputs: bool = True, costs: dict | None = None):
         self.max_nodes = max_nodes
         self.max_match = max_match
         self.alpha = alpha
         self.offset = offset
         self.min_prob = min_prob
+        self.backoff = backoff
+        self.costs = dict(sorted(costs.items())) if costs else None
+        self.calibration: dict = {}  # match class -> [accepted, predicted] over past drafts
+        self._last: dict = {}  # row -> (match class, predicted accepted) of its last draft
         self.cache = cache if cache is not None else SuffixCache()
         self.share_outputs = share_outputs
         self._rows: dict = {}  # row -> [store, inputs, output tokens]
+
+    @classmethod
+    def shared(cls, engine, **kw) -> "SuffixDrafter":
+        """A drafter over the engine's cache of earlier outputs (created on first use)."""
+        if engine.stores.suffix_cache is None:
+            engine.stores.suffix_cache = SuffixCache()
+        return cls(cache=engine.stores.suffix_cache, **kw)
 
     def begin(self, state, references=None, rows=None) -> None:
         self.end(rows)
@@ -163,52 +171,92 @@ class SuffixDrafter:
 
     def propose_context(self, row: int, context, budget: int) -> Draft:
         tail = [int(t) for t in context[-self.max_match:]]
-        found = []
-        for s in (self._rows[row][0], self.cache.store):
-            length, pos = s.match(tail)
-            if length:
-                found.append((length, s.buf, pos))
+        found = [(length, s.buf, p) for s in (self._rows[row][0], self.cache.store)
+                 for length, p in s.match(tail, self.backoff > 0)]
+        self._last.pop(row, None)
         if not found:
             return EMPTY
         best = max(f[0] for f in found)
-        cap = min(budget, self.max_nodes, int(self.alpha * best + self.offset))
+        cap = int(self.alpha * best + self.offset)
+        if self.costs:  # a tree is verified padded to the next size in `costs`: fill it
+            cap = next((T for T in self.costs if T >= cap), cap)
+        cap = min(budget, self.max_nodes, cap)
         if cap <= 0:
             return EMPTY
-        members = [(buf, p) for length, buf, pos in found if length == best for p in pos]
-        return self._grow(members, cap, best)
+        # occurrences of the longest match weigh 1, shorter ones backoff ** (tokens shorter),
+        # matches of 8 tokens or more all alike
+        top = min(best, 8)
+        members = [(buf, p, self.backoff ** (top - min(length, 8))) for length, buf, p in found]
+        members = [m for m in members if m[2] > 0]
+        draft, q = self._grow(members, cap, best)
+        if self.costs:
+            draft, q = self._trim(draft, q)
+        self._last[row] = (draft.key, sum(q))
+        return draft
+
+    def _trim(self, draft, q):
+        """The prefix of the draft that maximises expected tokens per unit of verify time:
+        (1 + r * sum of its path probabilities) / cost(tree bucket), r the ratio of accepted
+        to predicted tokens measured on this match class so far (prior 1/2)."""
+        acc, pred = self.calibration.get(draft.key, (0.0, 0.0))
+        r = (acc + 1.0) / (pred + 2.0)
+        best_n, best_v, total, i = 0, 1.0 / self.costs[0], 0.0, 0
+        for T, c in self.costs.items():
+            if T == 0:
+                continue
+            while i < min(T, len(q)):
+                total += q[i]
+                i += 1
+            v = (1.0 + r * total) / c
+            if v > best_v:
+                best_n, best_v = i, v
+            if i >= len(q):
+                break
+        return draft.truncated(best_n), q[:best_n]
 
     def _grow(self, members, cap: int, match: int) -> Draft:
         """Best-first by path probability over the occurrences `members` [(buffer, position
-        of the next token)]."""
+        of the next token, weight)]."""
         tokens, parents = [], []
         heap, tick = [], 0
         floor = self.min_prob
 
         def expand(node, prob, members):
             nonlocal tick
-            groups = {}
-            for buf, p in members:
+            groups, total = {}, 0.0
+            for buf, p, w in members:
+                total += w
                 if p < len(buf):
                     t = buf[p]
                     if t != SEP:
-                        groups.setdefault(t, []).append((buf, p + 1))
-            total = len(members)
-            for t, sub in groups.items():
-                q = prob * len(sub) / total
+                        g = groups.get(t)
+                        if g is None:
+                            groups[t] = g = [0.0, []]
+                        g[0] += w
+                        g[1].append((buf, p + 1, w))
+            for t, (w, sub) in groups.items():
+                q = prob * w / total
                 if q >= floor:
                     tick += 1
                     heapq.heappush(heap, (-q, tick, node, t, sub))
 
         expand(-1, 1.0, members)
+        probs = []
         while heap and len(tokens) < cap:
             negq, _, parent, t, sub = heapq.heappop(heap)
             tokens.append(t)
             parents.append(parent)
+            probs.append(-negq)
             expand(len(tokens) - 1, -negq, sub)
-        return Draft(tokens, parents, key=("suffix", min(match, 16)))
+        return Draft(tokens, parents, key=("suffix", min(match, 16))), probs
 
     def update(self, state, step) -> None:
         for b, kept in enumerate(step.kept):
+            last = self._last.pop(b, None)
+            if last is not None and kept:  # calibrate: tokens accepted vs predicted, per match class
+                c = self.calibration.setdefault(last[0], [0.0, 0.0])
+                c[0] += len(kept) - 1
+                c[1] += last[1]
             if kept and b in self._rows:
                 self._rows[b][0].extend(kept)
                 self._rows[b][2].extend(int(t) for t in kept)
