@@ -91,3 +91,16 @@ def test_cost_trim_keeps_the_prefix_worth_its_verify_time():
     assert dear.propose(state, 16).drafts[0].tokens == [7]  # worth one node only
     dear.update(state, SimpleNamespace(kept=[[7, 1]]))  # calibration: 1 accepted of 1 predicted
     assert dear.calibration[("suffix", 2)] == [1.0, 1.0]
+
+
+def test_rollback_forgets_the_tokens_cut_off():
+    d = SuffixDrafter(alpha=8.0)
+    state = _state([[1, 2, 3]], [[4]])
+    d.begin(state)
+    d.update(state, SimpleNamespace(kept=[[5, 6, 4, 5]]))
+    state.rows[0].ids += [5, 6, 4, 5]
+    assert d.propose(state, 8).drafts[0].tokens[:1] == [6]  # "4 5" was followed by 6
+    d.rollback([0], 4)
+    del state.rows[0].ids[1:]  # the state holds [4] again
+    state.rows[0].ids += [5]
+    assert d.propose(state, 8).drafts[0].tokens == []  # "4 5" never happened now
