@@ -16,6 +16,7 @@ from lookahead_jax.core import decode as D
 from lookahead_jax.core.sampling import SamplingParams
 from lookahead_jax.generate import generate
 from lookahead_jax.drafters.base import Drafter, PerRowDrafter
+from lookahead_jax.drafters.suffix import SuffixDrafter
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.core.drafts import Draft, DraftBatch
 from lookahead_jax.core.engine import Engine, engine_for
@@ -98,8 +99,9 @@ def greedy(model, tok):
                     for s in range(0, len(TEXTS), b)), []) for b in (1, 4)}
 
 
-@pytest.mark.parametrize("make", [lambda: TrieDrafter(max_nodes=16), lambda: PromptLookupDrafter()],
-                         ids=["trie", "prompt-lookup"])
+@pytest.mark.parametrize("make", [lambda: TrieDrafter(max_nodes=16), lambda: PromptLookupDrafter(),
+                                  lambda: SuffixDrafter(max_nodes=16)],
+                         ids=["trie", "prompt-lookup", "suffix"])
 def test_protocol_conformance(model, tok, greedy, make):
     drafter = make()
     assert isinstance(drafter, Drafter)
@@ -123,6 +125,36 @@ def test_a_new_drafter_is_lossless_without_touching_the_loop(model, tok, greedy,
         steps += out.stats["forward_steps"]
     assert ids == greedy[batch]
     assert steps < sum(len(x) for x in ids)  # some drafts were accepted
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_suffix_drafter_is_lossless(model, tok, greedy, batch):
+    """The suffix drafter (drafters/suffix.py) with its cache over earlier requests warm
+    (one drafter for every call, as a process serves requests): greedy's tokens."""
+    drafter = SuffixDrafter(max_nodes=16, alpha=4.0)
+    ids, steps = [], 0
+    for _ in range(2):  # the second pass drafts from the first pass's outputs as well
+        ids, steps = [], 0
+        for s in range(0, len(TEXTS), batch):
+            out = generate(model, tok, TEXTS[s:s + batch], max_new_tokens=MAX_NEW, strategy="lookahead",
+                           drafter=drafter, decoding_length=16, max_cache_len=CACHE,
+                           references=[[t] for t in TEXTS[s:s + batch]])
+            ids += out.token_ids
+            steps += out.stats["forward_steps"]
+        assert ids == greedy[batch]
+    assert steps < sum(len(x) for x in ids)  # some drafts were accepted
+
+
+@pytest.mark.parametrize("decoding_length", [7, "auto"])
+def test_lookahead_drafts_suffix_is_lossless(model, tok, greedy, decoding_length):
+    """Lookahead(drafts="suffix") through the strategy (the engine's shared cache of earlier
+    outputs; a fixed budget and auto): greedy's tokens, batch 4."""
+    out = generate(model, tok, TEXTS[:4], max_new_tokens=MAX_NEW, max_cache_len=CACHE,
+                   strategy=Lookahead(decoding_length=decoding_length, drafts="suffix"),
+                   references=[[t] for t in TEXTS[:4]])
+    assert out.token_ids == greedy[4][:4]
+    with pytest.raises(ValueError, match="drafts must be one of"):
+        generate(model, tok, "x", strategy=Lookahead(drafts="suffixes"))
 
 
 def test_strategy_objects_equal_the_flat_forms(model, tok, greedy):

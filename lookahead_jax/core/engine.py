@@ -42,7 +42,8 @@ class Stores:
     in one place): the lookahead trie per branch length and its acceptance statistics per
     drafter geometry (drafters/trie.py); SpecInfer's draft engines and models by name, and the
     drafts already warned about (strategies/specinfer.py); the KNN-LM index in use, with the
-    datastore identity it was built from (strategies/knnlm.py)."""
+    datastore identity it was built from (strategies/knnlm.py); the suffix drafter's cache of
+    earlier outputs (drafters/suffix.py)."""
 
     tries: dict = dataclasses.field(default_factory=dict)  # branch_length -> NgramTrie
     acceptance: dict = dataclasses.field(default_factory=dict)  # drafter geometry -> AcceptanceStats
@@ -50,6 +51,7 @@ class Stores:
     draft_models: dict = dataclasses.field(default_factory=dict)  # preset / path -> Model
     draft_size_warned: set = dataclasses.field(default_factory=set)  # ids of drafts warned about
     knnlm_index: Optional[tuple] = None  # (datastore identity, KnnIndex)
+    suffix_cache: Optional[object] = None  # drafters/suffix.py: SuffixCache of earlier outputs
 
 
 def _same_leaves(a, b) -> bool:

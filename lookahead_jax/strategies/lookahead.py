@@ -22,6 +22,10 @@ class Lookahead(StrategyBase):
         (verify blocks of 1+T = 2^k tokens). Tuned on CPU; on a GPU a fixed 15 is faster
         for now.
     branch_length: maximum draft depth.  mode: hierarchical | parallel | single.
+    drafts: "trie" (the n-gram trie, `drafters/trie.py`) or "suffix" (experimental: the
+        adaptive suffix drafter of `drafters/suffix.py`, longest suffix match over the
+        request and a cache of earlier outputs in this process; branch_length and mode
+        unused).
     calibrate: with "auto", time every tree size before the first request of a shape
         (~20-30 s on a 2-core CPU, compiling every size) instead of starting from the
         platform's typical costs for the batch's size (`budget.prior_costs`: a tree in a
@@ -33,15 +37,18 @@ class Lookahead(StrategyBase):
     branch_length: int = 12
     mode: str = "hierarchical"
     calibrate: bool = False
+    drafts: str = "trie"
 
     name = "lookahead"
     help = "n-gram trie drafts verified as a token tree (same tokens as greedy)"
     cli_names = {"mode": "lookahead-mode"}
-    choices = {"mode": ("hierarchical", "parallel", "single")}
+    choices = {"mode": ("hierarchical", "parallel", "single"), "drafts": ("trie", "suffix")}
     field_help = {
         "calibrate": "true: with --decoding-length auto, time every tree size before decoding (~20-30 s "
                      "on a 2-core CPU) instead of starting from typical costs that real steps correct "
                      "(default false)",
+        "drafts": "trie (default): the n-gram trie; suffix (experimental): the adaptive suffix drafter "
+                  "with a cache of earlier outputs",
     }
 
     takes_references = True
@@ -52,15 +59,24 @@ class Lookahead(StrategyBase):
 
     def unused_options(self, greedy: bool) -> dict:
         """{field: why} for fields this configuration does not use (the CLI warns when given)."""
-        return {} if self.auto else {"calibrate": "with a fixed --decoding-length (it times auto's tree sizes)"}
+        out = {} if self.auto else {"calibrate": "with a fixed --decoding-length (it times auto's tree sizes)"}
+        if self.drafts == "suffix":
+            out.update(branch_length="with --drafts suffix", mode="with --drafts suffix")
+        return out
 
     def validate(self) -> None:
         dl = self.decoding_length
         if not self.auto and (not isinstance(dl, int) or isinstance(dl, bool)
                               or not 0 <= dl <= tree_lib.MAX_NODES):
             raise ValueError(f"decoding_length must be 'auto' or an integer in [0, {tree_lib.MAX_NODES}], got {dl!r}")
+        if self.drafts not in self.choices["drafts"]:
+            raise ValueError(f"drafts must be one of {self.choices['drafts']}, got {self.drafts!r}")
 
     def drafter(self, engine):
+        if self.drafts == "suffix":
+            from ..drafters.suffix import SuffixDrafter
+
+            return SuffixDrafter.shared(engine)
         from ..drafters.trie import TrieDrafter  # greedy needs no trie
 
         return TrieDrafter.shared(engine, branch_length=self.branch_length, mode=self.mode)

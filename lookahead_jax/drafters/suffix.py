@@ -1,0 +1,280 @@
+"""Adaptive suffix drafter: the longest suffix match over the request and a cross-request cache.
+
+At each step the drafter matches the longest suffix of the row's context (up to
+`max_match` tokens, far more than the trie's 2) against
+
+* the request's own tokens: its prompt, its references and its output so far, and
+* a cache of earlier requests' outputs (`SuffixCache`, shared by the requests of a
+  process; outputs only: a request never drafts from another request's prompt),
+
+collects what followed every occurrence of that longest match, and grows a tree best-first
+by path probability (the product of child count / parent count over the occurrences, as
+SuffixDecoding scores its suffix trees), dropping nodes below `min_prob`. The tree is at
+most `alpha * match length + offset` nodes: a long match (a copy in progress) drafts
+deep, a weak one drafts little, so a miss costs little.
+
+Data structure (chosen by host time per step, bench/suffix_replay.py): a flat token buffer
+per store with an index of bigram -> positions that follow it; a match is extended
+backwards from those positions with numpy, and the continuation tree is built by grouping
+the occurrences' next tokens (numpy) only at the nodes the best-first search expands.
+Host module: numpy and pure Python, no jax.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from ..core.drafts import EMPTY, Draft, DraftBatch
+
+SEP = -1  # between the segments of a store: no match or continuation crosses it
+
+
+class TokenStore:
+    """A growing token list with indexes n-gram (n in `KEYS`) -> the positions that follow
+    it (most recent last). `extend` appends; `segment()` starts a new segment."""
+
+    KEYS = (4, 2, 1)  # a match is looked up by its last 4 tokens first, then 2, then 1
+
+    def __init__(self, max_candidates: int = 64):
+        self.buf: list = []  # tokens, SEP between segments
+        self.max_candidates = max_candidates
+        self.index = {n: {} for n in self.KEYS}
+
+    @property
+    def n(self) -> int:
+        return len(self.buf)
+
+    def segment(self) -> None:
+        if self.buf and self.buf[-1] != SEP:
+            self.buf.append(SEP)
+
+    def extend(self, tokens) -> None:
+        buf = self.buf
+        for t in tokens:
+            buf.append(int(t))
+            p = len(buf)  # position p follows buf[p - n:p]
+            if buf[-1] == SEP:
+                continue
+            for n, index in self.index.items():
+                if p < n:
+                    continue
+                key = tuple(buf[p - n:p]) if n > 1 else buf[-1]
+                if n > 1 and SEP in key:
+                    continue
+                index.setdefault(key, []).append(p)
+
+    def match(self, tail: list, backoff: bool = False):
+        """Occurrences of suffixes of `tail`: [(match length, position that follows it)] at
+        the longest key length (`KEYS`) with any (the most recent `max_candidates`), and
+        with `backoff` also those of the last token alone; [] if none."""
+        buf, n_buf, m = self.buf, len(self.buf), len(tail)
+        found = []
+        for n in self.KEYS:
+            if m < n or (found and not (backoff and n == 1)):
+                continue
+            hits = self.index[n].get(tuple(tail[-n:]) if n > 1 else tail[-1])
+            if not hits:
+                continue
+            seen = {p for _, p in found}
+            for p in reversed(hits[-self.max_candidates - 1:]):
+                if p >= n_buf or buf[p] == SEP or p in seen:  # no continuation (yet: the context's own end)
+                    continue
+                k = n
+                while k < m and p - k - 1 >= 0 and buf[p - k - 1] == tail[-k - 1]:
+                    k += 1
+                found.append((k, p))
+        return found
+
+
+class SuffixCache:
+    """Earlier requests' outputs, shared by the requests of a process: a token store with
+    FIFO eviction by requests once it holds more than `max_tokens` tokens (the oldest
+    outputs leave until it holds at most half, then the index is rebuilt: a pause of
+    ~0.1 ms per kept token on a 2-core CPU). Memory: ~0.5 KB per token (the default 2^18
+    tokens, ~2,000 outputs of 128 tokens: ~120 MB). An output enters when its request ends."""
+
+    def __init__(self, max_tokens: int = 1 << 18):
+        self.max_tokens = max_tokens
+        self.outputs: deque = deque()
+        self.tokens = 0
+        self.store = TokenStore()
+
+    def add(self, output) -> None:
+        output = [int(t) for t in output]
+        if not output:
+            return
+        self.outputs.append(output)
+        self.tokens += len(output) + 1
+        if self.tokens > self.max_tokens:
+            while self.outputs and self.tokens > self.max_tokens // 2:
+                self.tokens -= len(self.outputs.popleft()) + 1
+            self.store = TokenStore()
+            for o in self.outputs:
+                self.store.segment()
+                self.store.extend(o)
+        else:
+            self.store.segment()
+            self.store.extend(output)
+
+
+class SuffixDrafter:
+    """The drafter protocol (`drafters/base.py`) over per-request token stores and a shared
+    `SuffixCache` (module docstring)."""
+
+    def __init__(self, max_nodes: int = 32, max_match: int = 32, alpha: float = 4.0, offset: float = 4.0,
+                 min_prob: float = 0.03, backoff: float = 0.3, cache: SuffixCache | None = None,
+                 share_outputs: bool = True, costs: dict | None = None):
+        self.max_nodes = max_nodes
+        self.max_match = max_match
+        self.alpha = alpha
+        self.offset = offset
+        self.min_prob = min_prob
+        self.backoff = backoff
+        self.costs = dict(sorted(costs.items())) if costs else None
+        self.calibration: dict = {}  # match class -> [accepted, predicted] over past drafts
+        self._last: dict = {}  # row -> (match class, predicted accepted) of its last draft
+        self.cache = cache if cache is not None else SuffixCache()
+        self.share_outputs = share_outputs
+        self._rows: dict = {}  # row -> [store, inputs, output tokens]
+
+    @classmethod
+    def shared(cls, engine, **kw) -> "SuffixDrafter":
+        """A drafter over the engine's cache of earlier outputs (created on first use)."""
+        if engine.stores.suffix_cache is None:
+            engine.stores.suffix_cache = SuffixCache()
+        return cls(cache=engine.stores.suffix_cache, **kw)
+
+    def begin(self, state, references=None, rows=None) -> None:
+        self.end(rows)
+        for row in range(state.batch) if rows is None else rows:
+            inputs = [list(state.rows[row].prompt_ids)] + [list(r) for r in (references[row] if references else ()) if r]
+            self._rows[row] = self._new_row(inputs, list(state.rows[row].ids))
+
+    def _new_row(self, inputs, output):
+        store = TokenStore()
+        for x in inputs:
+            store.segment()
+            store.extend(x)
+        store.segment()
+        store.extend(output)
+        return [store, inputs, output]
+
+    def propose(self, state, budget: int) -> DraftBatch:
+        drafts = []
+        for b, live in enumerate(state.active):
+            if not live or b not in self._rows:
+                drafts.append(EMPTY)
+                continue
+            if self._rows[b][0] is None:  # rolled back: rebuild from the state's tokens
+                self._rows[b] = self._new_row(self._rows[b][1], list(state.rows[b].ids))
+            drafts.append(self.propose_context(b, state.context(b), budget))
+        return DraftBatch(tuple(drafts))
+
+    def propose_context(self, row: int, context, budget: int) -> Draft:
+        tail = [int(t) for t in context[-self.max_match:]]
+        found = [(length, s.buf, p) for s in (self._rows[row][0], self.cache.store)
+                 for length, p in s.match(tail, self.backoff > 0)]
+        self._last.pop(row, None)
+        if not found:
+            return EMPTY
+        best = max(f[0] for f in found)
+        cap = int(self.alpha * best + self.offset)
+        if self.costs:  # a tree is verified padded to the next size in `costs`: fill it
+            cap = next((T for T in self.costs if T >= cap), cap)
+        cap = min(budget, self.max_nodes, cap)
+        if cap <= 0:
+            return EMPTY
+        # occurrences of the longest match weigh 1, shorter ones backoff ** (tokens shorter),
+        # matches of 8 tokens or more all alike
+        top = min(best, 8)
+        members = [(buf, p, self.backoff ** (top - min(length, 8))) for length, buf, p in found]
+        members = [m for m in members if m[2] > 0]
+        draft, q = self._grow(members, cap, best)
+        if self.costs:
+            draft, q = self._trim(draft, q)
+        self._last[row] = (draft.key, sum(q))
+        return draft
+
+    def _trim(self, draft, q):
+        """The prefix of the draft that maximises expected tokens per unit of verify time:
+        (1 + r * sum of its path probabilities) / cost(tree bucket), r the ratio of accepted
+        to predicted tokens measured on this match class so far (prior 1/2)."""
+        acc, pred = self.calibration.get(draft.key, (0.0, 0.0))
+        r = (acc + 1.0) / (pred + 2.0)
+        best_n, best_v, total, i = 0, 1.0 / self.costs[0], 0.0, 0
+        for T, c in self.costs.items():
+            if T == 0:
+                continue
+            while i < min(T, len(q)):
+                total += q[i]
+                i += 1
+            v = (1.0 + r * total) / c
+            if v > best_v:
+                best_n, best_v = i, v
+            if i >= len(q):
+                break
+        return draft.truncated(best_n), q[:best_n]
+
+    def _grow(self, members, cap: int, match: int) -> Draft:
+        """Best-first by path probability over the occurrences `members` [(buffer, position
+        of the next token, weight)]."""
+        tokens, parents = [], []
+        heap, tick = [], 0
+        floor = self.min_prob
+
+        def expand(node, prob, members):
+            nonlocal tick
+            groups, total = {}, 0.0
+            for buf, p, w in members:
+                total += w
+                if p < len(buf):
+                    t = buf[p]
+                    if t != SEP:
+                        g = groups.get(t)
+                        if g is None:
+                            groups[t] = g = [0.0, []]
+                        g[0] += w
+                        g[1].append((buf, p + 1, w))
+            for t, (w, sub) in groups.items():
+                q = prob * w / total
+                if q >= floor:
+                    tick += 1
+                    heapq.heappush(heap, (-q, tick, node, t, sub))
+
+        expand(-1, 1.0, members)
+        probs = []
+        while heap and len(tokens) < cap:
+            negq, _, parent, t, sub = heapq.heappop(heap)
+            tokens.append(t)
+            parents.append(parent)
+            probs.append(-negq)
+            expand(len(tokens) - 1, -negq, sub)
+        return Draft(tokens, parents, key=("suffix", min(match, 16))), probs
+
+    def update(self, state, step) -> None:
+        for b, kept in enumerate(step.kept):
+            last = self._last.pop(b, None)
+            if last is not None and kept:  # calibrate: tokens accepted vs predicted, per match class
+                c = self.calibration.setdefault(last[0], [0.0, 0.0])
+                c[0] += len(kept) - 1
+                c[1] += last[1]
+            if kept and b in self._rows:
+                self._rows[b][0].extend(kept)
+                self._rows[b][2].extend(int(t) for t in kept)
+
+    def rollback(self, rows, length) -> None:
+        """The row's output is cut back (its store rebuilt at the next propose from the
+        state's tokens)."""
+        for b in rows:
+            if b in self._rows:
+                self._rows[b][0] = None
+
+    def end(self, rows=None) -> None:
+        for row in list(self._rows) if rows is None else [r for r in rows if r in self._rows]:
+            _, _, output = self._rows.pop(row)
+            if self.share_outputs:
+                self.cache.add(output)
+
+    def summary(self) -> dict:
+        return {}
