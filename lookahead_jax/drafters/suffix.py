@@ -13,11 +13,12 @@ SuffixDecoding scores its suffix trees), dropping nodes below `min_prob`. The tr
 most `alpha * match length + offset` nodes: a long match (a copy in progress) drafts
 deep, a weak one drafts little, so a miss costs little.
 
-Data structure (chosen by host time per step, bench/suffix_replay.py): a flat token buffer
-per store with an index of bigram -> positions that follow it; a match is extended
-backwards from those positions with numpy, and the continuation tree is built by grouping
-the occurrences' next tokens (numpy) only at the nodes the best-first search expands.
-Host module: numpy and pure Python, no jax.
+Data structure (chosen by host time per step, bench/suffix_replay.py; a numpy suffix match
+took 2-8 ms a step): a flat token list per store with indexes n-gram (4, 2 and 1 tokens) ->
+the positions that follow it; a match is found by its last 4 tokens (else 2, else 1) and
+extended backwards from those positions, and the continuation tree is built by grouping
+the occurrences' next tokens only at the nodes the best-first search expands.
+Host module: pure Python, no jax.
 """
 
 from __future__ import annotations
