@@ -23,13 +23,6 @@ def pytest_configure(config):
     enable_compilation_cache("xla-tests")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Modules marked `exclusive_memory` first (stable: the rest keep their order): xdist
-    hands them out at the start, so the other worker waits only for its first module, and the
-    long real-model tests start early instead of ending the run on one worker."""
-    items.sort(key=lambda item: item.get_closest_marker("exclusive_memory") is None)
-
-
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as f:
