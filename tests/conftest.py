@@ -31,22 +31,64 @@ def _memory_maps() -> int:
         return 0
 
 
+class _ModuleLock:
+    """Between the two xdist workers: a module marked `exclusive_memory` runs while the other
+    worker runs no module (it waits before its next one); other modules share. A readers-writer
+    lock from two flock'd files: `gate` (taken briefly by everyone, held by a waiting writer,
+    so a reader cannot overtake it) and `room` (shared by readers, exclusive for a writer).
+    No-op outside xdist."""
+
+    def __init__(self, exclusive: bool):
+        import os
+        import tempfile
+
+        uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        self.exclusive, self.files = exclusive, None
+        if uid:
+            base = os.path.join(tempfile.gettempdir(), f"lookahead-jax-tests-{uid}")
+            self.files = [open(f"{base}.{n}.lock", "a") for n in ("gate", "room")]
+
+    def __enter__(self):
+        import fcntl
+
+        if self.files:
+            gate, room = self.files
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(room, fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        return self
+
+    def __exit__(self, *exc):
+        if self.files:
+            for f in self.files:
+                f.close()  # releases the room lock
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _release_compiled_code():
-    """After each test module, drop JAX's caches of compiled executables (and collect the
-    module's models, whose engines hold theirs). A CPU executable keeps ~6 memory
-    mappings; the whole suite in one process compiles thousands, and past the kernel's
-    vm.max_map_count (65,530 here) LLVM's next mmap fails and XLA's compiler crashes
-    (a segfault in backend_compile_and_load, seen in a full run). Says so on stderr when
-    a module ends with many mappings left."""
-    yield
-    import gc
+def _release_compiled_code(request):
+    """Per test module. Before: a module marked `exclusive_memory` (its peak alone is most of
+    the suite's memory budget) waits until the other xdist worker is between modules, which
+    then waits for it (see _ModuleLock). After: drop JAX's caches of compiled executables,
+    collect the module's models (whose engines hold theirs) and trim the allocator, so what
+    one module loaded is not still resident under the next (the suite's peak, both workers
+    together, stays <= 8 GB). A CPU executable also keeps ~6 memory mappings; the whole suite
+    in one process compiles thousands, and past the kernel's vm.max_map_count (65,530 here)
+    LLVM's next mmap fails and XLA's compiler crashes (a segfault in
+    backend_compile_and_load, seen in a full run). Says so on stderr when a module ends with
+    many mappings left."""
     import sys
 
-    import jax
+    exclusive = request.node.get_closest_marker("exclusive_memory") is not None
+    with _ModuleLock(exclusive):
+        yield
+        import jax
 
-    jax.clear_caches()
-    gc.collect()
+        from tiny import release_memory
+
+        jax.clear_caches()
+        release_memory()
     n = _memory_maps()
     if n > 30000:
         sys.__stderr__.write(f"\n[conftest] {n} memory mappings after this module (vm.max_map_count ~65k)\n")

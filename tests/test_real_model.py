@@ -12,20 +12,21 @@ Each model skips when its packages are not installed. The whole module is `slow`
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import types
 import warnings
 
 import pytest
 
-from tiny import load_prompts
+from tiny import load_prompts, release_memory
 
 import lookahead_jax as lj
 from lookahead_jax.fetch import fetch_command, gguf_path, status
 from lookahead_jax.prompts import encode_prompts
 
-pytestmark = pytest.mark.slow
+# exclusive_memory: the Qwen models in f32 (and HF's copy after ours) are most of the suite's
+# memory budget on their own, so under xdist the other worker runs no module beside this one
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive_memory]
 
 PROMPTS = [p["prompt"] for p in load_prompts(2)]  # 2 RAG, 2 HumanEval, 2 GSM8K
 NEW = 40
@@ -88,7 +89,7 @@ def qwen(request):
         look_steps=look.stats["forward_steps"], greedy_steps=greedy.stats["forward_steps"],
     )
     del model, tok, greedy, look
-    gc.collect()
+    release_memory()  # our weights leave the RSS before HF's are built
     return out
 
 
@@ -138,7 +139,7 @@ def test_qwen_greedy_equals_hf_transformers(qwen):
                           f"(ours {ours[k]}, HF {theirs[k]}), a near tie: logit gap {gap:.2g}")
     finally:
         del hf
-        gc.collect()
+        release_memory()
     assert len(ties) <= 1, f"more than one prompt flipped at a near tie: {ties}"
 
 

@@ -90,3 +90,18 @@ def drive_slots(slots, requests, every=2):
         take(slots.step())
         n += 1
     return [out[i] for i in range(len(requests))]
+
+
+def release_memory() -> None:
+    """Collect garbage, then hand the allocator's free pages back to the OS (glibc's
+    malloc_trim, every arena): XLA's CPU buffers and many of numpy's are malloc'd below the
+    mmap threshold, so a freed model's weights otherwise stay in the process's RSS and the
+    next module's model lands beside them."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
