@@ -9,6 +9,7 @@ import types
 import jax
 import numpy as np
 
+from lookahead_jax.loading import release_memory  # noqa: F401  (gc + glibc malloc_trim, for the tests)
 from lookahead_jax.models import ModelConfig, init_params
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -91,17 +92,3 @@ def drive_slots(slots, requests, every=2):
         n += 1
     return [out[i] for i in range(len(requests))]
 
-
-def release_memory() -> None:
-    """Collect garbage, then hand the allocator's free pages back to the OS (glibc's
-    malloc_trim, every arena): XLA's CPU buffers and many of numpy's are malloc'd below the
-    mmap threshold, so a freed model's weights otherwise stay in the process's RSS and the
-    next module's model lands beside them."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
