@@ -33,8 +33,9 @@ probabilities: `Draft.accept_probs`, per node the chance it is accepted) gets a(
 the draft itself: a(T) = r(T) x (sum of the first T nodes' probabilities), where r(T),
 the ratio of drafts accepted to drafts predicted within the first T nodes, is measured per
 class like a(T) (`AcceptanceStats.calibration`; an unseen class starts at r = 1/2 worth
-`calib_prior` predicted tokens, and a request's own drafts shrink towards the shared
-ratio). The tree size is still chosen here, once per step for the whole batch, so the
+`calib_prior` = 8 predicted tokens, and a request's own drafts shrink towards the shared
+ratio with the same weight; 8 to 32 replayed alike on recorded NQ answers, 2 lost ~3%
+of the estimated speedup: bench/results/suffix-replay-auto.json). The tree size is still chosen here, once per step for the whole batch, so the
 drafter proposes its best-first tree and the budget prices every prefix of it against
 the measured verify costs: expected accepted tokens per unit of step time, plain decoding
 (T = 0) included.
@@ -311,7 +312,7 @@ class AutoBudget:
 
     def __init__(self, buckets: Sequence[int], cost: dict, stats: Optional[AcceptanceStats] = None,
                  margin: float = 0.1, prior: float = 8.0, times: Optional[StepTimes] = None,
-                 cost_prior: float = 4.0, calib_prior: float = 2.0, calib_start: float = 0.5):
+                 cost_prior: float = 4.0, calib_prior: float = 8.0, calib_start: float = 0.5):
         if not buckets:
             raise ValueError("AutoBudget needs at least one bucket")
         missing = [b for b in buckets if b not in cost]
