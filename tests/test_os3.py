@@ -92,3 +92,53 @@ def test_acceptance_window_forgets_old_hits():
     assert w.gamma(1) == 0.5  # rows are separate
     w.reset(0)
     assert w.gamma(0) == 0.5
+
+
+def simulate_round(rng, s, g, d, a, b0, b1):
+    """One synchronous round of stride s, played out: (boundaries resolved, seconds), the
+    re-prefill left out. Boundary j = 1..s: keep (g), change (d: verified now, j queries),
+    miss (the rest: the round runs to its real boundary s + 1, resolves the first miss)."""
+    first_miss = None
+    for j in range(1, s + 1):
+        u = rng.random()
+        if u < g:
+            continue
+        if u < g + d and first_miss is None:
+            return j, j * a + b0 + b1 * j
+        if first_miss is None and u >= g + d:
+            first_miss = j
+    return (s + 1 if first_miss is None else first_miss), (s + 1) * a + b0 + b1 * (s + 1)
+
+
+def test_os3_counts_detected_changes_apart():
+    """A lookup that names another passage ends its round at once (verified, no stride
+    wasted): the rates with `detect` match rounds played out (Monte Carlo), d = 0 gives the
+    two-outcome form, and where a quarter of the boundaries change passage and retrieval is
+    dear the three-outcome model speculates (s > 0) while the two-outcome one barely does."""
+    rng = np.random.default_rng(0)
+    for g, d, a, b0, b1 in [(0.7, 0.25, 1.0, 0.8, 0.01), (0.5, 0.1, 1.0, 3.0, 0.2), (0.9, 0.05, 0.5, 2.0, 0.0)]:
+        rates = os3_rates(g, a, b0, b1, detect=d)
+        for s in (1, 3, 6):
+            rounds = [simulate_round(rng, s, g, d, a, b0, b1) for _ in range(40000)]
+            e, t = np.mean([r[0] for r in rounds]), np.mean([r[1] for r in rounds])
+            assert rates[s] == pytest.approx(e / t, rel=0.02), (g, d, s)
+    np.testing.assert_allclose(os3_rates(0.8, 1.0, 2.0, 0.1, 3.0, detect=0.0), os3_rates(0.8, 1.0, 2.0, 0.1, 3.0))
+    # NQ-like: a stride 0.14 s, retrieval 0.1 s a call, 70% keeps, 25% changes, re-prefill 0.7 s
+    with_d = os3_rates(0.7, 0.14, 0.1, 0.001, 0.7, detect=0.25)
+    assert os3_stride(0.7, 0.14, 0.1, 0.001, 0.7, detect=0.25) >= 2 and with_d.max() > 1.08 * with_d[0]
+    without = os3_rates(0.7, 0.14, 0.1, 0.001, 0.7)
+    assert without.max() < 1.05 * without[0]
+    # the asynchronous form ignores detect
+    np.testing.assert_allclose(os3_rates(0.7, 1.0, 2.0, asynchronous=True, detect=0.2),
+                               os3_rates(0.7, 1.0, 2.0, asynchronous=True))
+
+
+def test_acceptance_window_three_outcomes():
+    w = AcceptanceWindow(1, size=8)
+    for o in ("keep", "keep", "change", "miss", "change", "keep"):
+        w.note(0, o)
+    assert w.gamma(0) == (3 + 1) / (6 + 2) and w.detect(0) == 2 / (6 + 2)
+    w.note(0, False)  # a bool: keep / miss
+    assert w.detect(0) == 2 / 9 and w.gamma(0) == 4 / 9
+    with pytest.raises(ValueError, match="outcome"):
+        w.note(0, "maybe")

@@ -24,11 +24,12 @@ most expected tokens per unit of measured verify time for the whole batch, plain
 strategy keeps one per settings on the engine). `costs=` instead trims each draft here, with the
 drafter's own calibration: for offline replay (bench/suffix_replay.py), without an engine.
 
-Data structure (chosen by host time per step, bench/suffix_replay.py): a flat token buffer
-per store with an index of bigram -> positions that follow it; a match is extended
-backwards from those positions with numpy, and the continuation tree is built by grouping
-the occurrences' next tokens (numpy) only at the nodes the best-first search expands.
-Host module: numpy and pure Python, no jax.
+Data structure (chosen by host time per step, bench/suffix_replay.py; a numpy suffix match
+took 2-8 ms a step): a flat token list per store with indexes n-gram (4, 2 and 1 tokens) ->
+the positions that follow it; a match is found by its last 4 tokens (else 2, else 1) and
+extended backwards from those positions, and the continuation tree is built by grouping
+the occurrences' next tokens only at the nodes the best-first search expands.
+Host module: pure Python, no jax.
 """
 
 from __future__ import annotations

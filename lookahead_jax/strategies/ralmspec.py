@@ -47,11 +47,15 @@ miss is a passage change: it costs R, as it does RaLM). Each round picks
 from measured a (decode seconds per step * steps per stride + seconds per cache lookup),
 b0 and b1 (`speculation.fit_verify_cost`: least squares over the last VERIFY_FIT_CALLS
 verification calls' (queries, seconds)), R (seconds per re-prefill call) and gamma, the
-row's sliding window (`speculation.AcceptanceWindow`: (hits + 1) / (n + 2) over its last
-OS3_WINDOW checks; a check is a hit when the speculation was right and kept the passage).
-A lookup that would change the passage ends the round at once, so the model, which lets
-every miss run to the round's end, overstates what a miss costs: it errs towards s = 0.
-Until a and b are measured, s = RALM_DEFAULT_STRIDE (3).
+row's sliding window (`speculation.AcceptanceWindow`: (keeps + 1) / (n + 2) over its last
+OS3_WINDOW checks; a keep is a lookup that kept the passage and was right). A lookup that
+names another passage ends the round at once with a verification, wasting no stride: the
+window counts these apart (d, `detect`), and the synchronous model then counts the three
+outcomes (keep, change: the round ends early at j a + b(j), miss: the rest of the round is
+wasted; `speculation.os3_rates`). Counting a change as a miss, as the form above does,
+chose s = 0 wherever passages change often (a quarter of NQ's boundaries). The
+asynchronous form keeps gamma alone (a change there goes on with the passage in effect
+until the next call verifies it). Until a and b are measured, s = RALM_DEFAULT_STRIDE (3).
 
 Asynchronous verification (`async_verify=True`): when a row has s speculated boundaries
 and reaches the next one whose lookup keeps the passage, its batched verification goes to
@@ -212,7 +216,9 @@ class RalmSpecRun(RalmRun):
         a += st.spec_s / max(st.spec_calls, 1)
         b0, b1 = fit_verify_cost(self._verify_cost)
         r = self._reprefill_s / self._reprefill_calls if self._reprefill_calls else 0.0
-        return os3_stride(self.window.gamma(b), a, b0, b1, r, asynchronous=self.strat.async_verify)
+        asynchronous = self.strat.async_verify
+        return os3_stride(self.window.gamma(b), a, b0, b1, r, asynchronous=asynchronous,
+                          detect=0.0 if asynchronous else self.window.detect(b))
 
     def _swap(self, engine, state, drafter, swaps) -> None:
         if not swaps:
@@ -380,7 +386,8 @@ class RalmSpecRun(RalmRun):
         for rec, row in zip(recs, got):
             true = int(row[0])
             self.stats.checks[b] += 1
-            self.window.note(b, true == rec.spec == rec.before)
+            self.window.note(b, "change" if rec.looked != rec.before
+                             else "keep" if true == rec.spec == rec.before else "miss")
             self.stats.hits[b] += true == rec.looked
             if true == rec.spec:
                 continue
@@ -398,7 +405,8 @@ class RalmSpecRun(RalmRun):
             if probe is not None:
                 self.stats.checks[b] += 1
                 self.stats.hits[b] += probe == true
-                self.window.note(b, probe == true == self.passage[b])
+                self.window.note(b, "change" if probe != self.passage[b]
+                                 else "keep" if probe == true else "miss")
             self.next_g[b] = g + self.strat.stride
             if true != self.passage[b]:
                 self.passage[b] = true

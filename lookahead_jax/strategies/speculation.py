@@ -21,6 +21,15 @@ the verification's cost. Two forms:
   s queries overlaps the first stride of the next round; a miss wastes it):
   E(s) = (1 - g^s) / (1 - g),
   T(s) = s a + g^s max(0, b(s) - a) + (1 - g^s) max(a, b(s)) + (1 - g^s) R.
+  A lookup that names another passage (chance d, `detect`; the window counts these apart)
+  is verified at once, ending the round with no stride wasted; only a lookup that keeps
+  the passage wrongly (chance m = 1 - g - d) wastes the rest of its round. With d > 0 the
+  synchronous form counts the three outcomes (first non-keep at boundary j: a change
+  resolves j boundaries in j a + b(j); a miss at i resolves i and the round runs on to
+  its real boundary): E(s) = sum_j g^(j-1) (d + m) j + g^s (s + 1),
+  T(s) = sum_j g^(j-1) d (j a + b(j)) + (sum_j g^(j-1) m + g^s) ((s + 1) a + b(s + 1))
+  + (1 - g^(s+1)) R, j = 1..s; d = 0 gives the form above (counting a change as a miss,
+  as before, overstated its cost: OS3 chose s = 0 where passages change often).
   The re-prefill term is E(s) (1 - g) R for every s: it shifts T/E by the same (1 - g) R,
   so it never changes the argmax; it keeps the predicted rates (and their ratio to s = 0)
   true.
@@ -80,9 +89,12 @@ def check_speculation_stride(v) -> None:
 
 # ----------------------------------------------------------------------------- OS3
 def os3_rates(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: float = 0.0,
-              max_s: int = MAX_SPECULATION_STRIDE, asynchronous: bool = False) -> np.ndarray:
+              max_s: int = MAX_SPECULATION_STRIDE, asynchronous: bool = False, detect: float = 0.0) -> np.ndarray:
     """RaLMSpec's predicted boundaries per second E(s) / T(s) for s = 0..max_s (module
-    docstring); rates[0] is plain RaLM's."""
+    docstring); rates[0] is plain RaLM's. `detect` (synchronous form only): the chance that
+    a boundary's cache lookup names another passage, which ends the round at once with a
+    verification (no stride wasted); gamma is then the chance of a lookup that keeps the
+    passage and is right, and 1 - gamma - detect that of one that keeps it wrongly."""
     g = min(max(gamma, 0.0), 1.0 - 1e-9)
     s = np.arange(0, max_s + 1, dtype=np.float64)
     cost = lambda n: b0 + b1 * n  # noqa: E731  a verification of n queries
@@ -90,6 +102,17 @@ def os3_rates(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: flo
         gs = g ** s
         e = (1 - gs) / (1 - g)
         t = s * a + gs * np.maximum(0.0, cost(s) - a) + (1 - gs) * np.maximum(a, cost(s)) + (1 - gs) * reprefill
+    elif detect > 0:
+        d = min(max(detect, 0.0), 1.0 - g)
+        m = 1.0 - g - d
+        e, t = np.zeros_like(s), np.zeros_like(s)
+        for i, n in enumerate(s.astype(int)):
+            j = np.arange(1, n + 1, dtype=np.float64)
+            first = g ** (j - 1)  # boundaries 1..j-1 kept and right
+            full = (n + 1) * a + cost(n + 1)  # the round runs to its real boundary n + 1
+            e[i] = (first * d * j).sum() + (first * m * j).sum() + g ** n * (n + 1)
+            t[i] = (first * d * (j * a + cost(j))).sum() + ((first * m).sum() + g ** n) * full
+        t += (1 - g ** (s + 1)) * reprefill
     else:
         e = (1 - g ** (s + 1)) / (1 - g)
         t = (s + 1) * a + cost(s + 1) + (1 - g ** (s + 1)) * reprefill
@@ -98,12 +121,13 @@ def os3_rates(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: flo
 
 
 def os3_stride(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: float = 0.0,
-               max_s: int = MAX_SPECULATION_STRIDE, asynchronous: bool = False, min_s: int = 0) -> int:
+               max_s: int = MAX_SPECULATION_STRIDE, asynchronous: bool = False, min_s: int = 0,
+               detect: float = 0.0) -> int:
     """RaLMSpec's OS3: argmax over s in min_s..max_s of `os3_rates` (module docstring); 0
     (plain RaLM) when speculation cannot pay.
     # gamma 0.9, a 1, b0 2 -> 5 (E/T: s=0 .333, 1 .475, 3 .573, 4 .585, 5 .586, 6 .580);
     # gamma 0, a 1, b0 100 -> 0 (every speculation wrong: each round wastes a stride)."""
-    rates = os3_rates(gamma, a, b0, b1, reprefill, max_s, asynchronous)
+    rates = os3_rates(gamma, a, b0, b1, reprefill, max_s, asynchronous, detect)
     return int(min_s + np.argmax(rates[min_s:]))
 
 
@@ -127,23 +151,36 @@ def fit_verify_cost(calls) -> tuple:
 
 
 class AcceptanceWindow:
-    """Per row, the outcomes (True: the speculation was right and kept the row's round
-    going) of its last `size` checks; `gamma(b)` = (hits + 1) / (n + 2) over them (0.5
-    before any), so old hits are forgotten (the paper's sliding window)."""
+    """Per row, the outcomes of its last `size` checks: "keep" (the lookup kept the passage
+    and was right: the round goes on), "change" (the lookup named another passage: verified
+    at once, no stride wasted) or "miss" (it kept the passage wrongly: the round's strides
+    after it are wasted). `gamma(b)` = (keeps + 1) / (n + 2) and `detect(b)` = changes /
+    (n + 2) over them (gamma 0.5 before any), so old outcomes are forgotten (the paper's
+    sliding window). A bool notes keep (True) or miss (False)."""
+
+    OUTCOMES = ("keep", "change", "miss")
 
     def __init__(self, n_rows: int, size: int = OS3_WINDOW):
         self.size = int(size)
         self.rows = [collections.deque(maxlen=self.size) for _ in range(int(n_rows))]
 
-    def note(self, b: int, ok: bool) -> None:
-        self.rows[b].append(bool(ok))
+    def note(self, b: int, outcome) -> None:
+        if isinstance(outcome, (bool, np.bool_)):
+            outcome = "keep" if outcome else "miss"
+        if outcome not in self.OUTCOMES:
+            raise ValueError(f"outcome must be one of {self.OUTCOMES} or a bool, got {outcome!r}")
+        self.rows[b].append(outcome)
 
     def reset(self, b: int) -> None:
         self.rows[b].clear()
 
     def gamma(self, b: int) -> float:
         w = self.rows[b]
-        return (sum(w) + 1) / (len(w) + 2)
+        return (sum(o == "keep" for o in w) + 1) / (len(w) + 2)
+
+    def detect(self, b: int) -> float:
+        w = self.rows[b]
+        return sum(o == "change" for o in w) / (len(w) + 2)
 
 
 def os3_stride_knnlm(g: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
