@@ -35,10 +35,10 @@ the ratio of drafts accepted to drafts predicted within the first T nodes, is me
 class like a(T) (`AcceptanceStats.calibration`; an unseen class starts at r = 1/2 worth
 `calib_prior` = 8 predicted tokens, and a request's own drafts shrink towards the shared
 ratio with the same weight; 8 to 32 replayed alike on recorded NQ answers, 2 lost ~3%
-of the estimated speedup: bench/results/suffix-replay-auto.json). The tree size is still chosen here, once per step for the whole batch, so the
-drafter proposes its best-first tree and the budget prices every prefix of it against
-the measured verify costs: expected accepted tokens per unit of step time, plain decoding
-(T = 0) included.
+of the estimated speedup: bench/results/suffix-replay-auto.json). The tree size is still
+chosen here, once per step for the whole batch: the drafter proposes its best-first tree
+and the budget prices every prefix of it against the measured verify costs (expected
+accepted tokens per unit of step time, plain decoding at T = 0 included).
 """
 
 from __future__ import annotations

@@ -21,15 +21,17 @@ per class against what was really accepted and picks the prefix (tree bucket) wi
 most expected tokens per unit of measured verify time for the whole batch, plain decoding
 (no drafts) included. The statistics live with the drafter when given (`acceptance`, a
 `budget.AcceptanceStats` shared by the requests of a process like the cache: the
-strategy keeps one per settings on the engine). `costs=` instead trims each draft here, with the
-drafter's own calibration: for offline replay (bench/suffix_replay.py), without an engine.
+strategy keeps one per settings on the engine). `costs=` instead trims each draft here,
+with the drafter's own calibration: for offline replay (bench/suffix_replay.py).
 
 Data structure (chosen by host time per step, bench/suffix_replay.py; a numpy suffix match
 took 2-8 ms a step): a flat token list per store with indexes n-gram (4, 2 and 1 tokens) ->
 the positions that follow it; a match is found by its last 4 tokens (else 2, else 1) and
 extended backwards from those positions, and the continuation tree is built by grouping
-the occurrences' next tokens only at the nodes the best-first search expands.
-Host module: pure Python, no jax.
+the occurrences' next tokens only at the nodes the best-first search expands. The cache
+evicts its oldest outputs one at a time (their index entries are the oldest of their
+keys), so no step pauses to rebuild an index.
+Host module: pure Python (numpy only to save / load the cache), no jax.
 """
 
 from __future__ import annotations
