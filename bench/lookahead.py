@@ -23,7 +23,7 @@ output is checked token for token against our greedy (it must be identical) and 
 (counted, not enforced: near-ties can differ across libraries). Per-prompt speedups and
 the prompts below 0.95x go to the JSON. Reports per dataset and method: tokens/s, forward
 steps, mean accepted tokens per step (tokens emitted per forward, so greedy = 1), host
-trie time, speedups, and the prompt forward apart: `prefill_s` (time to the first token,
+drafting time (total, fraction and per step), speedups, and the prompt forward apart: `prefill_s` (time to the first token,
 summed) and the tokens/s and speedup after the first token (`decode_*`), the part a
 decoding strategy changes. Saves JSON (with the command and the host's CPU, cores and
 jax/torch versions) and a bar plot (PNG).
@@ -198,6 +198,7 @@ def main(argv=None):
                          decode_speedup_vs_our_greedy=round(decode_rate(v) / gd, 3),
                          forward_steps=v["steps"], mean_accepted_tokens=round(v["tokens"] / v["steps"], 3),
                          host_s=round(v["host"], 3), host_fraction=round(v["host"] / v["time"], 4),
+                         host_ms_per_step=round(1e3 * v["host"] / v["steps"], 3) if v["steps"] else 0.0,
                          identical_to_greedy=f"{v['identical']}/{len(ids)}")
             else:  # HF's tokens vs ours (f32 on the same weights: expected equal, bf16 rounds differently)
                 m.update(identical_to_our_greedy=f"{v['identical']}/{len(ids)}", new_tokens=v["tokens"])

@@ -76,6 +76,9 @@ def test_cache_is_bounded_with_fifo_eviction():
     for r in range(10_000):
         cache.add([r % 50_000, 1, 2, 3, r])
         assert cache.tokens <= 1000 and cache.store.n <= 1000
+        assert len(cache.store.buf) <= 2 * 1000 + 6  # the evicted prefix is cut as it grows
+    # memory flat: the index holds an entry per live n-gram only
+    assert sum(len(v) for ix in cache.store.index.values() for v in ix.values()) <= 3 * cache.tokens
     assert cache.outputs[-1][-1] == 9_999  # the newest stay, the oldest left first
     assert cache.outputs[0][-1] == 9_999 - len(cache.outputs) + 1
 
