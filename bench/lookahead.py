@@ -2,6 +2,7 @@
 
     python bench/lookahead.py                                  # 20 prompts x 3 datasets
     python bench/lookahead.py --datasets nq --n 8 --no-hf      # quick look
+    python bench/lookahead.py --configs auto suffix:auto suffix:7   # the trie vs the suffix drafter
     python bench/lookahead.py --model path/to/model.gguf --hf-device cuda   # a GGUF file, HF on GPU
     python bench/lookahead.py --ignore-eos                     # fixed length: a separate result
 
@@ -22,7 +23,7 @@ output is checked token for token against our greedy (it must be identical) and 
 (counted, not enforced: near-ties can differ across libraries). Per-prompt speedups and
 the prompts below 0.95x go to the JSON. Reports per dataset and method: tokens/s, forward
 steps, mean accepted tokens per step (tokens emitted per forward, so greedy = 1), host
-trie time, speedups, and the prompt forward apart: `prefill_s` (time to the first token,
+drafting time (total, fraction and per step), speedups, and the prompt forward apart: `prefill_s` (time to the first token,
 summed) and the tokens/s and speedup after the first token (`decode_*`), the part a
 decoding strategy changes. Saves JSON (with the command and the host's CPU, cores and
 jax/torch versions) and a bar plot (PNG).
@@ -42,8 +43,27 @@ from common import (HFPeer, bar_plot, dataset_prompts, default_out, eos_mode, ho
 def parse_config(s: str) -> dict:
     """'auto:12:hierarchical' -> decoding_length, branch_length, mode; a fourth part 'cal'
     makes auto calibrate every tree size first (Lookahead(calibrate=True)) instead of
-    starting from the platform's typical costs."""
+    starting from the platform's typical costs.
+
+    'suffix[:DL[:ALPHA:OFFSET]][:cal]' -> the suffix drafter (Lookahead(drafts="suffix"))
+    with decoding_length DL (default auto) and its tree cap alpha x match + offset (default
+    the strategy's `SUFFIX_SETTINGS`), under "suffix"; e.g. 'suffix:auto', 'suffix:7',
+    'suffix:auto:2:4'."""
     parts = s.split(":")
+    if parts[0] == "suffix":
+        from lookahead_jax.strategies.lookahead import SUFFIX_SETTINGS
+
+        rest = parts[1:]
+        cal = bool(rest) and rest[-1] == "cal"
+        rest = rest[:-1] if cal else rest
+        if len(rest) not in (0, 1, 3):
+            raise ValueError(f"suffix config {s!r}: suffix[:DL[:ALPHA:OFFSET]][:cal]")
+        dl = rest[0] if rest else "auto"
+        alpha, offset = (float(rest[1]), float(rest[2])) if len(rest) == 3 else (
+            SUFFIX_SETTINGS["alpha"], SUFFIX_SETTINGS["offset"])
+        out = dict(drafts="suffix", decoding_length=dl if dl == "auto" else int(dl),
+                   suffix=dict(SUFFIX_SETTINGS, alpha=alpha, offset=offset))
+        return dict(out, calibrate=True) if cal else out
     if len(parts) == 4 and parts[3] == "cal":
         return dict(parse_config(":".join(parts[:3])), calibrate=True)
     dl, bl, mode = parts + ["auto", "12", "hierarchical"][len(parts):]  # '15:12' -> hierarchical
@@ -66,7 +86,8 @@ def main(argv=None):
                          "labelled result, default output lookahead-fixedlen.json; not the headline)")
     ap.add_argument("--configs", nargs="+", default=["auto:12:hierarchical", "8:8:hierarchical", "16:12:parallel"],
                     help="lookahead configs decoding_length:branch_length:mode[:cal] ('auto' = the default; "
-                         "':cal': auto calibrated before decoding)")
+                         "':cal': auto calibrated before decoding), or the suffix drafter "
+                         "suffix[:decoding_length[:alpha:offset]][:cal] (e.g. suffix:auto, suffix:7)")
     ap.add_argument("--prompt-lookup", type=int, default=10, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--hf-device", default="auto",
@@ -80,6 +101,7 @@ def main(argv=None):
     import lookahead_jax as lj
     from lookahead_jax.prompts import encode_prompts
     from lookahead_jax.drafters.trie import TrieDrafter
+    from lookahead_jax.drafters.suffix import SuffixCache, SuffixDrafter
     from lookahead_jax.drafters.ngram_trie import NgramTrie
     from lookahead_jax.core.budget import AcceptanceStats
 
@@ -94,22 +116,31 @@ def main(argv=None):
     for ds in a.datasets:
         prompts, refs = dataset_prompts(ds, a.n)
         ids = encode_prompts(tok, prompts, chat=False)  # chat messages use the template
-        # each config has its own global trie and acceptance statistics (warm across this
-        # dataset's prompts, cold at its start), as TrieDrafter.shared gives generate()
-        tries = {n: NgramTrie(branch_length=c["branch_length"]) for n, c in configs.items()}
+        # each config has its own global trie (the suffix drafter: cache of earlier outputs)
+        # and acceptance statistics (warm across this dataset's prompts, cold at its start),
+        # as TrieDrafter.shared / SuffixDrafter.shared give generate()
+        tries = {n: SuffixCache() if "suffix" in c else NgramTrie(branch_length=c["branch_length"])
+                 for n, c in configs.items()}
         stats = {n: AcceptanceStats() for n in configs}
 
-        def drafter(name):
+        def drafter(name, cold=False):
             c = configs[name]
+            if "suffix" in c:
+                return SuffixDrafter(**c["suffix"], **({} if cold else dict(cache=tries[name], acceptance=stats[name])))
+            if cold:
+                return TrieDrafter(c["branch_length"], c["mode"])
             return TrieDrafter(c["branch_length"], c["mode"], trie=tries[name], acceptance=stats[name])
+
+        def options(name):  # generate's strategy options of a config
+            return {k: v for k, v in configs[name].items() if k != "suffix"}
 
         acc = {m: dict(tokens=0, time=0.0, steps=0, host=0.0, identical=0, prefill=0.0)
                for m in ["greedy", *configs] + ([] if not hf else ["hf_greedy", "hf_prompt_lookup"])}
         # warm-up: compile greedy and every lookahead bucket once (not timed)
         lj.generate(model, tok, [ids[0]], max_new_tokens=8, ignore_eos=True)
-        for cfg in configs.values():
-            lj.generate(model, tok, [ids[0]], max_new_tokens=8, ignore_eos=True, strategy="lookahead", **cfg,
-                        drafter=TrieDrafter(cfg["branch_length"], cfg["mode"]))
+        for name in configs:
+            lj.generate(model, tok, [ids[0]], max_new_tokens=8, ignore_eos=True, strategy="lookahead",
+                        **options(name), drafter=drafter(name, cold=True))
         if hf:
             hf.generate(ids[0], 4)
         per_prompt = {n: [] for n in configs}
@@ -117,9 +148,9 @@ def main(argv=None):
         for i, x in enumerate(ids):
             base = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=ie)
             rows = {"greedy": base}
-            for name, cfg in configs.items():
+            for name in configs:
                 rows[name] = lj.generate(model, tok, [x], max_new_tokens=a.max_new_tokens, ignore_eos=ie,
-                                         strategy="lookahead", references=[refs[i]], **cfg,
+                                         strategy="lookahead", references=[refs[i]], **options(name),
                                          drafter=drafter(name))
             # greedy again after the configs: the machine's speed drifts by tens of percent
             # within a minute, so the prompt's greedy time is the mean of the two around them
@@ -167,6 +198,7 @@ def main(argv=None):
                          decode_speedup_vs_our_greedy=round(decode_rate(v) / gd, 3),
                          forward_steps=v["steps"], mean_accepted_tokens=round(v["tokens"] / v["steps"], 3),
                          host_s=round(v["host"], 3), host_fraction=round(v["host"] / v["time"], 4),
+                         host_ms_per_step=round(1e3 * v["host"] / v["steps"], 3) if v["steps"] else 0.0,
                          identical_to_greedy=f"{v['identical']}/{len(ids)}")
             else:  # HF's tokens vs ours (f32 on the same weights: expected equal, bf16 rounds differently)
                 m.update(identical_to_our_greedy=f"{v['identical']}/{len(ids)}", new_tokens=v["tokens"])

@@ -22,7 +22,12 @@ exactly as in a server):
   the trie's and the suffix drafters' kind, which match at least the root);
 * suffix (...): the new `drafters.suffix.SuffixDrafter` at a few settings; "cost-trimmed"
   cuts each tree to the prefix with the most expected tokens per unit of verify time
-  (`COSTS`, its acceptance calibrated online per match class).
+  (`COSTS`, its acceptance calibrated online per match class);
+* "... auto budget": the engine's way under decoding_length="auto" (`BudgetAdapter`): the
+  drafter proposes its full tree and `core.budget.AutoBudget`, with `COSTS` as its costs
+  and the drafter's acceptance statistics, picks the tree size each step (from the nodes'
+  calibrated path probabilities for the suffix drafter, from its match classes for the
+  trie), as `core.decode.step` does at batch 1.
 
 Besides tokens and drafted tokens per step and host drafting time, `est_speedup` is tokens
 per unit of verify time with the measured relative verify costs `COSTS` (a tree is padded
@@ -130,6 +135,42 @@ class ProtocolAdapter:
 
     def end(self):
         self.d.end()
+
+
+class BudgetAdapter(ProtocolAdapter):
+    """A drafter whose trees `AutoBudget` sizes, as `core.decode.step` does at batch 1:
+    propose the full tree, `plan` the step's size, truncate; `score` after the tokens are
+    known. One budget per request (as one per `generate` call) over the drafter's shared
+    acceptance statistics; the costs are `COSTS` (no real steps correct them here)."""
+
+    def __init__(self, drafter, budget: int):
+        super().__init__(drafter)
+        from lookahead_jax.core.budget import AcceptanceStats
+
+        self.buckets = tuple(T for T in COSTS if T <= budget)
+        if self.d.acceptance is None:
+            self.d.acceptance = AcceptanceStats()
+
+    def begin(self, prompt, refs, first):
+        from lookahead_jax.core.budget import AutoBudget
+
+        super().begin(prompt, refs, first)
+        self.state.row.finish = None
+        self.budget = AutoBudget(self.buckets, {T: COSTS[T] for T in self.buckets}, self.d.acceptance)
+
+    def propose(self, ctx, budget):
+        drafts = self.d.propose(self.state, self.budget.max_nodes)
+        dr = drafts.truncated(self.budget.plan(drafts, self.state)).drafts[0]
+        return dr.tokens, dr.parents
+
+    def emit(self, toks):
+        super().emit(toks)
+        self.budget.score(self.state)
+
+    def end(self):
+        self.state.row.finish = "end"
+        self.budget.score(self.state)
+        super().end()
 
 
 class SuffixDecodingAdapter:
@@ -240,6 +281,17 @@ def main(argv=None):
     for name, kw in settings.items():
         drafters[f"suffix {name}"] = (
             lambda kw=kw: ProtocolAdapter(SuffixDrafter(max_nodes=a.budget, cache=SuffixCache(), **kw)), a.budget)
+    # the engine's auto path: AutoBudget sizes every tree (tree sizes up to 31, as
+    # Lookahead(drafts="suffix") with the drafter's max_nodes 32)
+    from lookahead_jax.strategies.lookahead import SUFFIX_SETTINGS
+
+    drafters["trie auto budget"] = (lambda: BudgetAdapter(TrieDrafter(12, "hierarchical", trie=NgramTrie(
+        branch_length=12)), 63), 63)
+    for name, kw in {"alpha 1, offset 2 (Lookahead's)": dict(SUFFIX_SETTINGS),
+                     "alpha 2, offset 4": dict(SUFFIX_SETTINGS, alpha=2.0, offset=4.0),
+                     "alpha 4, offset 4": dict(SUFFIX_SETTINGS, alpha=4.0, offset=4.0)}.items():
+        drafters[f"suffix {name}, auto budget"] = (
+            lambda kw=kw: BudgetAdapter(SuffixDrafter(cache=SuffixCache(), **kw), 31), 31)
     if a.only:
         drafters = {k: v for k, v in drafters.items() if any(s in k for s in a.only)}
     result = dict(model=rec["model"], max_new_tokens=rec["max_new_tokens"], stop_at_eos=rec["stop_at_eos"],

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lookahead_jax.core.budget import (AcceptanceStats, AutoBudget, StepTimes, accepted_length, accepted_lengths,
-                                  outcome_known)
+                                  outcome_known, predicted_lengths)
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.core.tree import BUCKETS
 
@@ -338,3 +338,27 @@ def test_own_statistics_are_per_row_and_restart_with_the_next_request():
     assert b.expected_accepted("k", 0)[3] == pytest.approx(shared.expected("k")[3])
     with pytest.raises(ValueError, match="owners"):
         b.choose(["k"], owners=[0, 1])
+
+
+def test_drafts_with_their_own_estimates_are_priced_by_them():
+    """A draft carrying its nodes' acceptance probabilities (Draft.accept_probs) is priced
+    from them, times the class's accepted / predicted ratio (1/2 before any evidence):
+    a class whose drafts keep failing stops drafting, one that keeps its promises drafts
+    as deep as its estimates pay."""
+    assert predicted_lengths([1.0, 0.5, 0.25])[:4] == (0, 1.0, 1.75, 1.75)
+    cost = {0: 1.0, 1: 1.1, 3: 1.2, 7: 2.0}
+    probs = (1.0, 1.0, 1.0, 0.1, 0.1, 0.1, 0.1)
+    b = AutoBudget(tuple(cost), cost)
+    # unseen: r = 1/2 -> a(1) = 0.5, a(3) = 1.5, a(7) = 1.7: T=3 gives 2.5 / 1.2
+    assert b.expected_accepted("k", accept_probs=probs)[3] == pytest.approx(1.5)
+    assert b.choose(["k"], accept_probs=[probs]) == 3
+    for _ in range(10):  # the class's drafts are never accepted
+        b.observe([5, 6, 7], [-1, 0, 1], [9], "k", accept_probs=(1.0, 1.0, 1.0))
+    assert b.calibrated_ratios("k")[3] < 0.1
+    assert b.choose(["k"], accept_probs=[probs]) == 0
+    good = AutoBudget(tuple(cost), cost)
+    for _ in range(10):  # always accepted as far as predicted
+        good.observe([5, 6, 7], [-1, 0, 1], [5, 6, 7, 8], "k", accept_probs=(1.0, 1.0, 1.0))
+    assert good.calibrated_ratios("k")[3] > 0.9
+    assert good.choose(["k"], accept_probs=[probs]) == 3  # the 0.1 nodes are not worth T=7
+    assert good.choose(["k"], accept_probs=[(1.0,) * 7]) == 7

@@ -88,6 +88,18 @@ def test_inserted_mid_decode_equals_alone(model, tok, ids, strategy):
     assert slots.free_slots == [0, 1, 2]  # every slot was freed, and 6 requests used 3 slots
 
 
+def test_suffix_auto_inserted_mid_decode_equals_alone(model, tok, ids):
+    """The suffix drafter under auto in the slot engine: requests enter and leave rows
+    while others decode (its per-row stores begin and end by row, its outputs enter the
+    engine's cache): each gets greedy's tokens alone."""
+    strat = Lookahead(drafts="suffix")
+    slots = Slots(engine_for(model), tok, 3, CACHE, strat)
+    got = drive(slots, ids, [0, 1, 2, 3, 4, 5], strategy=strat)
+    for i in range(len(TEXTS)):
+        assert got[i] == alone(model, tok, i), f"prompt {i}"
+    assert slots.free_slots == [0, 1, 2]
+
+
 @pytest.mark.slow
 def test_sampling_inserted_mid_decode_equals_alone(model, tok, ids):
     sp = SamplingParams(0.8, 0, 0.95)

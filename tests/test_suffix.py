@@ -76,6 +76,9 @@ def test_cache_is_bounded_with_fifo_eviction():
     for r in range(10_000):
         cache.add([r % 50_000, 1, 2, 3, r])
         assert cache.tokens <= 1000 and cache.store.n <= 1000
+        assert len(cache.store.buf) <= 2 * 1000 + 6  # the evicted prefix is cut as it grows
+    # memory flat: the index holds an entry per live n-gram only
+    assert sum(len(v) for ix in cache.store.index.values() for v in ix.values()) <= 3 * cache.tokens
     assert cache.outputs[-1][-1] == 9_999  # the newest stay, the oldest left first
     assert cache.outputs[0][-1] == 9_999 - len(cache.outputs) + 1
 
@@ -104,3 +107,47 @@ def test_rollback_forgets_the_tokens_cut_off():
     del state.rows[0].ids[1:]  # the state holds [4] again
     state.rows[0].ids += [5]
     assert d.propose(state, 8).drafts[0].tokens == []  # "4 5" never happened now
+
+
+def test_eviction_is_incremental_and_matches_a_rebuilt_store():
+    """Evicting the oldest outputs one by one leaves the same index and matches as a store
+    built from the kept outputs alone (positions shifted by the evicted tokens)."""
+    import random
+
+    rng = random.Random(0)
+    cache = SuffixCache(max_tokens=300)
+    for _ in range(200):
+        cache.add([rng.randrange(20) for _ in range(rng.randrange(1, 40))])
+        fresh = TokenStore()
+        for o in cache.outputs:
+            fresh.segment()
+            fresh.extend(o)
+        live = cache.store.buf[cache.store.dead:]
+        assert live == fresh.buf and cache.tokens <= 300
+        assert len(cache.store.buf) <= 2 * 300 + 40  # the dead prefix is cut as it grows
+        shift = cache.store.base + cache.store.dead
+        for n in TokenStore.KEYS:
+            assert {k: [p - shift for p in v] for k, v in cache.store.index[n].items()} == fresh.index[n]
+        tail = [rng.randrange(20) for _ in range(6)]
+        got = [(k, cache.store.buf[p:p + 3]) for k, p in cache.store.match(tail, True)]
+        assert got == [(k, fresh.buf[p:p + 3]) for k, p in fresh.match(tail, True)]
+    big = SuffixCache(max_tokens=10)
+    big.add(list(range(50)))  # longer than the cache: not kept
+    assert big.tokens == 0 and not big.outputs and big.store.n == 0
+
+
+def test_cache_save_load_round_trip(tmp_path):
+    cache = SuffixCache(max_tokens=1000)
+    for r in range(300):
+        cache.add([r % 7, 1, 2, 3, r])
+    cache.save(tmp_path / "cache.npz")
+    back = SuffixCache.load(tmp_path / "cache.npz")
+    assert back.max_tokens == 1000 and list(back.outputs) == list(cache.outputs)
+    assert back.tokens == cache.tokens
+    d1, d2 = SuffixDrafter(cache=cache, alpha=8.0), SuffixDrafter(cache=back, alpha=8.0)
+    state = _state([[9, 9, 5, 1, 2]])
+    d1.begin(state)
+    d2.begin(state)
+    assert d1.propose(state, 8).drafts[0].tokens == d2.propose(state, 8).drafts[0].tokens != []
+    small = SuffixCache.load(tmp_path / "cache.npz", max_tokens=60)  # the newest outputs only
+    assert list(small.outputs) == list(cache.outputs)[-10:]

@@ -27,6 +27,18 @@ one), so a new request starts from what earlier ones measured. A class never see
 is predicted to accept nothing, so the step stays plain decoding (T = 0, never slower)
 until evidence says a tree pays; its drafts are still proposed in full and scored, so
 the evidence comes without trying.
+
+A drafter that knows more about each draft than its class (the suffix drafter's path
+probabilities: `Draft.accept_probs`, per node the chance it is accepted) gets a(T) from
+the draft itself: a(T) = r(T) x (sum of the first T nodes' probabilities), where r(T),
+the ratio of drafts accepted to drafts predicted within the first T nodes, is measured per
+class like a(T) (`AcceptanceStats.calibration`; an unseen class starts at r = 1/2 worth
+`calib_prior` = 8 predicted tokens, and a request's own drafts shrink towards the shared
+ratio with the same weight; 8 to 32 replayed alike on recorded NQ answers, 2 lost ~3%
+of the estimated speedup: bench/results/suffix-replay-auto.json). The tree size is still
+chosen here, once per step for the whole batch: the drafter proposes its best-first tree
+and the budget prices every prefix of it against the measured verify costs (expected
+accepted tokens per unit of step time, plain decoding at T = 0 included).
 """
 
 from __future__ import annotations
@@ -41,6 +53,19 @@ from .tree import BUCKETS, buckets_up_to
 # how many drafts a tree's first b nodes accept, given the true continuation: the host
 # replay of the acceptance rule (one definition, next to the rule itself)
 accepted_lengths = TokenMatch.accepted_lengths
+
+
+def predicted_lengths(accept_probs) -> tuple:
+    """The drafter's expected accepted drafts within the first T nodes, for T in `BUCKETS`:
+    the sums of the nodes' acceptance probabilities (`Draft.accept_probs`).
+    # [1.0, 0.5, 0.25] -> (0, 1.0, 1.75, 1.75, ...)"""
+    out, total, i, q = [], 0.0, 0, list(accept_probs)
+    for T in BUCKETS:
+        while i < min(T, len(q)):
+            total += float(q[i])
+            i += 1
+        out.append(total)
+    return tuple(out)
 
 
 def accepted_length(tokens, parents, actual, budget: int) -> int:
@@ -122,8 +147,12 @@ class AcceptanceStats:
         self.window = window
         self.samples: dict = {}  # key -> deque of tuples (a(T) for T in BUCKETS)
         self._sums: dict = {}  # key -> [sum over the deque of a(T)] per bucket
+        # drafts with the drafter's own estimates (Draft.accept_probs): key -> deque of
+        # (a(T) per bucket, predicted a(T) per bucket), and its sums [accepted, predicted]
+        self._calib: dict = {}
+        self._calib_sums: dict = {}
 
-    def observe(self, tokens, parents, actual, key: Hashable = None) -> None:
+    def observe(self, tokens, parents, actual, key: Hashable = None, accept_probs=None) -> None:
         q = self.samples.get(key)
         if q is None:
             q = self.samples[key] = collections.deque(maxlen=self.window)
@@ -136,6 +165,28 @@ class AcceptanceStats:
         q.append(new)
         for i, a in enumerate(new):
             sums[i] += a
+        if accept_probs is not None:
+            c = self._calib.get(key)
+            if c is None:
+                c = self._calib[key] = collections.deque(maxlen=self.window)
+                self._calib_sums[key] = ([0.0] * len(BUCKETS), [0.0] * len(BUCKETS))
+            acc, pred = self._calib_sums[key]
+            if len(c) == self.window:
+                old_a, old_p = c[0]
+                for i in range(len(BUCKETS)):
+                    acc[i] -= old_a[i]
+                    pred[i] -= old_p[i]
+            p = predicted_lengths(accept_probs)
+            c.append((new, p))
+            for i in range(len(BUCKETS)):
+                acc[i] += new[i]
+                pred[i] += p[i]
+
+    def calibration(self, key: Hashable = None) -> Optional[tuple]:
+        """(accepted, predicted): per bucket of `BUCKETS`, the drafts accepted within the
+        first T nodes and the drafter's estimate of them (`predicted_lengths`), summed over
+        the class's recent drafts that carried estimates; None if none did."""
+        return self._calib_sums.get(key) if self._calib.get(key) else None
 
     def expected(self, key: Hashable = None) -> Optional[dict]:
         """Mean accepted drafts {T: a(T)} over the class's recent drafts; None if unseen."""
@@ -261,7 +312,7 @@ class AutoBudget:
 
     def __init__(self, buckets: Sequence[int], cost: dict, stats: Optional[AcceptanceStats] = None,
                  margin: float = 0.1, prior: float = 8.0, times: Optional[StepTimes] = None,
-                 cost_prior: float = 4.0):
+                 cost_prior: float = 4.0, calib_prior: float = 8.0, calib_start: float = 0.5):
         if not buckets:
             raise ValueError("AutoBudget needs at least one bucket")
         missing = [b for b in buckets if b not in cost]
@@ -286,6 +337,9 @@ class AutoBudget:
         if cost_prior < 0:
             raise ValueError(f"cost_prior must be >= 0, got {cost_prior}")
         self.cost_prior = cost_prior
+        if calib_prior <= 0 or calib_start < 0:
+            raise ValueError(f"need calib_prior > 0 and calib_start >= 0, got {calib_prior}, {calib_start}")
+        self.calib_prior, self.calib_start = calib_prior, calib_start
         self._pending: list = []  # (row state, tokens generated before, draft, its depth)
         self.calibrate_s = 0.0  # set by whoever timed the steps first (Lookahead(calibrate=True))
 
@@ -318,18 +372,41 @@ class AutoBudget:
             hit = self.local[b] = (row, AcceptanceStats(window=1 << 30))
         return hit[1]
 
-    def observe(self, tokens, parents, actual, key: Hashable = None, b=None, row=None) -> None:
+    def observe(self, tokens, parents, actual, key: Hashable = None, b=None, row=None,
+                accept_probs=None) -> None:
         """Score one draft against the tokens that followed it: into the shared
         statistics and the own ones of row b while `row` holds it (b None: the call's)."""
-        self.stats.observe(tokens, parents, actual, key)
+        self.stats.observe(tokens, parents, actual, key, accept_probs)
         own = self._own(b, row, create=b is None)
         if own is not None:
-            own.observe(tokens, parents, actual, key)
+            own.observe(tokens, parents, actual, key, accept_probs)
 
-    def expected_accepted(self, key: Hashable = None, b=None) -> dict:
+    def _ratios(self, stats, key, prior: dict) -> dict:
+        """r(T) = (accepted + calib_prior x prior(T)) / (predicted + calib_prior) per bucket
+        over the class's drafts with estimates in `stats` (`prior` alone without any)."""
+        cal = stats.calibration(key) if stats is not None else None
+        if cal is None:
+            return prior
+        acc, pred = cal
+        k = self.calib_prior
+        return {T: (acc[i] + k * prior[T]) / (pred[i] + k) for i, T in enumerate(BUCKETS) if T in prior}
+
+    def calibrated_ratios(self, key: Hashable = None, b=None) -> dict:
+        """r(T) per bucket: accepted / predicted drafts of class `key` (module docstring),
+        the shared ratio (from `calib_start`), then row b's own drafts shrunk towards it."""
+        shared = self._ratios(self.stats, key, {T: self.calib_start for T in self.buckets})
+        hit = self.local.get(b)
+        return self._ratios(hit[1] if hit is not None else None, key, shared)
+
+    def expected_accepted(self, key: Hashable = None, b=None, accept_probs=None) -> dict:
         """a(T) per bucket for drafts of class `key` (0 for an unseen class): the mean over
         the n drafts of the class that row b's request made (b None: the call's) and the
-        shared mean, weighted n : prior."""
+        shared mean, weighted n : prior. With the draft's own estimates (`accept_probs`):
+        their sums over the first T nodes times the class's calibrated ratio r(T)."""
+        if accept_probs is not None:
+            pred = dict(zip(BUCKETS, predicted_lengths(accept_probs)))
+            r = self.calibrated_ratios(key, b)
+            return {T: r[T] * pred[T] for T in self.buckets}
         hit = self.local.get(b)
         own_stats = hit[1] if hit is not None else None
         shared = self.stats.expected(key)
@@ -355,7 +432,8 @@ class AutoBudget:
         for b, _ in full:
             self._own(b, state.rows[b], create=True)
         self._pending += [(b, state.rows[b], len(state.rows[b].ids), d, d.max_depth) for b, d in full]
-        return self.choose([d.key for _, d in full], rows=len(live), owners=[b for b, _ in full])
+        return self.choose([d.key for _, d in full], rows=len(live), owners=[b for b, _ in full],
+                           accept_probs=[d.accept_probs for _, d in full])
 
     def score(self, state) -> None:
         """Score the drafts whose outcome is now decided (the row went past their depth,
@@ -364,7 +442,7 @@ class AutoBudget:
         for b, row, g0, d, depth in self._pending:
             actual = row.ids[g0:]
             if row.finish or outcome_known(d.tokens, d.parents, actual, depth):
-                self.observe(d.tokens, d.parents, actual, d.key, b, row)
+                self.observe(d.tokens, d.parents, actual, d.key, b, row, d.accept_probs)
             else:
                 keep.append((b, row, g0, d, depth))
         self._pending = keep
@@ -378,23 +456,30 @@ class AutoBudget:
             expected_accepted={  # per draft class (e.g. the trie's match length, dominance)
                 str(k): {b: round(a, 3) for b, a in self.expected_accepted(k).items()}
                 for k in sorted(self.stats.samples, key=repr)},
+            calibrated_ratio={  # per class of drafts with their own estimates: accepted / predicted
+                str(k): {b: round(r, 3) for b, r in self.calibrated_ratios(k).items()}
+                for k in sorted(self.stats._calib, key=repr)},
         )
 
     def choose(self, keys: Sequence[Hashable] = (None,), rows: Optional[int] = None,
-               owners: Optional[Sequence] = None) -> int:
+               owners: Optional[Sequence] = None, accept_probs: Optional[Sequence] = None) -> int:
         """T for a step of `rows` active rows (default len(keys)), of which those with a
         draft have the classes `keys` (owners: their batch rows, whose own statistics
         count; default the call's); rows without a draft emit one token whatever T is.
         The step's cost ratio t(T) / t(0) is the whole block's (every row of the batch is
         computed), so a fuller batch pays more for the same tree and needs more accepted
-        drafts across its rows to justify it."""
+        drafts across its rows to justify it. accept_probs: per draft its nodes' own
+        estimates (`Draft.accept_probs`) or None."""
         rows = len(keys) if rows is None else rows
         if rows < len(keys):
             raise ValueError(f"{len(keys)} drafts for {rows} rows")
         owners = [None] * len(keys) if owners is None else list(owners)
         if len(owners) != len(keys):
             raise ValueError(f"{len(owners)} owners for {len(keys)} drafts")
-        accs = [self.expected_accepted(k, o) for k, o in zip(keys, owners)]
+        probs = [None] * len(keys) if accept_probs is None else list(accept_probs)
+        if len(probs) != len(keys):
+            raise ValueError(f"{len(probs)} estimates for {len(keys)} drafts")
+        accs = [self.expected_accepted(k, o, p) for k, o, p in zip(keys, owners, probs)]
         ratio = self.cost_ratios()
         rate = {b: (rows + sum(a[b] for a in accs)) / ratio[b] for b in self.buckets}
         best = max(self.buckets, key=lambda b: (rate[b], -b))  # ties go to the smaller tree

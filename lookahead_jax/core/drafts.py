@@ -29,11 +29,18 @@ class Draft:
     key: the draft's class for the acceptance statistics of `budget.AutoBudget` (drafts of
     one class are accepted about equally often); a drafter sets what it knows, e.g. the
     trie's (match length, dominance of the top continuation). None: unclassified.
+
+    accept_probs: optional, per node the drafter's own estimate of the probability that
+    the node is accepted (e.g. the suffix drafter's path probability); `AutoBudget`
+    calibrates it per class against what drafts of the class really had accepted and then
+    prices every tree size from this draft's own estimates, not only the class's mean.
+    None: the class's mean alone.
     """
 
     tokens: list[int]
     parents: list[int]
     key: Hashable = None
+    accept_probs: Optional[Sequence[float]] = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -41,7 +48,8 @@ class Draft:
     def truncated(self, n: int) -> "Draft":
         """Its first n nodes (a tree: parents come first)."""
         return self if len(self.tokens) <= n else dataclasses.replace(
-            self, tokens=self.tokens[:n], parents=self.parents[:n])
+            self, tokens=self.tokens[:n], parents=self.parents[:n],
+            accept_probs=None if self.accept_probs is None else self.accept_probs[:n])
 
     @property
     def max_depth(self) -> int:

@@ -10,21 +10,36 @@ At each step the drafter matches the longest suffix of the row's context (up to
 collects what followed every occurrence of that longest match, and grows a tree best-first
 by path probability (the product of child count / parent count over the occurrences, as
 SuffixDecoding scores its suffix trees), dropping nodes below `min_prob`. The tree is at
-most `alpha * match length + offset` nodes: a long match (a copy in progress) drafts
-deep, a weak one drafts little, so a miss costs little.
+most `alpha * match length + offset` nodes (rounded up to the next of `buckets`, the
+tree sizes the engine verifies, whose padding slots are paid for anyway): a long match (a
+copy in progress) drafts deep, a weak one drafts little, so a miss costs little.
+
+How much of the tree a step verifies is the budget's choice (`core/budget.py`): every
+node carries its path probability (`Draft.accept_probs`) and the draft its match class
+(`Draft.key`); under `decoding_length="auto"`, `AutoBudget` calibrates the probabilities
+per class against what was really accepted and picks the prefix (tree bucket) with the
+most expected tokens per unit of measured verify time for the whole batch, plain decoding
+(no drafts) included. The statistics live with the drafter when given (`acceptance`, a
+`budget.AcceptanceStats` shared by the requests of a process like the cache: the
+strategy keeps one per settings on the engine). `costs=` instead trims each draft here,
+with the drafter's own calibration: for offline replay (bench/suffix_replay.py).
 
 Data structure (chosen by host time per step, bench/suffix_replay.py; a numpy suffix match
 took 2-8 ms a step): a flat token list per store with indexes n-gram (4, 2 and 1 tokens) ->
 the positions that follow it; a match is found by its last 4 tokens (else 2, else 1) and
 extended backwards from those positions, and the continuation tree is built by grouping
-the occurrences' next tokens only at the nodes the best-first search expands.
-Host module: pure Python, no jax.
+the occurrences' next tokens only at the nodes the best-first search expands. The cache
+evicts its oldest outputs one at a time (their index entries are the oldest of their
+keys), so no step pauses to rebuild an index.
+Host module: pure Python (numpy only to save / load the cache), no jax.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+
+import numpy as np
 
 from ..core.drafts import EMPTY, Draft, DraftBatch
 
@@ -33,43 +48,79 @@ SEP = -1  # between the segments of a store: no match or continuation crosses it
 
 class TokenStore:
     """A growing token list with indexes n-gram (n in `KEYS`) -> the positions that follow
-    it (most recent last). `extend` appends; `segment()` starts a new segment."""
+    it (most recent last). `extend` appends; `segment()` starts a new segment;
+    `evict_front(start, length)` drops the oldest segment (a FIFO cache's).
+
+    Positions in the index are absolute (they survive eviction): `buf` holds the tokens
+    from absolute position `base` on, of which the first `dead` are evicted; the dead
+    prefix is cut once it is as long as the rest (amortized O(1) per token)."""
 
     KEYS = (4, 2, 1)  # a match is looked up by its last 4 tokens first, then 2, then 1
 
     def __init__(self, max_candidates: int = 64):
         self.buf: list = []  # tokens, SEP between segments
+        self.base = 0  # absolute position of buf[0]
+        self.dead = 0  # evicted tokens at the front of buf
         self.max_candidates = max_candidates
         self.index = {n: {} for n in self.KEYS}
 
     @property
     def n(self) -> int:
-        return len(self.buf)
+        """Tokens held (separators included, evicted ones not)."""
+        return len(self.buf) - self.dead
+
+    @property
+    def end(self) -> int:
+        """Absolute position of the next token."""
+        return self.base + len(self.buf)
 
     def segment(self) -> None:
-        if self.buf and self.buf[-1] != SEP:
+        if len(self.buf) > self.dead and self.buf[-1] != SEP:
             self.buf.append(SEP)
 
     def extend(self, tokens) -> None:
-        buf = self.buf
+        buf, base = self.buf, self.base
         for t in tokens:
             buf.append(int(t))
             p = len(buf)  # position p follows buf[p - n:p]
             if buf[-1] == SEP:
                 continue
             for n, index in self.index.items():
-                if p < n:
+                if p - self.dead < n:
                     continue
                 key = tuple(buf[p - n:p]) if n > 1 else buf[-1]
                 if n > 1 and SEP in key:
                     continue
-                index.setdefault(key, []).append(p)
+                index.setdefault(key, []).append(base + p)
+
+    def evict_front(self, start: int, length: int) -> None:
+        """Drop the oldest live segment: `length` tokens from absolute position `start`
+        (the first live token): its index entries (the oldest of their keys), then the
+        tokens themselves (the separator after them too)."""
+        buf, base = self.buf, self.base
+        if start != base + self.dead:
+            raise ValueError(f"evict_front({start}, {length}): the oldest live segment starts at {base + self.dead}")
+        for n, index in self.index.items():
+            for p in range(start + n, start + length + 1):
+                key = tuple(buf[p - n - base:p - base]) if n > 1 else buf[p - 1 - base]
+                hits = index[key]
+                assert hits[0] == p, (key, hits[0], p)  # FIFO: its entries are the oldest
+                if len(hits) == 1:
+                    del index[key]
+                else:
+                    del hits[0]
+        self.dead = min(len(buf), start + length + 1 - base)
+        if 2 * self.dead >= len(buf):
+            del buf[:self.dead]
+            self.base += self.dead
+            self.dead = 0
 
     def match(self, tail: list, backoff: bool = False):
-        """Occurrences of suffixes of `tail`: [(match length, position that follows it)] at
-        the longest key length (`KEYS`) with any (the most recent `max_candidates`), and
-        with `backoff` also those of the last token alone; [] if none."""
-        buf, n_buf, m = self.buf, len(self.buf), len(tail)
+        """Occurrences of suffixes of `tail`: [(match length, position in `buf` that
+        follows it)] at the longest key length (`KEYS`) with any (the most recent
+        `max_candidates`), and with `backoff` also those of the last token alone; [] if
+        none."""
+        buf, n_buf, m, base = self.buf, len(self.buf), len(tail), self.base
         found = []
         for n in self.KEYS:
             if m < n or (found and not (backoff and n == 1)):
@@ -79,10 +130,11 @@ class TokenStore:
                 continue
             seen = {p for _, p in found}
             for p in reversed(hits[-self.max_candidates - 1:]):
+                p -= base
                 if p >= n_buf or buf[p] == SEP or p in seen:  # no continuation (yet: the context's own end)
                     continue
                 k = n
-                while k < m and p - k - 1 >= 0 and buf[p - k - 1] == tail[-k - 1]:
+                while k < m and p - k - 1 >= self.dead and buf[p - k - 1] == tail[-k - 1]:
                     k += 1
                 found.append((k, p))
         return found
@@ -90,14 +142,19 @@ class TokenStore:
 
 class SuffixCache:
     """Earlier requests' outputs, shared by the requests of a process: a token store with
-    FIFO eviction by requests once it holds more than `max_tokens` tokens (the oldest
-    outputs leave until it holds at most half, then the index is rebuilt: a pause of
-    ~0.1 ms per kept token on a 2-core CPU). Memory: ~0.5 KB per token (the default 2^18
-    tokens, ~2,000 outputs of 128 tokens: ~120 MB). An output enters when its request ends."""
+    FIFO eviction by requests: once it holds more than `max_tokens` tokens, the oldest
+    outputs leave one by one until it fits again (`TokenStore.evict_front`: their index
+    entries are removed, O(their length), no pause to rebuild). Memory: ~0.5 KB per token
+    (the default 2^18 tokens, ~2,000 outputs of 128 tokens: ~120 MB), the token list up
+    to twice the tokens held. An output enters when its request ends.
+
+    `save(path)` / `SuffixCache.load(path)`: the outputs, oldest first (a .npz file), e.g.
+    to warm a process from an earlier one's."""
 
     def __init__(self, max_tokens: int = 1 << 18):
         self.max_tokens = max_tokens
         self.outputs: deque = deque()
+        self._starts: deque = deque()  # absolute start of each output in the store
         self.tokens = 0
         self.store = TokenStore()
 
@@ -105,18 +162,38 @@ class SuffixCache:
         output = [int(t) for t in output]
         if not output:
             return
+        self.store.segment()
+        self._starts.append(self.store.end)
+        self.store.extend(output)
         self.outputs.append(output)
         self.tokens += len(output) + 1
-        if self.tokens > self.max_tokens:
-            while self.outputs and self.tokens > self.max_tokens // 2:
-                self.tokens -= len(self.outputs.popleft()) + 1
-            self.store = TokenStore()
-            for o in self.outputs:
-                self.store.segment()
-                self.store.extend(o)
-        else:
-            self.store.segment()
-            self.store.extend(output)
+        while self.tokens > self.max_tokens and len(self.outputs) > 1:
+            old = self.outputs.popleft()
+            self.store.evict_front(self._starts.popleft(), len(old))
+            self.tokens -= len(old) + 1
+        if self.tokens > self.max_tokens:  # one output longer than the cache: not kept
+            self.store.evict_front(self._starts.popleft(), len(self.outputs.popleft()))
+            self.tokens = 0
+
+    def save(self, path) -> None:
+        """The outputs, oldest first, and `max_tokens` into an .npz file at `path`."""
+        lengths = np.array([len(o) for o in self.outputs], np.int64)
+        flat = np.array([t for o in self.outputs for t in o], np.int64)
+        with open(path, "wb") as f:
+            np.savez(f, tokens=flat, lengths=lengths, max_tokens=np.int64(self.max_tokens))
+
+    @classmethod
+    def load(cls, path, max_tokens: int | None = None) -> "SuffixCache":
+        """A cache holding the outputs saved at `path` (`save`), bounded by `max_tokens`
+        (default: the saved bound; a smaller one keeps the newest outputs)."""
+        with np.load(path) as z:
+            flat, lengths = z["tokens"].tolist(), z["lengths"].tolist()
+            cache = cls(int(z["max_tokens"]) if max_tokens is None else max_tokens)
+        at = 0
+        for n in lengths:
+            cache.add(flat[at:at + n])
+            at += n
+        return cache
 
 
 class SuffixDrafter:
@@ -125,7 +202,8 @@ class SuffixDrafter:
 
     def __init__(self, max_nodes: int = 32, max_match: int = 32, alpha: float = 4.0, offset: float = 4.0,
                  min_prob: float = 0.03, backoff: float = 0.3, cache: SuffixCache | None = None,
-                 share_outputs: bool = True, costs: dict | None = None):
+                 share_outputs: bool = True, costs: dict | None = None, buckets=None,
+                 acceptance=None):
         self.max_nodes = max_nodes
         self.max_match = max_match
         self.alpha = alpha
@@ -133,6 +211,11 @@ class SuffixDrafter:
         self.min_prob = min_prob
         self.backoff = backoff
         self.costs = dict(sorted(costs.items())) if costs else None
+        # tree sizes a draft is rounded up to (costs' sizes when trimming here)
+        self.buckets = tuple(sorted(self.costs if self.costs else buckets or ()))
+        # acceptance per match class for AutoBudget, kept across requests like the cache
+        # (a budget.AcceptanceStats; None: the budget keeps its own for the call)
+        self.acceptance = acceptance
         self.calibration: dict = {}  # match class -> [accepted, predicted] over past drafts
         self._last: dict = {}  # row -> (match class, predicted accepted) of its last draft
         self.cache = cache if cache is not None else SuffixCache()
@@ -181,8 +264,8 @@ class SuffixDrafter:
             return EMPTY
         best = max(f[0] for f in found)
         cap = int(self.alpha * best + self.offset)
-        if self.costs:  # a tree is verified padded to the next size in `costs`: fill it
-            cap = next((T for T in self.costs if T >= cap), cap)
+        if self.buckets:  # a tree is verified padded to the next bucket: fill it
+            cap = next((T for T in self.buckets if T >= cap), cap)
         cap = min(budget, self.max_nodes, cap)
         if cap <= 0:
             return EMPTY
@@ -251,7 +334,7 @@ class SuffixDrafter:
             parents.append(parent)
             probs.append(-negq)
             expand(len(tokens) - 1, -negq, sub)
-        return Draft(tokens, parents, key=("suffix", min(match, 16))), probs
+        return Draft(tokens, parents, key=("suffix", min(match, 16)), accept_probs=tuple(probs)), probs
 
     def update(self, state, step) -> None:
         for b, kept in enumerate(step.kept):

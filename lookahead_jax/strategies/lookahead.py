@@ -8,8 +8,15 @@ import time
 
 from ..core import tree as tree_lib
 from ..core.acceptance import TokenMatch
-from ..core.budget import AutoBudget, FixedBudget, StepTimes, prior_costs
+from ..core.budget import AcceptanceStats, AutoBudget, FixedBudget, StepTimes, prior_costs
 from .base import StrategyBase
+
+
+# the suffix drafter's settings under Lookahead(drafts="suffix"): a tree of at most
+# match length + 2 nodes, filled up to its tree bucket (the best estimated speedup of the
+# offline replay, bench/results/suffix-replay.json: "alpha 1, offset 2, cost-trimmed"; sized
+# by auto's budget, suffix-replay-auto.json: est. 1.95x on NQ RAG vs the trie's 1.81x)
+SUFFIX_SETTINGS = dict(alpha=1.0, offset=2.0, buckets=tree_lib.BUCKETS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +31,9 @@ class Lookahead(StrategyBase):
     branch_length: maximum draft depth.  mode: hierarchical | parallel | single.
     drafts: "trie" (the n-gram trie, `drafters/trie.py`) or "suffix" (experimental: the
         adaptive suffix drafter of `drafters/suffix.py`, longest suffix match over the
-        request and a cache of earlier outputs in this process; branch_length and mode
-        unused).
+        request and a cache of earlier outputs in this process, at `SUFFIX_SETTINGS`;
+        branch_length and mode unused). With "auto" its trees are sized by their nodes'
+        calibrated path probabilities against the verify costs (`core/budget.py`).
     calibrate: with "auto", time every tree size before the first request of a shape
         (~20-30 s on a 2-core CPU, compiling every size) instead of starting from the
         platform's typical costs for the batch's size (`budget.prior_costs`: a tree in a
@@ -76,7 +84,10 @@ class Lookahead(StrategyBase):
         if self.drafts == "suffix":
             from ..drafters.suffix import SuffixDrafter
 
-            return SuffixDrafter.shared(engine)
+            # its acceptance statistics outlive requests, as the trie's (one per settings)
+            stats = engine.stores.acceptance.setdefault(("suffix",) + tuple(SUFFIX_SETTINGS.items()),
+                                                        AcceptanceStats())
+            return SuffixDrafter.shared(engine, acceptance=stats, **SUFFIX_SETTINGS)
         from ..drafters.trie import TrieDrafter  # greedy needs no trie
 
         return TrieDrafter.shared(engine, branch_length=self.branch_length, mode=self.mode)
