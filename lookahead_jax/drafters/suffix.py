@@ -275,9 +275,9 @@ class SuffixDrafter:
         members = [(buf, p, self.backoff ** (top - min(length, 8))) for length, buf, p in found]
         members = [m for m in members if m[2] > 0]
         draft, q = self._grow(members, cap, best)
-        if self.costs:
+        if self.costs:  # trimmed here (the offline replay); in the engine AutoBudget sizes the tree
             draft, q = self._trim(draft, q)
-        self._last[row] = (draft.key, sum(q))
+            self._last[row] = (draft.key, sum(q))  # for `calibration`, which only `_trim` reads
         return draft
 
     def _trim(self, draft, q):
