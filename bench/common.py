@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,22 +35,142 @@ def read_jsonl(name: str, n: int):
     return rows
 
 
+DATASETS = ("nq", "squad", "humaneval", "gsm8k", "nq-shared", "humaneval-x4")
+HUMANEVAL_SAMPLES = 4  # humaneval-x4: samples per task
+HUMANEVAL_TEMPERATURE = 0.7
+
+
+def _rag_message(context: str, question: str) -> list:
+    return [{"role": "user", "content": f"Answer the question using the passage.\n\nPassage: {context}\n\n"
+             f"Question: {question}?"}]
+
+
 def dataset_prompts(name: str, n: int, max_chars: int = 2400):
-    """(prompts, references) per dataset; prompts are chat messages or plain text."""
+    """(prompts, references) per dataset (`DATASETS`); prompts are chat messages or plain
+    text, references per prompt a list of passages (texts).
+
+    nq: NQ RAG (the passage in the prompt and as the reference); squad: Disfl-QA / SQuAD
+    from the repository's data/squad_disfl_sample.jsonl, prompted like nq; humaneval,
+    gsm8k: no references; nq-shared: repeated traffic, `n` NQ questions, 3 per passage,
+    questions on one passage one after another (`shared_prompts`); humaneval-x4: each of the
+    first `n` HumanEval tasks 4 times in a row (4n prompts), to be sampled
+    (`dataset_sampling`: temperature 0.7, a seed per sample)."""
     if name == "nq":
         rows = [r for r in read_jsonl("nq_rag.jsonl", 40 * n) if len(r["context"]) <= max_chars][:n]
-        msgs = [[{"role": "user", "content":
-                  f"Answer the question using the passage.\n\nPassage: {r['context']}\n\n"
-                  f"Question: {r['question']}?"}] for r in rows]
-        return msgs, [[r["context"]] for r in rows]
+        return [_rag_message(r["context"], r["question"]) for r in rows], [[r["context"]] for r in rows]
+    if name == "squad":
+        rows = []
+        with open(ROOT / "data" / "squad_disfl_sample.jsonl") as f:
+            for line in f:
+                r = json.loads(line)
+                if len(r["context"]) <= max_chars:
+                    rows.append(r)
+                if len(rows) >= n:
+                    break
+        # the questions end in " ?" already (PTB spacing): no second question mark
+        return ([_rag_message(r["context"], r["question"].rstrip(" ?")) for r in rows],
+                [[r["context"]] for r in rows])
+    if name == "nq-shared":
+        return shared_prompts(n, 3, max_chars)
     if name == "humaneval":
         rows = read_jsonl("humaneval.jsonl", n)
         return [r["prompt"] for r in rows], [[] for _ in rows]
+    if name == "humaneval-x4":
+        rows = read_jsonl("humaneval.jsonl", n)
+        return ([r["prompt"] for r in rows for _ in range(HUMANEVAL_SAMPLES)],
+                [[] for _ in rows for _ in range(HUMANEVAL_SAMPLES)])
     if name == "gsm8k":
         rows = read_jsonl("gsm8k_test.jsonl", n)
         msgs = [[{"role": "user", "content": r["question"] + "\nLet's think step by step."}] for r in rows]
         return msgs, [[] for _ in rows]
-    raise SystemExit(f"unknown dataset {name!r}; use nq, humaneval, gsm8k")
+    raise SystemExit(f"unknown dataset {name!r}; the datasets are: {', '.join(DATASETS)}")
+
+
+def dataset_sampling(name: str, n_prompts: int) -> list:
+    """Per prompt of `dataset_prompts(name, ...)` (n_prompts of them) the sampling options
+    for `lj.generate`: {} (greedy) except humaneval-x4: temperature 0.7 with seed = the
+    prompt's index in the set, so the 4 samples of a task differ and every method can be
+    checked against plain sampling with the same seed."""
+    if name == "humaneval-x4":
+        return [dict(temperature=HUMANEVAL_TEMPERATURE, seed=i) for i in range(n_prompts)]
+    return [{} for _ in range(n_prompts)]
+
+
+def shared_prompts(n: int, per_passage: int, max_chars: int = 2400):
+    """NQ RAG as repeated traffic: `per_passage` distinct questions for each of n /
+    per_passage passages (from nq_rag.jsonl, passages of at most `max_chars`), questions on
+    one passage one after another; (prompts, references) as `dataset_prompts`."""
+    by_ctx = defaultdict(list)
+    for r in read_jsonl("nq_rag.jsonl", 15000):
+        if len(r["context"]) <= max_chars:
+            by_ctx[r["context"]].append(r)
+    rows = []
+    for ctx, rs in by_ctx.items():
+        qs = list(dict.fromkeys(r["question"] for r in rs))
+        if len(qs) >= per_passage:
+            rows += [dict(context=ctx, question=q) for q in qs[:per_passage]]
+        if len(rows) >= n:
+            break
+    return [_rag_message(r["context"], r["question"]) for r in rows[:n]], [[r["context"]] for r in rows[:n]]
+
+
+SEP = -1  # between the segments of the copy oracle's source
+
+
+def oracle(recs, earlier: bool, anchor: int = 0):
+    """Copy oracle tokens per step over records [(prompt ids, [reference ids...], output
+    ids)] in the order they ran: at each step, the longest prefix of the true continuation
+    that occurs anywhere in the prompt + references + output so far (any span, any
+    position: unlimited tree width and depth), plus the step's own token; `earlier`: also in
+    earlier records' outputs. anchor k: only spans whose preceding k tokens equal the
+    context's last k (k = 1, "root-anchored": what follows an occurrence of the root, the
+    ceiling of any drafter that matches at least the root token, as the trie and the suffix
+    drafters do)."""
+    import numpy as np
+
+    tokens = steps = 0
+    past = []
+    for prompt, refs, out in recs:
+        prompt, out = list(prompt), list(out)
+        base = list(prompt)
+        for r in refs:
+            base += [SEP] + list(r)
+        if earlier:
+            for o in past:
+                base += [SEP] + list(o)
+        j = 0
+        while j < len(out) - 1:
+            src = np.asarray(base + [SEP] + out[:j + 1], np.int64)
+            truth = out[j + 1:len(out) - 1]  # the last token comes from the final step
+            cand = np.arange(len(src))
+            ctx = prompt + out[:j + 1]
+            for k in range(1, anchor + 1):
+                cand = cand[cand - k >= 0]
+                cand = cand[src[cand - k] == ctx[-k]]
+            a = 0
+            for t in truth:
+                cand = cand[cand + a < len(src)]
+                cand = cand[src[cand + a] == t]
+                if not len(cand):
+                    break
+                a += 1
+            tokens += a + 1
+            steps += 1
+            j += a + 1
+        past.append(out)
+    return round(tokens / steps, 3) if steps else float("nan")
+
+
+def copy_oracles(recs) -> dict:
+    """The four copy oracles (`oracle`) of a set's records: tokens per step."""
+    return {"oracle (own)": oracle(recs, False), "oracle (+ earlier outputs)": oracle(recs, True),
+            "root-anchored oracle (own)": oracle(recs, False, 1),
+            "root-anchored oracle (+ earlier outputs)": oracle(recs, True, 1)}
+
+
+def oracle_line(o: dict) -> str:
+    return (f"copy oracle {o['oracle (own)']} / {o['oracle (+ earlier outputs)']} tok/step (own / + earlier), "
+            f"root-anchored {o['root-anchored oracle (own)']} / {o['root-anchored oracle (+ earlier outputs)']}")
 
 
 def model_gguf(model: str) -> Path:

@@ -15,26 +15,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import sys
-from collections import defaultdict
-
-from common import dataset_prompts, host_line, read_jsonl
-
-
-def shared_prompts(n: int, per_passage: int, max_chars: int = 2400):
-    by_ctx = defaultdict(list)
-    for r in read_jsonl("nq_rag.jsonl", 15000):
-        if len(r["context"]) <= max_chars:
-            by_ctx[r["context"]].append(r)
-    rows = []
-    for ctx, rs in by_ctx.items():
-        qs = list(dict.fromkeys(r["question"] for r in rs))
-        if len(qs) >= per_passage:
-            rows += [dict(context=ctx, question=q) for q in qs[:per_passage]]
-        if len(rows) >= n:
-            break
-    msgs = [[{"role": "user", "content": f"Answer the question using the passage.\n\nPassage: {r['context']}\n\n"
-              f"Question: {r['question']}?"}] for r in rows[:n]]
-    return msgs, [[r["context"]] for r in rows[:n]]
+from common import dataset_prompts, host_line, shared_prompts
 
 
 def main(argv=None):

@@ -46,9 +46,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from common import host_line, save
-
-SEP = -1
+from common import copy_oracles, host_line, save
 
 
 def accepted(tokens, parents, truth) -> int:
@@ -201,43 +199,6 @@ class SuffixDecodingAdapter:
         self.cache.stop_request(self.req)
 
 
-def oracle(recs, earlier: bool, anchor: int = 0):
-    """Copy oracle tokens per step (module docstring); anchor k: only spans whose preceding
-    k tokens equal the context's last k (k = 1: what follows an occurrence of the root,
-    the ceiling of any drafter that matches at least the root token, as the trie and the
-    suffix drafters do)."""
-    tokens = steps = 0
-    past = []
-    for prompt, refs, out in recs:
-        base = list(prompt)
-        for r in refs:
-            base += [SEP] + list(r)
-        if earlier:
-            for o in past:
-                base += [SEP] + list(o)
-        j = 0
-        while j < len(out) - 1:
-            src = np.asarray(base + [SEP] + out[:j + 1], np.int64)
-            truth = out[j + 1:len(out) - 1]  # the last token comes from the final step
-            cand = np.arange(len(src))
-            ctx = prompt + out[:j + 1]
-            for k in range(1, anchor + 1):
-                cand = cand[cand - k >= 0]
-                cand = cand[src[cand - k] == ctx[-k]]
-            a = 0
-            for t in truth:
-                cand = cand[cand + a < len(src)]
-                cand = cand[src[cand + a] == t]
-                if not len(cand):
-                    break
-                a += 1
-            tokens += a + 1
-            steps += 1
-            j += a + 1
-        past.append(out)
-    return round(tokens / steps, 3)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", required=True, help="pickle from bench/suffix_record.py")
@@ -298,10 +259,7 @@ def main(argv=None):
                   records=dict(command=rec.get("command"), host=rec.get("host")),
                   relative_verify_cost={str(T): c for T, c in COSTS.items()}, sets={})
     for s, recs in rec["sets"].items():
-        rows = {"oracle (own)": dict(tokens_per_step=oracle(recs, False)),
-                "oracle (+ earlier outputs)": dict(tokens_per_step=oracle(recs, True)),
-                "root-anchored oracle (own)": dict(tokens_per_step=oracle(recs, False, 1)),
-                "root-anchored oracle (+ earlier outputs)": dict(tokens_per_step=oracle(recs, True, 1))}
+        rows = {k: dict(tokens_per_step=v) for k, v in copy_oracles(recs).items()}
         print(f"== {s} ({len(recs)} prompts, {sum(len(o) for *_, o in recs)} tokens): oracle "
               f"{rows['oracle (own)']['tokens_per_step']} / {rows['oracle (+ earlier outputs)']['tokens_per_step']}; "
               f"root-anchored {rows['root-anchored oracle (own)']['tokens_per_step']} / "
