@@ -204,7 +204,7 @@ def main(argv=None):
         def options(name):  # generate's strategy options of a config
             return {k: v for k, v in configs[name].items() if k not in own}
 
-        acc = {m: dict(tokens=0, time=0.0, steps=0, host=0.0, identical=0, prefill=0.0)
+        acc = {m: dict(tokens=0, time=0.0, steps=0, host=0.0, identical=0, prefill=0.0, capped=0, restarts=0)
                for m in ["greedy", *configs] + ([] if not hf else ["hf_greedy", "hf_prompt_lookup"])}
         # warm-up: compile greedy and every lookahead bucket once (not timed)
         lj.generate(model, tok, [ids[0]], max_new_tokens=8, ignore_eos=True)
@@ -239,6 +239,8 @@ def main(argv=None):
                 acc[name]["time"] += g_wall if name == "greedy" else s["wall_s"]
                 acc[name]["steps"] += s["forward_steps"] if name != "greedy" else (s["forward_steps"] + again.stats["forward_steps"]) / 2
                 acc[name]["host"] += s.get("host_s", 0.0)
+                acc[name]["capped"] += s.get("suffixdecoding_capped", 0)  # SuffixDecoding's drafter only
+                acc[name]["restarts"] += s.get("suffixdecoding_restarts", 0)
                 acc[name]["prefill"] += (base.stats["prefill_s"] + again.stats["prefill_s"]) / 2 if name == "greedy" else s["prefill_s"]
                 acc[name]["identical"] += out.rows[0].token_ids == ref_ids
                 if name != "greedy":
@@ -277,6 +279,8 @@ def main(argv=None):
                          identical_to_greedy=f"{v['identical']}/{len(ids)}")
             else:  # HF's tokens vs ours (f32 on the same weights: expected equal, bf16 rounds differently)
                 m.update(identical_to_our_greedy=f"{v['identical']}/{len(ids)}", new_tokens=v["tokens"])
+            if "suffixdecoding" in configs.get(name, {}):  # its trees cut by our cap; its rollbacks
+                m.update(drafts_capped_by_decoding_length=v["capped"], rollback_restarts=v["restarts"])
             if name in per_prompt:  # per-prompt speedup over the mean of the two greedy runs
                 m.update(prompts_below_0_95=sum(x < 0.95 for x in per_prompt[name]),
                          worst_prompt=min(per_prompt[name]), per_prompt_speedup=per_prompt[name])

@@ -22,10 +22,15 @@ state's prompt (+ references) and its kept ids added.
 
 decoding_length: `DECODING_LENGTH` = 63 nodes (tree buckets up to 1 + 63 = 64 query rows;
 the engine pads each tree to the next bucket). The drafter asks the peer for at most
-min(budget, depth) = 63 nodes, so the engine never truncates a tree; the peer's own cap
-(max_spec_factor x match length + offset, at most its depth 64) would give a 64th node
-only for a match of 64 tokens under the defaults: its simulator's tree is at most one node
-larger than ours then. (bench/suffix_replay.py replays it with the same budget, 63.)
+min(budget, 63) nodes (`max_spec_tokens`), so the engine never truncates a tree it returns.
+The peer's own cap is min(max_spec_tokens, max_spec_factor x match length + offset), its
+simulator's max_spec_tokens the depth 64, and a match is shorter than the context it
+searches, which `speculate` cuts to the depth: at most 63 tokens. Under the defaults
+(factor 1, offset 0) a tree is thus at most 63 nodes: 63 never cuts it. Under
+'aggressive' (factor 4, offset 4) its simulator allows 64 from a match of 15 tokens on: our
+tree is then at most one node smaller; `summary()` counts such drafts
+(`suffixdecoding_capped`: full at our cap while the peer's own cap was larger).
+(bench/suffix_replay.py replays it with the same budget, 63.)
 
 Never imported by the library: `load_cache_class(peer_dir)` puts the built module on
 sys.path.
@@ -81,6 +86,7 @@ class SuffixDecodingDrafter:
         self.kw = dict(max_spec_factor=factor, max_spec_offset=offset, min_token_prob=min_prob, use_tree_spec=tree)
         self.max_nodes = max_nodes
         self.restarts = 0
+        self.capped = 0  # drafts full at our cap while the peer's own was larger (module docstring)
         self._rows: dict = {}  # row -> [request id, references (token lists), rolled back?]
 
     def _start(self, req, prompt, refs, response) -> None:
@@ -114,6 +120,8 @@ class SuffixDecodingDrafter:
                 self.restarts += 1
             ctx = state.context(b)[-self.depth:]  # speculate matches at most `depth` tokens
             d = self.cache.speculate(r[0], np.asarray(ctx, np.int32), max_spec_tokens=n, **self.kw)
+            own = min(self.depth, int(d.match_len * self.kw["max_spec_factor"] + self.kw["max_spec_offset"] + 1e-6))
+            self.capped += len(d.token_ids) == n < own
             drafts.append(Draft([int(t) for t in d.token_ids], [int(p) for p in d.parents]) if d.token_ids else EMPTY)
         return DraftBatch(tuple(drafts))
 
@@ -138,4 +146,4 @@ class SuffixDecodingDrafter:
                 self.cache.evict_cached_response(req)
 
     def summary(self) -> dict:
-        return {"suffixdecoding_restarts": self.restarts} if self.restarts else {}
+        return dict(suffixdecoding_capped=self.capped, suffixdecoding_restarts=self.restarts)
