@@ -571,3 +571,43 @@ def test_replace_prompt_equals_a_fresh_prefill(model, tok):
     with pytest.raises(ValueError, match="distinct rows"):
         D.replace_prompt(engine, state, [0, 0], [new, new], [1, 1])
     assert state.rows[0].ids == before[0] and (state.lengths == before[1]).all()
+
+
+def test_replace_prompt_keeps_the_shared_prefix(model, tok):
+    """Rows re-prefilled together keep different prefixes of their old context in the cache:
+    none (another first token), the head before a passage, the whole new context but the
+    root (the same prompt, fewer generated ids: no forward), a prompt reaching into the
+    generated ids; each row's K/V, next tokens and their log-probabilities are those of a
+    fresh prefill of its new context, and a row left out decodes on untouched."""
+    engine = engine_for(model)
+    texts = [PROMPTS[i] for i in (0, 2, 4, 6, 8)]
+    old = [tok.encode(t) for t in texts]
+    state = D.prefill(engine, old, tok, max_len=256, max_new_tokens=32, logprobs=True)
+    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows) >= 8)
+    gen = [list(r.ids) for r in state.rows]
+    row4 = list(gen[4])
+    passage = tok.encode("a passage put first\n\n", add_special_tokens=False)
+    prompts = [[7] + old[0][1:],  # another first token: nothing kept
+               old[1][:12] + passage + old[1][12:],  # the head (12 tokens) kept
+               old[2],  # the same prompt with 3 of its generated ids: all but the root kept
+               old[3] + gen[3][:3] + [9]]  # into the generated ids, then another token
+    keep = [5, 2, 3, 4]
+    kept = D.replace_prompt(engine, state, [0, 1, 2, 3], prompts, keep)
+    ctx = [p + gen[b][:g] for b, (p, g) in enumerate(zip(prompts, keep))]
+    assert kept.tolist() == [0, 12, len(ctx[2]) - 1, len(old[3]) + 3]
+    # a prefill from slot 0 of each new context (its last token left as the root)
+    fresh = D.prefill(engine, ctx + [old[4]], tok, max_len=256, max_new_tokens=32, logprobs=True, emit=False)
+    for b in range(4):
+        n = int(state.lengths[b])
+        assert state.rows[b].prompt_ids == prompts[b] and state.rows[b].ids == gen[b][:keep[b]]
+        assert n == len(ctx[b]) - 1 == int(np.asarray(state.cache.length)[b]) and state.root[b] == ctx[b][-1]
+        for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
+            np.testing.assert_allclose(np.asarray(x)[b, :, :n], np.asarray(y)[b, :, :n], atol=1e-5, rtol=1e-5)
+    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows[:4]) >= 14)
+    D.decode(engine, fresh, until=lambda s: min(len(r.ids) for r in s.rows[:4]) >= 14 - min(keep))
+    for b in range(4):
+        got, want = state.rows[b], fresh.rows[b]
+        m = min(len(got.ids) - keep[b], len(want.ids))
+        assert got.ids[keep[b]:keep[b] + m] == want.ids[:m] and m >= 6
+        np.testing.assert_allclose(got.logprobs[keep[b]:keep[b] + m], want.logprobs[:m], atol=1e-4)
+    assert state.rows[4].ids[:len(row4)] == row4

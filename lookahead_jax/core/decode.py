@@ -20,7 +20,8 @@ State edits for outer loops (retrieval-augmented decoding, chunked prefill):
   next token, as prefill does.
 * `replace_prompt(engine, state, rows, prompts, keep_generated)`: a new prompt for the
   rows (e.g. another retrieved passage before the question), their first generated ids
-  kept, the context forwarded again from slot 0 (its last token left as the root).
+  kept; the cache keeps the prefix the new context shares with the old one and the rest
+  is forwarded (its last token left as the root).
 * `accept(state, rows, tokens, cache=)` (with `set_logprob`): for a strategy whose own
   jitted step forwards the roots and picks each token (knnlm): commit the roots, append
   the tokens as the new roots.
@@ -450,14 +451,24 @@ def rollback(state: DecodeState, rows: Sequence[int], to_length: int, drafter=No
 
 
 def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-                   keep_generated: Sequence[int], drafter=None) -> None:
+                   keep_generated: Sequence[int], drafter=None) -> np.ndarray:
     """Give row `rows[i]` the prompt `prompts[i]` and keep its first `keep_generated[i]`
-    generated ids; its new context but the last token is forwarded from slot 0 (one
-    right-padded block, as prefill) and the last token becomes the root: the row is live
-    again, where decoding the new prompt had left it after those ids, and the next step
-    picks its next token (so rows edited here stay in step with the others). For
-    retrieval-augmented decoding, whose passage sits before the question and changes while
-    decoding. The drafter is told (`rollback(rows, 0)`).
+    generated ids; its new context but the last token is put in the cache and the last
+    token becomes the root: the row is live again, where decoding the new prompt had left
+    it after those ids, and the next step picks its next token (so rows edited here stay
+    in step with the others). For retrieval-augmented decoding, whose passage sits before
+    the question and changes while decoding.
+
+    The cache keeps the longest common prefix of the row's old cached context (the tokens
+    in its slots, context[:length]) and the new context, at most all of it but the root
+    (the prompt head before a passage: chat template, instruction); the row's length is
+    set back to it (the slots past it are overwritten) and only the rest is forwarded, in
+    right-padded blocks from each row's kept length (`forward_rows`, as `extend`): the
+    same K/V as a prefill of the whole new context from slot 0. A row whose whole new
+    context but the root is kept (e.g. the same prompt with fewer generated ids) is set
+    back without a forward. The drafter is told each row's kept length
+    (`rollback([b], kept)`). Returns the kept slots of each row [len(rows)] (the re-prefill
+    forwarded the context past them, len(context) - kept tokens with the root).
 
     A kept id must not end the row (EOS), and keep_generated[i] < the row's max_new_tokens;
     the context + 1 slot must fit the cache (an error before anything changes)."""
@@ -477,19 +488,36 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
         if len(p) + g + 1 > state.max_len:
             raise ValueError(f"replace_prompt: row {b} needs {len(p) + g + 1} cache slots (prompt {len(p)} + "
                              f"{g} generated + 1) but the cache holds {state.max_len}")
-    for b, p, g in zip(rows, prompts, keep_generated):
-        state.rows[b].prompt_ids = [int(t) for t in p]
+    kept = np.zeros(len(rows), np.int64)
+    for i, (b, p, g) in enumerate(zip(rows, prompts, keep_generated)):
+        new = [int(t) for t in p] + state.rows[b].ids[:g]
+        # slots hold context[:length] (a finished row's may hold more than its context: cut)
+        kept[i] = common_prefix(state.context(b)[:int(state.lengths[b])], new[:-1])
+        state.rows[b].prompt_ids = new[:len(p)]
         state.rows[b].truncate(g)
         state.finish_s.pop(b, None)
     lengths = state.lengths.copy()
-    lengths[rows] = 0
+    lengths[rows] = kept
     state.lengths = lengths
-    state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].set(0))
+    state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].set(
+        np.asarray(kept, np.int32)))
     if drafter is not None:
-        drafter.rollback(rows, 0)
-    forward_rows(engine, state, rows, emit=False)
+        for n in sorted(set(kept.tolist())):
+            drafter.rollback([b for b, k in zip(rows, kept) if k == n], int(n))
+    todo = [b for b, k in zip(rows, kept) if k < len(state.context(b)) - 1]
+    if todo:
+        forward_rows(engine, state, todo, emit=False)
     for b in rows:  # the invariant: slots hold context[:length], root = context[length]
-        assert state.lengths[b] == len(state.context(b)) - 1 and state.root[b] == state.context(b)[-1]
+        state.root[b] = state.context(b)[-1]
+        assert state.lengths[b] == len(state.context(b)) - 1
+    return kept
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
 
 
 # ----------------------------------------------------------------------------- the loop

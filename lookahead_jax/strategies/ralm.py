@@ -8,7 +8,9 @@ RaLM (in-context retrieval-augmented LM, `strategy="ralm"`), per row:
     every `stride` generated tokens (boundary g = stride, 2*stride, ...):
         query = text of the last `query_tokens` tokens of question + generated[:g]
         p = top-1 of retrieve(query)
-        p != passage: new row prompt with p, keep generated[:g], re-prefill (`replace_prompt`)
+        p != passage: new row prompt with p, keep generated[:g], re-prefill (`replace_prompt`:
+                      the cache keeps the prefix shared with the old context, e.g. the
+                      head; the rest is forwarded)
         p == passage: decoding just continues
 
 The question is the prompt's text (after the BOS the tokenizer added), or for a chat prompt
@@ -210,6 +212,10 @@ class RalmRun:
         self.retrieval_calls = 0
         self.retrievals = 0  # queries answered by the full index
         self.reprefills = 0  # of the requests that have left
+        # context tokens the re-prefills forwarded (root included) / kept in the cache (the
+        # prefix the new context shares with the old: `replace_prompt`); a re-prefill from
+        # slot 0 would have forwarded their sum
+        self.reprefill_tokens = self.reused_tokens = 0
         self._stream = FinalTextStream(tokenizer)
         self._seg = None  # the verify steps since the last pause: (seconds, steps, tokens per row)
 
@@ -361,10 +367,12 @@ class RalmRun:
         if not swaps:
             return
         rows = [b for b, _ in swaps]
-        replace_prompt(engine, state, rows, [self._prompt(b, self.passage[b]) for b in rows],
-                       [g for _, g in swaps], drafter=drafter)
-        for b in rows:
+        kept = replace_prompt(engine, state, rows, [self._prompt(b, self.passage[b]) for b in rows],
+                              [g for _, g in swaps], drafter=drafter)
+        for b, k in zip(rows, kept):
             self.row_reprefills[b] += 1
+            self.reused_tokens += int(k)
+            self.reprefill_tokens += len(state.context(b)) - int(k)
         # lookahead: the new passage's n-grams seed the row's trie (its inputs)
         if isinstance(drafter, TrieDrafter):
             for b in rows:
@@ -381,7 +389,8 @@ class RalmRun:
         """The retrieval counters of every request so far (ralmspec adds its
         `SpeculationStats`)."""
         return dict(retrieval_s=round(self.retrieval_s, 4), retrieval_calls=self.retrieval_calls,
-                    retrievals=self.retrievals, reprefills=self.reprefills + sum(self.row_reprefills))
+                    retrievals=self.retrievals, reprefills=self.reprefills + sum(self.row_reprefills),
+                    reprefill_tokens=self.reprefill_tokens, reused_tokens=self.reused_tokens)
 
     def summary(self) -> dict:
         """The counters under "retrieval" (the one shape of every retrieval run's counters,
