@@ -103,7 +103,8 @@ PAPER = {"bm25": "1.31-1.77x", "dense": "1.75-2.39x (exact)", "hnsw": "1.04-1.39
          "knnlm": "up to 7.59x (exact)", "knnlm-hnsw": "up to 2.45x (approximate)"}
 SUMS = ("time_s", "wall_s", "compile_s", "retrieval_s", "verify_s", "speculation_s", "forward_steps", "new_tokens",
         "full_index_queries", "retrieval_calls", "speculations", "speculation_checks", "speculation_hits",
-        "tokens_kept", "rollbacks", "rollback_tokens", "reprefills", "passage_changes")
+        "tokens_kept", "rollbacks", "rollback_tokens", "reprefills", "passage_changes", "reprefill_tokens",
+        "reused_tokens")
 
 
 # ----------------------------------------------------------------------------- data
@@ -217,6 +218,8 @@ def run(lj, model, tok, x, a, retriever=None, **kw) -> tuple:
         rec.update(retrieval_s=k["retrieval_s"], full_index_queries=k["retrievals"],
                    retrieval_calls=k["retrieval_calls"], reprefills=k["reprefills"],
                    passage_changes=sum(len(h) - 1 for h in s["passages"]))
+        if "reused_tokens" in k:  # context tokens the re-prefills forwarded / kept in the cache
+            rec.update(reprefill_tokens=k["reprefill_tokens"], reused_tokens=k["reused_tokens"])
     if "speculations" in k:  # ralmspec, speculative knnlm (SpeculationStats)
         rec.update({x: k[x] for x in ("verify_s", "speculation_s", "speculations", "speculation_checks",
                                       "speculation_hits", "rollbacks", "rollback_tokens", "mean_speculation_stride")})
@@ -245,7 +248,8 @@ def summarize(recs: list, base: list = None) -> dict:
              forward_steps=round(tot["forward_steps"], 1), new_tokens=round(tot["new_tokens"], 1),
              tokens_per_s=round(tot["new_tokens"] / t, 3) if t > 0 else 0.0,
              compile_s=round(tot["compile_s"], 3), runs_that_compiled=sum(r["compile_s"] > 0 for r in recs))
-    for key in ("full_index_queries", "retrieval_calls", "reprefills", "passage_changes"):
+    for key in ("full_index_queries", "retrieval_calls", "reprefills", "passage_changes", "reprefill_tokens",
+                "reused_tokens"):
         if any(key in r for r in recs):
             m[key] = round(tot[key], 1)
     if any("speculations" in r for r in recs):

@@ -611,3 +611,62 @@ def test_replace_prompt_keeps_the_shared_prefix(model, tok):
         assert got.ids[keep[b]:keep[b] + m] == want.ids[:m] and m >= 6
         np.testing.assert_allclose(got.logprobs[keep[b]:keep[b] + m], want.logprobs[:m], atol=1e-4)
     assert state.rows[4].ids[:len(row4)] == row4
+
+
+def test_replace_prompt_tells_a_model_drafter_the_kept_length(model, tok):
+    """The draft model's own cache is set back to each row's kept prefix (the target as its
+    own draft): its next drafts are a fresh drafter's on a fresh prefill of the new
+    contexts, and decoding on gives that prefill's tokens."""
+    from lookahead_jax.drafters.model import ModelDrafter
+
+    engine = engine_for(model)
+    old = [tok.encode(PROMPTS[i]) for i in (1, 3, 5)]
+    state = D.prefill(engine, old, tok, max_len=256, max_new_tokens=32)
+    drafter = ModelDrafter(engine, (1, 1, 1))
+    drafter.begin(state)
+    D.decode(engine, state, drafter, until=lambda s: min(len(r.ids) for r in s.rows) >= 8)
+    gen = [list(r.ids) for r in state.rows]
+    passage = tok.encode("another passage\n\n", add_special_tokens=False)
+    prompts = [old[0][:10] + passage + old[0][10:], old[1], [7] + old[2][1:]]
+    keep = [3, 2, 4]
+    kept = D.replace_prompt(engine, state, [0, 1, 2], prompts, keep, drafter=drafter)
+    ctx = [p + gen[b][:g] for b, (p, g) in enumerate(zip(prompts, keep))]
+    assert kept.tolist() == [10, len(ctx[1]) - 1, 0] and drafter.dlen.tolist() == kept.tolist()
+    fresh = D.prefill(engine, ctx, tok, max_len=256, max_new_tokens=32, emit=False)
+    other = ModelDrafter(engine, (1, 1, 1))
+    other.begin(fresh)
+    got, want = drafter.propose(state, 3), other.propose(fresh, 3)
+    assert [d.tokens for d in got.drafts] == [d.tokens for d in want.drafts]
+    n = drafter.dlen
+    assert n.tolist() == other.dlen.tolist() == [len(c) for c in ctx]  # each context, root included
+    for x, y in zip(drafter.cache.k + drafter.cache.v, other.cache.k + other.cache.v):
+        for b in range(3):
+            np.testing.assert_allclose(np.asarray(x)[b, :, :n[b]], np.asarray(y)[b, :, :n[b]], atol=1e-5, rtol=1e-5)
+    D.decode(engine, state, drafter, until=lambda s: min(len(r.ids) for r in s.rows) >= 16)
+    D.decode(engine, fresh, until=lambda s: min(len(r.ids) for r in s.rows) >= 12)
+    for b in range(3):
+        m = min(len(state.rows[b].ids) - keep[b], len(fresh.rows[b].ids))
+        assert state.rows[b].ids[keep[b]:keep[b] + m] == fresh.rows[b].ids[:m] and m >= 12
+
+
+def test_reprefills_forward_only_what_the_cache_lacks(model, tok, bm25, corpus):
+    """Chat prompts: a re-prefill keeps at least the head (the template's tokens before the
+    user's question, where the passage goes) in the cache and forwards the rest; kept +
+    forwarded is each new context's length (what a re-prefill from slot 0 forwarded).
+    RaLMSpec, always wrong (rollbacks), gives RaLM's tokens."""
+    from lookahead_jax.prompts import encode_prompts
+
+    msgs = [[{"role": "system", "content": "sys words"}, {"role": "user", "content": p}] for p in PROMPTS[:4]]
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    base = run(model, tok, msgs, RaLM(**kw))
+    ids, spans = encode_prompts(tok, msgs, chat=True, spans=True)
+    sep = tok.encode("\n\n", add_special_tokens=False)
+    full = sum(len(x) + len(tok.encode(corpus[p].contents, add_special_tokens=False)) + len(sep) + g
+               for x, h in zip(ids, base.stats["passages"]) for g, p in h[1:])
+    st = base.stats["retrieval"]
+    assert st["reprefills"] == sum(len(h) - 1 for h in base.stats["passages"]) > 0
+    assert st["reprefill_tokens"] + st["reused_tokens"] == full
+    assert st["reused_tokens"] >= st["reprefills"] * min(a for a, _ in spans) > 0
+    spec = run(model, tok, msgs, RaLMSpec(**{**kw, "retriever": Forced(bm25, "wrong")}, speculation_stride=2))
+    assert_same(spec, base)
+    assert spec.stats["rollbacks"] > 0 and spec.stats["retrieval"]["reused_tokens"] > 0
