@@ -670,3 +670,32 @@ def test_reprefills_forward_only_what_the_cache_lacks(model, tok, bm25, corpus):
     spec = run(model, tok, msgs, RaLMSpec(**{**kw, "retriever": Forced(bm25, "wrong")}, speculation_stride=2))
     assert_same(spec, base)
     assert spec.stats["rollbacks"] > 0 and spec.stats["retrieval"]["reused_tokens"] > 0
+
+
+def test_replace_prompt_of_every_row_in_one_block(model, tok, monkeypatch):
+    """Every row of the batch re-prefilled in one block (the whole-batch forward), from
+    different kept lengths: a fresh prefill's K/V and tokens."""
+    engine = engine_for(model)
+    calls = []
+    extend = engine.extend
+    monkeypatch.setattr(engine, "extend", lambda *a, **k: calls.append(k.get("sel")) or extend(*a, **k))
+    old = [tok.encode(PROMPTS[i]) for i in (0, 3)]
+    state = D.prefill(engine, old, tok, max_len=256, max_new_tokens=32)
+    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows) >= 6)
+    gen = [list(r.ids) for r in state.rows]
+    passage = tok.encode("some passage\n\n", add_special_tokens=False)
+    prompts = [old[0][:9] + passage + old[0][9:], [7] + old[1][1:]]
+    calls.clear()
+    kept = D.replace_prompt(engine, state, [0, 1], prompts, [4, 4])
+    ctx = [p + g[:4] for p, g in zip(prompts, gen)]
+    assert kept.tolist() == [9, 0] and calls == [None]  # one forward of the whole batch
+    fresh = D.prefill(engine, ctx, tok, max_len=256, max_new_tokens=32, emit=False)
+    for b in range(2):
+        n = int(state.lengths[b])
+        assert n == len(ctx[b]) - 1 == int(fresh.lengths[b]) and state.root[b] == ctx[b][-1]
+        for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
+            np.testing.assert_allclose(np.asarray(x)[b, :, :n], np.asarray(y)[b, :, :n], atol=1e-5, rtol=1e-5)
+    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows) >= 14)
+    D.decode(engine, fresh, until=lambda s: min(len(r.ids) for r in s.rows) >= 10)
+    for b in range(2):
+        assert state.rows[b].ids[4:14] == fresh.rows[b].ids[:10]

@@ -464,7 +464,8 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
     (the prompt head before a passage: chat template, instruction); the row's length is
     set back to it (the slots past it are overwritten) and only the rest is forwarded, in
     right-padded blocks from each row's kept length (`forward_rows`, as `extend`): the
-    same K/V as a prefill of the whole new context from slot 0. A row whose whole new
+    K/V of a prefill of the whole new context from slot 0 (to float rounding, as a
+    chunked prefill's). A row whose whole new
     context but the root is kept (e.g. the same prompt with fewer generated ids) is set
     back without a forward. The drafter is told each row's kept length
     (`rollback([b], kept)`). Returns the kept slots of each row [len(rows)] (the re-prefill
@@ -491,7 +492,7 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
     kept = np.zeros(len(rows), np.int64)
     for i, (b, p, g) in enumerate(zip(rows, prompts, keep_generated)):
         new = [int(t) for t in p] + state.rows[b].ids[:g]
-        # slots hold context[:length] (a finished row's may hold more than its context: cut)
+        # the tokens in its slots (a row cut short by EOS / stop counts more slots than its context)
         kept[i] = common_prefix(state.context(b)[:int(state.lengths[b])], new[:-1])
         state.rows[b].prompt_ids = new[:len(p)]
         state.rows[b].truncate(g)
