@@ -20,14 +20,16 @@ qkv [D,K,G+2,H], qkv_bias, gate_up [D,2,F]).
 `plan()` matches a checkpoint's names and shapes against a config before any data is
 read, and fails loudly (ValueError naming the tensor and the fix) on a tensor that no rule
 maps, a tensor the config has no place for, a missing tensor, or a mis-shaped one.
-`build_params()` then loads, transforms and casts one tensor at a time (numpy until the
-final `jnp.asarray(..., dtype)`), so peak host memory is the output plus one tensor.
+`build_params()` then loads, transforms and casts one tensor at a time (numpy until its
+layer is fused and cast with `jnp.asarray(..., dtype)`), so peak host memory is the output
+plus one layer and one tensor's dequantization scratch.
 
 Axis legend: V vocab, D model dim, N query heads, K kv heads, H head dim, F mlp dim.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from typing import Callable, Mapping, Optional
@@ -347,21 +349,36 @@ def build_params(
     progress: bool = False,
     desc: str = "converting",
 ):
-    """Load, transform and cast every routed tensor into our params pytree."""
+    """Load, transform and cast every routed tensor into our params pytree.
+
+    Order: the tensors outside the layers first (the embedding and an untied lm_head: the
+    largest, whose dequantization scratch is the largest, while little else is held), then
+    layer by layer, each layer fused and cast (`jnp.asarray`) as soon as its last tensor is
+    in, so at most one layer is held split (numpy) beside the finished params."""
     params: dict = {"layers": [dict() for _ in range(config.n_layers)]}
     expected = expected_leaves(config)
+    left = collections.Counter(int(p.split(".")[1]) for p in routes if p.startswith("layers."))
+
+    def order(item):
+        path, (name, _) = item
+        parts = path.split(".")
+        return (1, int(parts[1]), name) if parts[0] == "layers" else (0, 0, name)
+
     for path, (name, rule) in tqdm(
-        sorted(routes.items(), key=lambda kv: kv[1][0]), desc=desc, disable=not progress,
-        unit="tensor",
+        sorted(routes.items(), key=order), desc=desc, disable=not progress, unit="tensor",
     ):
         x = apply_rule(rule, load(name), config)
         assert x.shape == expected[path], (name, x.shape, expected[path])
         parts = path.split(".")
-        if parts[0] == "layers":
-            params["layers"][int(parts[1])][parts[2]] = x  # f32 numpy until fused below
-        else:
+        if parts[0] != "layers":
             params[path] = jnp.asarray(x, dtype=dtype)
-    for i, layer in enumerate(params["layers"]):
-        params["layers"][i] = {k: jnp.asarray(v, dtype=dtype) for k, v in fuse_layer(layer, config).items()}
-        layer.clear()  # free the split copies as we go
+            continue
+        i = int(parts[1])
+        layer = params["layers"][i]
+        layer[parts[2]] = x  # f32 numpy until the layer is complete
+        left[i] -= 1
+        if not left[i]:
+            params["layers"][i] = {k: jnp.asarray(v, dtype=dtype) for k, v in fuse_layer(layer, config).items()}
+            layer.clear()  # free the split copies
+        del x
     return params
