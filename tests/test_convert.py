@@ -263,6 +263,31 @@ def test_gguf_dtype_and_header_reader(tiny_hf, tmp_path):
             np.testing.assert_array_equal(ours.metadata[k], f.contents())
 
 
+def test_gguf_conversion_fuses_each_layer_as_it_completes(tiny_hf, tmp_path, monkeypatch):
+    """Memory of a first load: the tensors outside the layers (the embedding: the largest
+    dequantization) are read first, then layer by layer, each layer fused as soon as its
+    last tensor is in, so at most one layer is held split beside the finished params."""
+    from lookahead_jax.convert import gguf_weights, keymaps
+
+    hf, arch = tiny_gguf_model(tiny_hf, "llama")
+    path = write_gguf(tmp_path / "m.gguf", hf, arch)
+    events = []
+    dequantize, fuse = gguf_weights.GGUFFile.dequantize, keymaps.fuse_layer
+    monkeypatch.setattr(gguf_weights.GGUFFile, "dequantize",
+                        lambda self, name: events.append(name) or dequantize(self, name))
+    monkeypatch.setattr(keymaps, "fuse_layer", lambda layer, config: events.append("FUSE") or fuse(layer, config))
+    config, _ = convert.load_gguf(path, progress=False)
+
+    first = next(i for i, e in enumerate(events) if e.startswith("blk."))
+    assert first > 0 and "token_embd.weight" in events[:first]
+    segments = " ".join(events[first:]).split("FUSE")
+    assert segments[-1].strip() == "" and len(segments) == config.n_layers + 1, events
+    for i, seg in enumerate(segments[:-1]):
+        names = seg.split()
+        assert names and all(n.startswith(f"blk.{i}.") for n in names), (i, names)
+        assert len(names) == sum(t.startswith(f"blk.{i}.") for t in open_gguf(path).tensors)
+
+
 def test_llama3_rope_freqs_reject_unknown_parameters(tiny_hf, tmp_path):
     hf, arch = tiny_gguf_model(tiny_hf, "llama3", rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
