@@ -12,7 +12,9 @@ The README's ```bash blocks are parsed (backslash continuations joined, `&&` cha
   install the Qwen packages). Every generate command gets `--json`, so that the outputs the
   README calls equal (greedy / lookahead, ralm / ralmspec, knnlm / speculative knnlm) are
   compared token for token.
-* the ```python block (the API) runs in a subprocess with `max_new_tokens=4`.
+* the ```python block (the API) runs in a subprocess with `max_new_tokens=4`;
+* the server command runs (`--max-batch 2`, a free port, no warm-up) and its ```sh curl
+  example and ```py `openai` client example are sent to it; SIGINT stops it.
 
 The subprocesses see a fresh LOOKAHEAD_JAX_CACHE whose entries link to the real cache (the
 converted model, GGUF files, kernels, compiled steps: nothing is downloaded or converted
@@ -26,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -234,3 +237,62 @@ def test_readme_python_block_runs(env):
     p = subprocess.run([sys.executable, "-c", small_code], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr[-4000:]}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_readme_server_and_its_clients_run(env):
+    """The README's server command really serves: started as written (`--max-batch 2`, a
+    free port, no warm-up: small settings), its curl example (where curl exists) and its
+    `openai` client example get answers; Ctrl-C (SIGINT) stops it."""
+    import signal
+    import time
+    import urllib.request
+
+    (argv,) = [a for argvs in BLOCKS for a in argvs if a[2] == "lookahead_jax.serve"]
+    port = _free_port()
+    cmd = [sys.executable] + argv[1:]
+    cmd[cmd.index("--max-batch") + 1] = "2"
+    cmd += ["--port", str(port), "--warmup", "none"]
+    server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, f"{shlex.join(cmd)} exited {server.returncode}:\n{server.stdout.read()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the README's server did not come up in 10 min"
+            time.sleep(1)
+        (curl,) = [b for b in blocks("sh") if "curl " in b]
+        if shutil.which("curl"):
+            p = subprocess.run(["sh", "-c", curl.replace(":8000", f":{port}")], capture_output=True, text=True,
+                               timeout=600)
+            assert p.returncode == 0, p.stderr
+            reply = json.loads(p.stdout)
+            assert reply["choices"][0]["message"]["role"] == "assistant", reply
+            assert reply["usage"]["completion_tokens"] > 0, reply
+        (client,) = [b for b in blocks("py") if "OpenAI(" in b]
+        p = subprocess.run([sys.executable, "-c", client.replace(":8000", f":{port}")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"{p.stdout}\n{p.stderr[-4000:]}"
+        assert p.stdout.strip(), "the openai example printed no answer"
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                raise
+    assert server.returncode in (0, 130, -signal.SIGINT), server.stdout.read()[-4000:]
