@@ -109,6 +109,25 @@ def test_rollback_forgets_the_tokens_cut_off():
     assert d.propose(state, 8).drafts[0].tokens == []  # "4 5" never happened now
 
 
+def test_a_replaced_prompt_is_drafted_from_after_the_rollback():
+    """`decode.replace_prompt` (RaLM's new passage) sets the row's prompt and tells the
+    drafter rollback(rows, 0): the row is rebuilt from the state's new prompt (and the
+    request's references), so it drafts from the passage in effect, not the old one."""
+    d = SuffixDrafter(alpha=8.0, backoff=0.0)
+    old, new = [10, 11, 12, 13, 14], [10, 11, 22, 23, 24]
+    state = _state([old + [1, 2]], [[3]])
+    d.begin(state, references=[[[30, 31, 32]]])
+    state.rows[0].ids += [10, 11]
+    d.update(state, SimpleNamespace(kept=[[10, 11]]))
+    assert d.propose(state, 8).drafts[0].tokens[:3] == [12, 13, 14]  # the old passage
+    state.rows[0].prompt_ids = new + [1, 2]  # replace_prompt, keeping the 3 generated ids
+    d.rollback([0], 0)
+    assert d.propose(state, 8).drafts[0].tokens[:3] == [22, 23, 24]  # the new one only
+    state.rows[0].ids += [30]
+    d.update(state, SimpleNamespace(kept=[[30]]))
+    assert d.propose(state, 8).drafts[0].tokens[:2] == [31, 32]  # the references stay
+
+
 def test_eviction_is_incremental_and_matches_a_rebuilt_store():
     """Evicting the oldest outputs one by one leaves the same index and matches as a store
     built from the kept outputs alone (positions shifted by the evicted tokens)."""

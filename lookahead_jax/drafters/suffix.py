@@ -220,7 +220,7 @@ class SuffixDrafter:
         self._last: dict = {}  # row -> (match class, predicted accepted) of its last draft
         self.cache = cache if cache is not None else SuffixCache()
         self.share_outputs = share_outputs
-        self._rows: dict = {}  # row -> [store, inputs, output tokens]
+        self._rows: dict = {}  # row -> [store (None: rebuild), references, output tokens]
 
     @classmethod
     def shared(cls, engine, **kw) -> "SuffixDrafter":
@@ -232,17 +232,17 @@ class SuffixDrafter:
     def begin(self, state, references=None, rows=None) -> None:
         self.end(rows)
         for row in range(state.batch) if rows is None else rows:
-            inputs = [list(state.rows[row].prompt_ids)] + [list(r) for r in (references[row] if references else ()) if r]
-            self._rows[row] = self._new_row(inputs, list(state.rows[row].ids))
+            refs = [list(r) for r in (references[row] if references else ()) if r]
+            self._rows[row] = self._new_row(state.rows[row].prompt_ids, refs, list(state.rows[row].ids))
 
-    def _new_row(self, inputs, output):
+    def _new_row(self, prompt, refs, output):
         store = TokenStore()
-        for x in inputs:
+        for x in [list(prompt)] + refs:
             store.segment()
             store.extend(x)
         store.segment()
         store.extend(output)
-        return [store, inputs, output]
+        return [store, refs, output]
 
     def propose(self, state, budget: int) -> DraftBatch:
         drafts = []
@@ -250,8 +250,8 @@ class SuffixDrafter:
             if not live or b not in self._rows:
                 drafts.append(EMPTY)
                 continue
-            if self._rows[b][0] is None:  # rolled back: rebuild from the state's tokens
-                self._rows[b] = self._new_row(self._rows[b][1], list(state.rows[b].ids))
+            if self._rows[b][0] is None:  # rolled back: rebuild from the state's prompt and output
+                self._rows[b] = self._new_row(state.rows[b].prompt_ids, self._rows[b][1], list(state.rows[b].ids))
             drafts.append(self.propose_context(b, state.context(b), budget))
         return DraftBatch(tuple(drafts))
 
@@ -343,13 +343,15 @@ class SuffixDrafter:
                 c = self.calibration.setdefault(last[0], [0.0, 0.0])
                 c[0] += len(kept) - 1
                 c[1] += last[1]
-            if kept and b in self._rows:
+            if kept and b in self._rows and self._rows[b][0] is not None:
                 self._rows[b][0].extend(kept)
                 self._rows[b][2].extend(int(t) for t in kept)
 
     def rollback(self, rows, length) -> None:
-        """The row's output is cut back (its store rebuilt at the next propose from the
-        state's tokens)."""
+        """The row's output is cut back, or its prompt replaced (`decode.replace_prompt`,
+        e.g. RaLM's new passage): its store is rebuilt at the next propose from the state's
+        prompt and output then (and the request's references), so it drafts from the
+        prompt in effect."""
         for b in rows:
             if b in self._rows:
                 self._rows[b][0] = None
