@@ -221,7 +221,7 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     ap.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: params split over 'model' by the "
                     "rule table, batch rows and the KV cache over 'data' (default: one device)")
     flags = _strategy_flags(ap)
-    ap.add_argument("--references-field", help="lookahead: JSONL field whose text(s) seed the trie")
+    ap.add_argument("--references-field", help="lookahead: JSONL field whose text(s) it drafts from too")
     ap.add_argument("-v", "--verbose", action="store_true", help="log compilations and loading")
     a = ap.parse_args(argv)
 
@@ -349,8 +349,8 @@ def warn_unused_options(cfg: CliConfig, strategy) -> None:
     """One warning line per option given that the chosen strategy (or greedy decoding) does
     not use here (options of another strategy are warned about while parsing)."""
     if cfg.references_field and not strategy.takes_references:
-        print(f"warning: --references-field is not used by --strategy {cfg.strategy} (references seed "
-              "an n-gram trie: lookahead, specinfer with --lookahead-nodes, ralm/ralmspec with --lookahead): "
+        print(f"warning: --references-field is not used by --strategy {cfg.strategy} (references are drafted "
+              "from: lookahead, specinfer with --lookahead-nodes, ralm/ralmspec with --lookahead): "
               "ignored", file=sys.stderr)
     if cfg.temperature <= 0:  # greedy: the argmax, whatever the sampling filters keep
         for flag, given in (("--top-k", cfg.top_k != 0), ("--top-p", cfg.top_p != 1.0)):

@@ -107,11 +107,16 @@ def test_lookahead_gives_the_same_tokens(fake_load, capsys):
     args = ("--prompt", PROMPTS[1], "--max-new-tokens", "8", "--json")
     rc, out, _ = run_main(capsys, *args)
     greedy, _ = parse_json_lines(out)
-    rc2, out2, err2 = run_main(capsys, *args, "--strategy", "lookahead", "--decoding-length", "8",
-                               "--branch-length", "4", "--lookahead-mode", "parallel")
+    rc2, out2, err2 = run_main(capsys, *args, "--strategy", "lookahead", "--decoding-length", "8")
     assert rc == rc2 == 0, err2
-    look, summary = parse_json_lines(out2)
+    look, summary = parse_json_lines(out2)  # the default drafter: suffix
     assert look[0]["token_ids"] == greedy[0]["token_ids"]
+    assert summary["strategy"] == "lookahead"
+    rc3, out3, err3 = run_main(capsys, *args, "--strategy", "lookahead", "--decoding-length", "8",
+                               "--drafts", "trie", "--branch-length", "4", "--lookahead-mode", "parallel")
+    assert rc3 == 0 and "warning" not in err3, err3
+    trie, summary = parse_json_lines(out3)
+    assert trie[0]["token_ids"] == greedy[0]["token_ids"]
     assert summary["strategy"] == "lookahead"
 
 
@@ -371,6 +376,10 @@ def test_references_field(fake_load, tiny, capsys, tmp_path):
     (["--decoding-length", "4"], "--decoding-length is an option of --strategy lookahead: ignored"),
     (["--top-p", "0.9"], "--top-p is not used at --temperature 0 (greedy decoding): ignored"),
     (["--strategy", "lookahead", "--references-field", "passage"], None),
+    (["--strategy", "lookahead", "--branch-length", "4"],
+     "--branch-length is not used by --strategy lookahead with --drafts suffix"),
+    (["--strategy", "lookahead", "--drafts", "trie", "--lookahead-mode", "single", "--references-field", "passage"],
+     None),
     (["--strategy", "specinfer", "--draft-model", "org/tiny", "--lookahead-nodes", "4", "--references-field",
       "passage", "--sampler", "invariant", "--temperature", "0.7"], None),
 ])

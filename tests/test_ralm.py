@@ -259,17 +259,60 @@ def test_rows_ending_mid_batch(model, tok, bm25):
 
 
 def test_lookahead_drafts_cross_boundaries(model, tok, bm25):
-    """With n-gram trie drafts a step can pass a boundary: the same tokens as without."""
+    """With drafts (lookahead's suffix drafter; the n-gram trie given as drafter=) a step
+    can pass a boundary: the same tokens as without."""
+    from lookahead_jax.drafters.trie import TrieDrafter
+
     kw = dict(retriever=bm25, stride=2, query_tokens=16)
     base = run(model, tok, PROMPTS[:6], RaLM(**kw))
     la = run(model, tok, PROMPTS[:6], RaLM(lookahead=7, **kw))
     assert_same(la, base)
-    assert la.stats["forward_steps"] < base.stats["forward_steps"]  # drafts were accepted
+    # drafts were accepted: fewer forwards per row (with a cold cache of earlier outputs the
+    # batch's slowest row may still take as many steps as without: drafts cut at a boundary
+    # whose passage changes are redone)
+    assert sum(r.forward_steps for r in la.rows) < sum(r.forward_steps for r in base.rows)
+    trie = run(model, tok, PROMPTS[:6], RaLM(lookahead=7, **kw), drafter=TrieDrafter())
+    assert_same(trie, base)
+    assert trie.stats["forward_steps"] < base.stats["forward_steps"]
     spec = run(model, tok, PROMPTS[:6], RaLMSpec(lookahead=7, speculation_stride=2, **kw))
     assert_same(spec, base)
     wrong = run(model, tok, PROMPTS[:6], RaLMSpec(lookahead=7, speculation_stride=2,
                                                  **{**kw, "retriever": Forced(bm25, "wrong")}))
     assert_same(wrong, base)
+
+
+def test_lookahead_drafts_from_the_passage_in_effect(model, tok, bm25):
+    """RaLM's lookahead is the suffix drafter (lookahead's default): after a passage swap
+    (replace_prompt) the row's drafts come from its new prompt, the one with the new
+    passage (the drafter rebuilds the row from the state's prompt)."""
+    from lookahead_jax.drafters.suffix import SuffixDrafter
+    from lookahead_jax.strategies.ralm import RalmRun
+
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    strat = RaLM(lookahead=7, **kw)
+    engine = engine_for(model)
+    assert isinstance(strat.drafter(engine), SuffixDrafter)
+    seen = []  # (row, passage in effect, the tokens the row's store holds before its output)
+    swap = RalmRun._swap
+
+    def spy(self, engine, state, drafter, swaps):
+        swap(self, engine, state, drafter, swaps)
+        for b, _ in swaps:
+            drafter.propose(state, 0)  # rebuilds the rows rolled back
+            store = drafter._rows[b][0]
+            seen.append((self._passage_tokens(self.passage[b]), store.buf, state.rows[b].prompt_ids))
+
+    RalmRun._swap = spy
+    try:
+        la = run(model, tok, PROMPTS[:6], strat)
+    finally:
+        RalmRun._swap = swap
+    assert_same(la, run(model, tok, PROMPTS[:6], RaLM(**kw)))
+    assert seen, "no passage changed: the test needs a swap"
+    for passage, buf, prompt in seen:
+        assert buf[:len(prompt)] == prompt  # the store starts with the new prompt ...
+        n = len(passage)
+        assert any(buf[i:i + n] == passage for i in range(len(prompt) - n + 1))  # ... its passage in it
 
 
 def test_streaming_sends_only_final_text(model, tok, bm25):

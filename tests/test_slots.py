@@ -77,12 +77,13 @@ def drive(slots, ids, order, max_new=MAX_NEW, seed=0, every=2, strategy=None, pl
     return out
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "lookahead"])
+@pytest.mark.parametrize("strategy", ["greedy", "lookahead", "lookahead-trie"])
 def test_inserted_mid_decode_equals_alone(model, tok, ids, strategy):
-    strat = {"greedy": None, "lookahead": Lookahead(decoding_length=7)}[strategy]
+    strat = {"greedy": None, "lookahead": Lookahead(decoding_length=7),  # the suffix drafter
+             "lookahead-trie": Lookahead(decoding_length=7, drafts="trie")}[strategy]
     slots = Slots(engine_for(model), tok, 3, CACHE, strat)
     got = drive(slots, ids, [0, 1, 2, 3, 4, 5], strategy=strat)
-    kw = {} if strat is None else dict(strategy="lookahead", decoding_length=7)
+    kw = {} if strat is None else dict(strategy="lookahead", decoding_length=7, drafts=strat.drafts)
     for i in range(len(TEXTS)):
         assert got[i] == alone(model, tok, i, **kw), f"prompt {i}"
     assert slots.free_slots == [0, 1, 2]  # every slot was freed, and 6 requests used 3 slots

@@ -3,9 +3,10 @@
 An `Engine` holds everything about one model that outlives a `generate` call: the params
 (and their CPU-packed or mesh-sharded copy), the compiled executables (`compile.py`), the
 verify costs measured per shape, the step timer, and the state drafters share across
-requests (the n-gram tries and acceptance statistics). Nothing is stored on the model
-object: `engine_for(model)` keeps one engine per model (and mesh) in a registry, and
-every function that needs one takes it explicitly.
+requests (the suffix drafter's cache of earlier outputs, the n-gram tries, acceptance
+statistics). Nothing is stored on the model object: `engine_for(model)` keeps one engine
+per model (and mesh) in a registry, and every function that needs one takes it
+explicitly.
 
     engine = lj.Engine(model, mesh=make_mesh(data=2, model=4))
     out = lj.generate(engine, tok, prompts)          # or generate(model, ..., mesh=mesh)
@@ -39,11 +40,12 @@ log = logging.getLogger("lookahead_jax")
 @dataclasses.dataclass
 class Stores:
     """What outlives requests on an engine, by owner (typed, so each owner's keys are visible
-    in one place): the lookahead trie per branch length and its acceptance statistics per
-    drafter geometry (drafters/trie.py); SpecInfer's draft engines and models by name, and the
-    drafts already warned about (strategies/specinfer.py); the KNN-LM index in use, with the
-    datastore identity it was built from (strategies/knnlm.py); the suffix drafter's cache of
-    earlier outputs (drafters/suffix.py)."""
+    in one place): lookahead's suffix drafter's cache of earlier outputs (drafters/suffix.py);
+    the trie per branch length (drafts="trie", drafters/trie.py); acceptance statistics per
+    drafter geometry (the suffix drafter's: per settings); SpecInfer's draft engines and
+    models by name, and the drafts already warned about (strategies/specinfer.py); the
+    KNN-LM index in use, with the datastore identity it was built from
+    (strategies/knnlm.py)."""
 
     tries: dict = dataclasses.field(default_factory=dict)  # branch_length -> NgramTrie
     acceptance: dict = dataclasses.field(default_factory=dict)  # drafter geometry -> AcceptanceStats

@@ -14,7 +14,7 @@ decode state of fixed slots) with speculation inside `step`: a step may emit sev
 tokens per slot. Everything per request lives in its row (`rows.RowState`: prompt,
 tokens, stop strings, EOS ids, max / min new tokens, streaming callback) and in the
 drafter's per-row state (`Drafter.begin(..., rows=)` / `end(rows=)`); what outlives
-requests (the lookahead trie and its acceptance statistics, draft engines) lives in the
+requests (lookahead's cache of earlier outputs or trie, acceptance statistics, draft engines) lives in the
 engine's stores, as for `generate`.
 
 Each request brings its own sampling parameters and penalties (`Request.sampling`,
@@ -89,7 +89,7 @@ class Request:
     (`SamplingParams`, `Penalties`; None: the slots' defaults). sampling_row: the row of the sampling key (default:
     the slot); `generate` numbers rows across a whole call so batches sample alike.
     eos_ids: token ids that end the request (default: the slots'). references: token-id
-    lists whose n-grams seed a drafting strategy's trie (e.g. retrieved passages)."""
+    lists a drafting strategy also drafts from (e.g. retrieved passages)."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int = 128

@@ -1,8 +1,9 @@
 """Drafters: ways of proposing draft token trees (`base.Drafter` protocol).
 
-`trie.TrieDrafter`: lookahead's n-gram trie over the prompt, references and past outputs.
-`suffix.SuffixDrafter` (experimental, `Lookahead(drafts="suffix")`): the longest suffix
-match over the request and a cache of earlier outputs, adaptive tree size.
+`suffix.SuffixDrafter` (lookahead's default, `Lookahead(drafts="suffix")`): the longest
+suffix match over the request and a cache of earlier outputs, adaptive tree size.
+`trie.TrieDrafter` (`Lookahead(drafts="trie")`): the n-gram trie over the prompt,
+references and past outputs.
 """
 
 from .base import Drafter, PerRowDrafter

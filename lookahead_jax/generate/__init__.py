@@ -104,15 +104,16 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     strategy: a strategy object (`Greedy()`, `Lookahead(decoding_length=7)`, ...) or its
         name, with its options given flat (`strategy="lookahead", decoding_length=7,
         branch_length=12, mode="hierarchical"`; see `strategies.py`). "greedy" is plain
-        decoding (with temperature > 0 it samples); "lookahead" drafts from an n-gram trie
-        and verifies token trees, with output identical to "greedy". "ralm" / "ralmspec":
+        decoding (with temperature > 0 it samples); "lookahead" drafts by suffix match over
+        the request and earlier outputs (`drafts="trie"`: an n-gram trie) and verifies
+        token trees, with output identical to "greedy". "ralm" / "ralmspec":
         retrieval-augmented decoding (`ralm.py`; ralmspec gives ralm's tokens, faster).
     temperature/top_k/top_p/seed: sampling; the random key of each token is a function of
         (seed, row index, absolute position), so every strategy samples the same tokens.
     stop: strings that end a row (excluded from `text`; token_ids end with the token that
         completed the stop string).
     references: drafting strategies only; per prompt a list of texts (e.g. retrieved
-        passages) whose n-grams seed the trie. A single list of texts applies to every prompt.
+        passages) the drafter drafts from too. A single list of texts applies to every prompt.
     drafter: a drafter object (`drafters.base.Drafter` protocol) to use instead of the
         strategy's own (e.g. a `TrieDrafter` with its own trie).
     on_text(prompt_index, text_delta): streaming callback, called as tokens are accepted.

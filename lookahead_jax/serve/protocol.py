@@ -8,7 +8,7 @@ options ride in one extension field, `lookahead_jax` (the openai client sends it
 `extra_body={"lookahead_jax": {...}}`):
 
     {"strategy": "greedy"}                  # plain decoding on a speculative server
-    {"references": ["text whose n-grams seed lookahead's trie", ...]}
+    {"references": ["text lookahead drafts from too", ...]}
     {"return_token_ids": true}              # also vLLM's top-level `return_token_ids`
     {"return_retrieval": true}              # ralm / ralmspec / knnlm servers: each choice's
                                             # `retrieval` record (passages used, counters)

@@ -88,7 +88,7 @@ class StrategyBase:
     supports_penalties: ClassVar[bool] = True  # False: its tokens come from its own distribution
     uses_question_spans: ClassVar[bool] = False  # its Run.add gets each prompt's question span
     runs_own_loop: ClassVar[bool] = False  # start() returns a Run that drives the decode loop
-    takes_references: ClassVar[bool] = False  # whether `references` (texts that seed an n-gram trie) are used
+    takes_references: ClassVar[bool] = False  # whether `references` (texts a drafter drafts from) are used
     cli_names: ClassVar[dict] = {}
     choices: ClassVar[dict] = {}
     parsers: ClassVar[dict] = {}

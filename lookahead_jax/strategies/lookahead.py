@@ -1,5 +1,7 @@
-"""Lookahead: n-gram trie drafts (prompt, references, past outputs) verified as one token
-tree per step (`drafters/trie.py`); the same tokens as greedy."""
+"""Lookahead: drafts from the request's own tokens (prompt, references, output so far) and
+earlier outputs, verified as one token tree per step; the same tokens as greedy. The
+drafter is the adaptive suffix drafter (`drafters/suffix.py`, the default) or the n-gram
+trie (`drafters/trie.py`, `drafts="trie"`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from ..core.budget import AcceptanceStats, AutoBudget, FixedBudget, StepTimes, p
 from .base import StrategyBase
 
 
-# the suffix drafter's settings under Lookahead(drafts="suffix"): a tree of at most
+# the suffix drafter's settings under Lookahead (drafts="suffix", the default): a tree of at most
 # match length + 2 nodes, filled up to its tree bucket (the best estimated speedup of the
 # offline replay, bench/results/suffix-replay.json: "alpha 1, offset 2, cost-trimmed"; sized
 # by auto's budget, suffix-replay-auto.json: est. 1.95x on NQ RAG vs the trie's 1.81x)
@@ -21,19 +23,21 @@ SUFFIX_SETTINGS = dict(alpha=1.0, offset=2.0, buckets=tree_lib.BUCKETS)
 
 @dataclasses.dataclass(frozen=True)
 class Lookahead(StrategyBase):
-    """n-gram trie drafts (prompt, references, past outputs) verified as one token tree
-    per step; output identical to Greedy.
+    """Drafts from the request's prompt, references and output so far and from earlier
+    outputs, verified as one token tree per step; output identical to Greedy.
 
     decoding_length: draft nodes per step (0..128), or "auto": the budget that maximises
         expected tokens/s from verify costs among tree sizes T = 0, 1, 3, 7, 15, 31, 63
         (verify blocks of 1+T = 2^k tokens). Tuned on CPU; on a GPU a fixed 15 is faster
         for now.
-    branch_length: maximum draft depth.  mode: hierarchical | parallel | single.
-    drafts: "trie" (the n-gram trie, `drafters/trie.py`) or "suffix" (experimental: the
-        adaptive suffix drafter of `drafters/suffix.py`, longest suffix match over the
-        request and a cache of earlier outputs in this process, at `SUFFIX_SETTINGS`;
-        branch_length and mode unused). With "auto" its trees are sized by their nodes'
-        calibrated path probabilities against the verify costs (`core/budget.py`).
+    drafts: "suffix" (the default: the adaptive suffix drafter of `drafters/suffix.py`,
+        longest suffix match over the request and a bounded cache of earlier outputs in this
+        process, at `SUFFIX_SETTINGS`; at most 32 nodes a step) or "trie" (the n-gram trie
+        of `drafters/trie.py` over the request's n-grams and every earlier output's). With
+        "auto" the trees are sized by their nodes' calibrated acceptance against the verify
+        costs (`core/budget.py`).
+    branch_length: maximum draft depth.  mode: hierarchical | parallel | single (the
+        trie's; unused with drafts="suffix").
     calibrate: with "auto", time every tree size before the first request of a shape
         (~20-30 s on a 2-core CPU, compiling every size) instead of starting from the
         platform's typical costs for the batch's size (`budget.prior_costs`: a tree in a
@@ -45,18 +49,20 @@ class Lookahead(StrategyBase):
     branch_length: int = 12
     mode: str = "hierarchical"
     calibrate: bool = False
-    drafts: str = "trie"
+    drafts: str = "suffix"
 
     name = "lookahead"
-    help = "n-gram trie drafts verified as a token tree (same tokens as greedy)"
+    help = "suffix-match drafts (or --drafts trie: n-gram trie) verified as a token tree (same tokens as greedy)"
     cli_names = {"mode": "lookahead-mode"}
-    choices = {"mode": ("hierarchical", "parallel", "single"), "drafts": ("trie", "suffix")}
+    choices = {"mode": ("hierarchical", "parallel", "single"), "drafts": ("suffix", "trie")}
     field_help = {
+        "branch_length": "with --drafts trie: maximum draft depth (default 12)",
+        "mode": "with --drafts trie: how the trie's drafts branch (default hierarchical)",
         "calibrate": "true: with --decoding-length auto, time every tree size before decoding (~20-30 s "
                      "on a 2-core CPU) instead of starting from typical costs that real steps correct "
                      "(default false)",
-        "drafts": "trie (default): the n-gram trie; suffix (experimental): the adaptive suffix drafter "
-                  "with a cache of earlier outputs",
+        "drafts": "suffix (default): the adaptive suffix drafter (longest suffix match over the request "
+                  "and a cache of earlier outputs); trie: the n-gram trie",
     }
 
     takes_references = True
@@ -79,6 +85,12 @@ class Lookahead(StrategyBase):
             raise ValueError(f"decoding_length must be 'auto' or an integer in [0, {tree_lib.MAX_NODES}], got {dl!r}")
         if self.drafts not in self.choices["drafts"]:
             raise ValueError(f"drafts must be one of {self.choices['drafts']}, got {self.drafts!r}")
+        # the trie's options are checked whichever drafter runs: a bad value is an error, not ignored
+        if self.mode not in self.choices["mode"]:
+            raise ValueError(f"lookahead mode must be one of {self.choices['mode']}, got {self.mode!r}")
+        bl = self.branch_length
+        if not isinstance(bl, int) or isinstance(bl, bool) or not 1 <= bl <= 64:
+            raise ValueError(f"branch_length must be in [1, 64], got {bl!r}")
 
     def drafter(self, engine):
         if self.drafts == "suffix":
@@ -88,7 +100,7 @@ class Lookahead(StrategyBase):
             stats = engine.stores.acceptance.setdefault(("suffix",) + tuple(SUFFIX_SETTINGS.items()),
                                                         AcceptanceStats())
             return SuffixDrafter.shared(engine, acceptance=stats, **SUFFIX_SETTINGS)
-        from ..drafters.trie import TrieDrafter  # greedy needs no trie
+        from ..drafters.trie import TrieDrafter  # greedy needs no drafter
 
         return TrieDrafter.shared(engine, branch_length=self.branch_length, mode=self.mode)
 

@@ -24,7 +24,7 @@ text), cut to `max_passage_tokens`. A boundary g only matters if a token after i
 RaLMSpec (`strategy="ralmspec"`, ralmspec.py) gives the same outputs, token for token,
 with fewer calls to the full index (speculative retrieval, verified in batches).
 
-With `lookahead` (n-gram trie drafts, as strategy "lookahead") a step can emit several tokens
+With `lookahead` (drafts as strategy "lookahead": its suffix drafter) a step can emit several tokens
 and cross boundaries; they are processed in order, and tokens past a boundary whose passage
 changes are cut. Streamed text (`on_text`) is only text that no later retrieval can change.
 
@@ -62,8 +62,9 @@ class RaLM(StrategyBase):
         tokens of prompt + output (the first query is the whole prompt).
     max_passage_tokens: passages are cut to this many tokens; the cache is sized for it (an
         error if a prompt plus a passage of that length cannot fit `max_cache_len`).
-    lookahead: 0 = plain decoding (greedy or sampling); "auto" or N > 0 = n-gram trie drafts
-        as strategy "lookahead" with decoding_length N (retrieved passages feed the trie)."""
+    lookahead: 0 = plain decoding (greedy or sampling); "auto" or N > 0 = drafts as strategy
+        "lookahead" (its default, the suffix drafter) with decoding_length N; the row's
+        prompt, with the passage in effect, is among what it drafts from."""
 
     retriever: object = None
     corpus: object = None
@@ -86,7 +87,7 @@ class RaLM(StrategyBase):
         "stride": "generated tokens between retrievals (default 4)",
         "query_tokens": "the query is the text of the last N tokens of prompt + output (default 32)",
         "max_passage_tokens": "passages are cut to N tokens; the cache is sized for them (default 256)",
-        "lookahead": "n-gram trie drafts as --strategy lookahead, N nodes or auto (default 0: none)",
+        "lookahead": "drafts as --strategy lookahead (suffix drafter), N nodes or auto (default 0: none)",
     }
 
     def __post_init__(self):
@@ -117,7 +118,7 @@ class RaLM(StrategyBase):
             number_in("lookahead", la, 0, tree_lib.MAX_NODES)
 
     @property
-    def takes_references(self) -> bool:  # they seed lookahead's trie
+    def takes_references(self) -> bool:  # lookahead drafts from them too
         return self.lookahead != 0
 
     def _lookahead(self):
@@ -373,7 +374,10 @@ class RalmRun:
             self.row_reprefills[b] += 1
             self.reused_tokens += int(k)
             self.reprefill_tokens += len(state.context(b)) - int(k)
-        # lookahead: the new passage's n-grams seed the row's trie (its inputs)
+        # lookahead: replace_prompt told the drafter (rollback(rows, kept)); the suffix drafter
+        # rebuilds the row from the state's prompt, which holds the new passage, at its next
+        # propose. A trie (a TrieDrafter given as drafter=) gets the passage's n-grams as
+        # more inputs of the row's request.
         if isinstance(drafter, TrieDrafter):
             for b in rows:
                 drafter.add_input(b, self._passage_tokens(self.passage[b]))

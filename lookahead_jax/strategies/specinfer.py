@@ -39,9 +39,9 @@ class SpecInfer(StrategyBase):
         output), or a loaded `Model`; same tokenizer as the target.
     expansion: children per node at each depth; default (1, 1, 1, 1), a chain of 4 (fastest
         measured on CPU); SpecInfer's paper tree (1, 1, 3, 1, 1, 1, 1, 1) = 20 nodes.
-    lookahead_nodes: > 0 merges that many nodes of lookahead's n-gram trie (prompt, past
-        outputs) into the draft model's tree each step (`drafters/merge.py`); greedy or
-        sampler="invariant" only.
+    lookahead_nodes: > 0 merges that many nodes of the n-gram trie (lookahead's
+        drafts="trie": prompt, past outputs) into the draft model's tree each step
+        (`drafters/merge.py`); greedy or sampler="invariant" only.
     draft_weights: "bfloat16" (default) stores the draft's packed CPU weights in bf16 and
         computes in f32: its forwards, which dominate a step on CPU, read half the bytes.
         The draft only proposes, so the output is unchanged (greedy: the target's tokens;
@@ -64,7 +64,7 @@ class SpecInfer(StrategyBase):
         "draft_model": "the draft model: a preset (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b) or "
                        "a local path (e.g. a python -m lookahead_jax.distill output); same tokenizer as --model",
         "expansion": "children per node at each depth of the draft tree (default 1,1,1,1: a chain of 4; SpecInfer's tree: 1,1,3,1,1,1,1,1)",
-        "lookahead_nodes": "merge this many n-gram trie nodes (lookahead's drafts) into the draft model's "
+        "lookahead_nodes": "merge this many n-gram trie nodes (lookahead's --drafts trie) into the draft model's "
                            "tree (default 0: none; greedy or --sampler invariant)",
         "sampler": "with --temperature > 0: mss = exact speculative sampling (the target's distribution); "
                    "invariant = the draft uses the target's random keys (the tokens of plain sampling "
