@@ -80,11 +80,13 @@ def test_lookahead_equals_greedy_batch1(model, tok, greedy, mode, budget, branch
     assert ids == greedy[1]
 
 
-def test_warm_global_trie(model, tok, greedy):
-    """The shared trie keeps outputs across calls: the second pass accepts more, same tokens."""
-    m = tiny_model("llama", seed=1)  # fresh model object -> fresh global trie
-    ids1, steps1, _ = run(m, tok, 4, strategy="lookahead", decoding_length=32)
-    ids2, steps2, _ = run(m, tok, 4, strategy="lookahead", decoding_length=32)
+@pytest.mark.parametrize("drafts", ["trie", "suffix"])
+def test_warm_global_trie(model, tok, greedy, drafts):
+    """The shared trie (drafts="trie") or the suffix drafter's cache of earlier outputs (the
+    default) keeps outputs across calls: the second pass accepts more, same tokens."""
+    m = tiny_model("llama", seed=1)  # fresh model object -> fresh global trie / output cache
+    ids1, steps1, _ = run(m, tok, 4, strategy="lookahead", decoding_length=32, drafts=drafts)
+    ids2, steps2, _ = run(m, tok, 4, strategy="lookahead", decoding_length=32, drafts=drafts)
     assert ids1 == greedy[4] and ids2 == greedy[4]
     assert steps2 < steps1
 
@@ -189,10 +191,11 @@ def test_stop_strings(model, tok, greedy):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", _grid([(1.0, 0, 1.0), (0.7, 20, 0.9)], {(0.7, 20, 0.9)}))
-def test_lookahead_sampling_equals_plain_sampling(model, tok, temperature, top_k, top_p):
+@pytest.mark.parametrize("drafts", ["suffix", "trie"])
+def test_lookahead_sampling_equals_plain_sampling(model, tok, temperature, top_k, top_p, drafts):
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=1234)
     ref, _, _ = run(model, tok, 4, **kw)
-    ids, steps, _ = run(model, tok, 4, strategy="lookahead", decoding_length=32, **kw)
+    ids, steps, _ = run(model, tok, 4, strategy="lookahead", decoding_length=32, drafts=drafts, **kw)
     assert ids == ref
     other = generate(model, tok, TEXTS[:8], max_new_tokens=MAX_NEW, max_cache_len=CACHE, **{**kw, "seed": 99})
     assert other.token_ids != ref[:8]  # the seed matters
