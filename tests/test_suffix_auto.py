@@ -121,3 +121,14 @@ def test_a_fuller_batch_drafts_less():
     picks = {B: budget_lib.AutoBudget(buckets, budget_lib.prior_costs("cpu", buckets, batch=B), d.acceptance)
              .choose([key], rows=B, accept_probs=[probs]) for B in (1, 8)}
     assert picks[1] >= 3 and picks[8] < picks[1]
+
+
+def test_a_fixed_decoding_length_is_the_suffix_drafters_cap(model):
+    """decoding_length=N above the drafter's usual 32 nodes: its trees may have N nodes
+    (not silently 32); under auto, 32 (trees of at most 31, a bucket)."""
+    from lookahead_jax.core.engine import engine_for
+
+    eng = engine_for(model)
+    assert Lookahead(decoding_length=63).drafter(eng).max_nodes == 63
+    assert Lookahead(decoding_length=7).drafter(eng).max_nodes == 32
+    assert Lookahead().drafter(eng).max_nodes == 32

@@ -32,7 +32,8 @@ class Lookahead(StrategyBase):
         for now.
     drafts: "suffix" (the default: the adaptive suffix drafter of `drafters/suffix.py`,
         longest suffix match over the request and a bounded cache of earlier outputs in this
-        process, at `SUFFIX_SETTINGS`; at most 32 nodes a step) or "trie" (the n-gram trie
+        process, at `SUFFIX_SETTINGS`; at most 32 nodes a step under "auto", decoding_length
+        nodes when fixed) or "trie" (the n-gram trie
         of `drafters/trie.py` over the request's n-grams and every earlier output's). With
         "auto" the trees are sized by their nodes' calibrated acceptance against the verify
         costs (`core/budget.py`).
@@ -99,7 +100,9 @@ class Lookahead(StrategyBase):
             # its acceptance statistics outlive requests, as the trie's (one per settings)
             stats = engine.stores.acceptance.setdefault(("suffix",) + tuple(SUFFIX_SETTINGS.items()),
                                                         AcceptanceStats())
-            return SuffixDrafter.shared(engine, acceptance=stats, **SUFFIX_SETTINGS)
+            # a fixed decoding_length above its usual 32 nodes is the tree's cap instead
+            nodes = 32 if self.auto else max(32, self.decoding_length)
+            return SuffixDrafter.shared(engine, acceptance=stats, max_nodes=nodes, **SUFFIX_SETTINGS)
         from ..drafters.trie import TrieDrafter  # greedy needs no drafter
 
         return TrieDrafter.shared(engine, branch_length=self.branch_length, mode=self.mode)
