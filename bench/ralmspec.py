@@ -13,10 +13,12 @@ every index built once beforehand (a missing one stops the script with the comma
     python -m lookahead_jax.retrieval build --corpus wiki_passages.jsonl --retriever hnsw  # dense embeddings first
 
 Questions: the first `--n` rows of `nq_rag.jsonl` whose gold passage is in the corpus, the
-question alone as a chat message (the model's chat template, as `generate --chat`). The
-default model (SmolLM2-135M-Instruct) in f32, greedy, generation stopping at EOS (at most
-`--max-new-tokens`). Per question every method runs back to back in one process (this
-machine's speed drifts 20-30% within minutes, so the methods compared share the drift):
+question alone as a chat message (the model's chat template, as `generate --chat`; RaLM
+puts the passage inside the user turn, before the question, so a re-prefill keeps the K/V
+of the template's head: `reused_tokens`). The default model (SmolLM2-135M-Instruct) in f32,
+greedy, generation stopping at EOS (at most `--max-new-tokens`). Per question every method
+runs back to back in one process (this machine's speed drifts 20-30% within minutes, so the
+methods compared share the drift):
 
   retrievers bm25 | dense (exact MiniLM inner product) | hnsw (faiss HNSW, approximate):
     ralm         RaLM(stride=4): the top-1 passage before the prompt, re-retrieved from the
@@ -338,7 +340,6 @@ def main(argv=None):
     import lookahead_jax as lj
     from lookahead_jax.core.budget import AcceptanceStats
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.prompts import encode_prompts
     from lookahead_jax.retrieval import IndexUnavailable, load_corpus, load_retriever
     from lookahead_jax.drafters.ngram_trie import NgramTrie
 
@@ -359,7 +360,9 @@ def main(argv=None):
     qs = load_questions(corpus, max(a.n, a.knn_gold if knn else 0))
     questions = qs[:a.n]
     model, tok = lj.load(a.model, dtype=a.dtype)
-    ids = encode_prompts(tok, [q["question"] for q in questions], chat=True)  # as generate --chat
+    # each question as a chat message (as generate --chat): RaLM puts the passage inside the
+    # user turn before the question, so a re-prefill keeps the K/V of the template's head
+    ids = [[{"role": "user", "content": q["question"]}] for q in questions]
 
     has_async = "async_verify" in {f.name for f in dataclasses.fields(lj.RaLMSpec)}
     skipped = {}
