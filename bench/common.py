@@ -22,14 +22,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("LOOKAHEAD_JAX_DATA", ROOT.parent / "shared" / "data"))
 
 
-def read_jsonl(name: str, n: int):
-    path = DATA / name
+def read_jsonl(name, n: int, keep=None):
+    """The first `n` rows (that `keep(row)` accepts) of `name` in $LOOKAHEAD_JAX_DATA, or of
+    the file `name` when it is a Path (e.g. the repository's data/)."""
+    path = name if isinstance(name, Path) else DATA / name
     if not path.exists():
         sys.exit(f"error: {path} not found; set LOOKAHEAD_JAX_DATA to the folder holding {name}")
     rows = []
     with open(path) as f:
         for line in f:
-            rows.append(json.loads(line))
+            r = json.loads(line)
+            if keep is None or keep(r):
+                rows.append(r)
             if len(rows) >= n:
                 break
     return rows
@@ -59,14 +63,7 @@ def dataset_prompts(name: str, n: int, max_chars: int = 2400):
         rows = [r for r in read_jsonl("nq_rag.jsonl", 40 * n) if len(r["context"]) <= max_chars][:n]
         return [_rag_message(r["context"], r["question"]) for r in rows], [[r["context"]] for r in rows]
     if name == "squad":
-        rows = []
-        with open(ROOT / "data" / "squad_disfl_sample.jsonl") as f:
-            for line in f:
-                r = json.loads(line)
-                if len(r["context"]) <= max_chars:
-                    rows.append(r)
-                if len(rows) >= n:
-                    break
+        rows = read_jsonl(ROOT / "data" / "squad_disfl_sample.jsonl", n, keep=lambda r: len(r["context"]) <= max_chars)
         # the questions end in " ?" already (PTB spacing): no second question mark
         return ([_rag_message(r["context"], r["question"].rstrip(" ?")) for r in rows],
                 [[r["context"]] for r in rows])

@@ -47,20 +47,12 @@ from types import SimpleNamespace
 import numpy as np
 
 from common import copy_oracles, host_line, save
+from lookahead_jax.core.budget import accepted_length
 
 
 def accepted(tokens, parents, truth) -> int:
     """Longest root-to-node path of the tree matching `truth` (greedy's next tokens)."""
-    children = {}
-    for i, (t, p) in enumerate(zip(tokens, parents)):
-        children.setdefault(p, {}).setdefault(t, i)
-    node, a = -1, 0
-    for t in truth:
-        node = children.get(node, {}).get(t)
-        if node is None:
-            break
-        a += 1
-    return a
+    return accepted_length(tokens, parents, truth, len(tokens))
 
 
 # verify cost of a tree of T nodes relative to T = 0 (one token), per tree bucket T (the
