@@ -34,11 +34,11 @@ hidden states exceed float16's range stops with an error asking for `--key-dtype
 Building is resumable. It fills `<dir>.partial/` (keys.npy memory-mapped, values and offsets
 written first, progress.json) and renames it into place when done. Every COMMIT_S seconds
 (and when stopped by an error or Ctrl-C) it flushes the keys, then atomically records the
-passages done; a killed build (kill -9, OOM) loses at most that last stretch. The same build
+passages done; a killed build (kill -9, OOM) loses the forwards since. The same build
 again (same model fingerprint, corpus, tokens, max_tokens, key dtype) continues at the
-recorded passage, running the very forwards an uninterrupted build would (the same store,
-bit for bit); other settings discard the partial build and start over. A flock keeps two
-builds out of one partial directory.
+recorded passage, running the very forwards an uninterrupted build would (on one machine:
+the same store, bit for bit); other settings discard the partial build and start over. A
+flock keeps two builds out of one partial directory.
 """
 
 from __future__ import annotations
