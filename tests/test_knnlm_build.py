@@ -115,7 +115,7 @@ orig = D._hidden_fn
 def slow(*a):
     fn = orig(*a)
     def forward(params, tokens):
-        time.sleep(0.25)  # a window to be killed in, between committed forwards
+        time.sleep(0.5)  # a window to be killed in, between committed forwards
         return fn(params, tokens)
     return forward
 D._hidden_fn = slow
@@ -133,7 +133,7 @@ def test_killed_build_resumes_to_the_same_store(model, tok, corpus_file, referen
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, str(script), str(corpus_file), str(out)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    done, t_end = 0, time.monotonic() + 120
+    killed, t_end = False, time.monotonic() + 120
     try:
         while time.monotonic() < t_end and proc.poll() is None:
             try:
@@ -142,12 +142,13 @@ def test_killed_build_resumes_to_the_same_store(model, tok, corpus_file, referen
                 done = 0
             if 0 < done < N_FORWARDED:
                 proc.send_signal(signal.SIGKILL)
+                killed = True
                 break
             time.sleep(0.02)
     finally:
         proc.kill()
         log = proc.communicate()[0].decode(errors="replace")
-    assert proc.returncode == -signal.SIGKILL, f"the build was not killed mid-way (rc {proc.returncode}):\n{log}"
+    assert killed and proc.wait() == -signal.SIGKILL, f"the build was not killed mid-way (rc {proc.returncode}):\n{log}"
     kept = progress_of(out)
     assert 0 < kept["passages_done"] < N_FORWARDED and not (out / "meta.json").exists()
     capsys.readouterr()
