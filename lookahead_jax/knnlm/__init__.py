@@ -12,9 +12,9 @@ search, faiss candidates, the mixed distribution and the token pick, the model s
 """
 
 from .datastore import (
-    Datastore, DatastoreNotBuilt, DatastoreUnavailable, StaleDatastore, build_datastore, datastore_dir,
-    load_datastore,
+    BuildInterrupted, Datastore, DatastoreNotBuilt, DatastoreUnavailable, StaleDatastore, build_datastore,
+    datastore_dir, load_datastore,
 )
 
-__all__ = ["Datastore", "DatastoreNotBuilt", "DatastoreUnavailable", "StaleDatastore",
+__all__ = ["BuildInterrupted", "Datastore", "DatastoreNotBuilt", "DatastoreUnavailable", "StaleDatastore",
            "build_datastore", "datastore_dir", "load_datastore"]

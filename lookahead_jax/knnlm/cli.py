@@ -7,6 +7,9 @@
 Without `--out` the datastore goes to the default place for (model, corpus), where
 `generate --strategy knnlm --corpus F.jsonl` (or without --corpus, when it is the model's
 only datastore) finds it; with `--out DIR` pass `--datastore DIR` to generate.
+
+The build is resumable: interrupted (Ctrl-C: exit 130, saying how many passages are kept;
+or killed), the same command again continues where it stopped, from `DIR.partial/`.
 """
 
 from __future__ import annotations
@@ -38,14 +41,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="datastore directory (default: the project cache, keyed by model "
                    "and corpus)")
     b.add_argument("--hnsw", action="store_true", help="also build the faiss HNSW index (knn_search=hnsw)")
-    b.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    b.add_argument("--force", action="store_true", help="rebuild even when up to date (a partial build with the "
+                   "same settings still resumes: delete DIR.partial to start afresh)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..retrieval.corpus import CorpusError, load_corpus
-    from .datastore import DatastoreUnavailable, read_meta, build_datastore, datastore_dir, load_datastore
+    from .datastore import (
+        BuildInterrupted, DatastoreUnavailable, read_meta, build_datastore, datastore_dir, load_datastore,
+    )
 
     args = _parser().parse_args(argv)
     if args.max_passages is not None and args.max_passages < 1:
@@ -68,6 +74,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + (f"built in {m['build_s']:.1f} s" if fresh else "up to date"), file=sys.stderr)
         print(path)
         return 0
+    except BuildInterrupted as e:
+        print(f"interrupted; rerun the same command to resume ({e.kept:,} of {e.total:,} passages kept)",
+              file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted (before the build kept any passage)", file=sys.stderr)
+        return 130
     except (CorpusError, FileNotFoundError, ValueError, RuntimeError, DatastoreUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

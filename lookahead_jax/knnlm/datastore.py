@@ -24,13 +24,21 @@ Layout of a datastore directory:
 
 Default location: `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/knnlm/<model>-<fp12>/
 <corpus sha16>/`, one datastore per (model, corpus); `--out DIR` / `path=` put it anywhere.
-A directory is written to a temporary name and renamed into place. Loading checks the
-model's fingerprint (a datastore of another model, or the same model in another dtype, is
-a StaleDatastore) and, when a corpus is given, its sha256; errors carry the build command
-(`.command`), as the retrieval indexes' do.
+Loading checks the model's fingerprint (a datastore of another model, or the same model in
+another dtype, is a StaleDatastore) and, when a corpus is given, its sha256; errors carry
+the build command (`.command`), as the retrieval indexes' do.
 
 Keys are stored in float16 (half the bytes; searches compute in float32); a build whose
 hidden states exceed float16's range stops with an error asking for `--key-dtype float32`.
+
+Building is resumable. It fills `<dir>.partial/` (keys.npy memory-mapped, values and offsets
+written first, progress.json) and renames it into place when done. Every COMMIT_S seconds
+(and when stopped by an error or Ctrl-C) it flushes the keys, then atomically records the
+passages done; a killed build (kill -9, OOM) loses the forwards since. The same build
+again (same model fingerprint, corpus, tokens, max_tokens, key dtype) continues at the
+recorded passage, running the very forwards an uninterrupted build would (on one machine:
+the same store, bit for bit); other settings discard the partial build and start over. A
+flock keeps two builds out of one partial directory.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -54,14 +63,15 @@ from ..presets import cache_root as _project_cache_root
 from ..retrieval.corpus import Corpus, load_corpus
 from ..retrieval.store import IndexUnavailable
 
-__all__ = ["FORMAT", "KEY_DTYPES", "Datastore", "DatastoreUnavailable", "DatastoreNotBuilt",
+__all__ = ["FORMAT", "KEY_DTYPES", "BuildInterrupted", "Datastore", "DatastoreUnavailable", "DatastoreNotBuilt",
            "StaleDatastore", "build_datastore", "build_command", "datastore_dir", "load_datastore",
-           "model_identity"]
+           "model_identity", "partial_dir"]
 
 FORMAT = 1  # meta.json layout version
 KEY_DTYPES = ("float16", "float32")
 MAX_TOKENS = 512  # tokens per passage (longer passages are cut)
 BATCH_TOKENS = 4096  # padded tokens per forward while building
+COMMIT_S = 10.0  # a build commits its progress (flushed keys, passages done) this often, in seconds
 # The build command an error suggests takes the first SUGGESTED_MAX_PASSAGES passages of a
 # larger corpus (minutes on a 2-core CPU; a whole Wikipedia-sized corpus takes hours there).
 SUGGESTED_MAX_PASSAGES = 100
@@ -289,6 +299,96 @@ def passage_tokens(tokenizer, corpus: Corpus, max_passages: Optional[int] = None
     return [list(tokenizer.encode(corpus[i].contents))[:max_tokens] for i in range(n)]
 
 
+class BuildInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `build_datastore`: the finished passages are kept in `partial`; the same
+    build again resumes there."""
+
+    def __init__(self, partial: Path, kept: int, total: int):
+        super().__init__(f"interrupted; {kept} of {total} passages kept in {partial}")
+        self.partial, self.kept, self.total = partial, kept, total
+
+
+def partial_dir(path: Union[str, Path]) -> Path:
+    """Where the build of the datastore at `path` lives until it is finished: `<path>.partial`."""
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
+def _plan(toks: list, counts: np.ndarray) -> list:
+    """[(P, passages)]: the forwards of a build, longest passages first, rows per forward ~
+    BATCH_TOKENS / P (the passages without entries last, P = 0: no forward). Each batch
+    depends only on the passages from its first on, so a build resumed at a batch boundary
+    runs the same forwards (same shapes: bitwise the same keys) as an uninterrupted one."""
+    order = sorted((i for i in range(len(toks)) if counts[i]), key=lambda i: -len(toks[i]))
+    batches, i = [], 0
+    while i < len(order):
+        P = _bucket(len(toks[order[i]]))
+        rows = max(1, BATCH_TOKENS // P)
+        batches.append((P, order[i:i + rows]))
+        i += rows
+    empty = [i for i in range(len(toks)) if not counts[i]]
+    return batches + ([(0, empty)] if empty else [])
+
+
+def _write_json(f: Path, obj: dict) -> None:
+    """Atomically: a reader (or a killed writer) sees the old file or the new one."""
+    tmp = f.with_name(f".{f.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, f)
+
+
+def _lock(work: Path):
+    """An exclusive flock on `work/lock` (held while the file stays open): two builds of one
+    datastore at once would overwrite each other's partial build."""
+    import fcntl
+
+    f = open(work / "lock", "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise RuntimeError(f"another build is writing {work} (wait for it, or end it)") from None
+    return f
+
+
+def _start(work: Path, settings: dict, toks: list, offsets: np.ndarray, dim: int) -> tuple:
+    """The partial build in `work`: resumed when its settings are these (-> keys memmap,
+    progress), else (re)started with empty keys, the values and offsets (-> keys, progress)."""
+    N, key_dtype = int(offsets[-1]), settings["key_dtype"]
+    try:
+        prog = json.loads((work / "progress.json").read_text())
+    except (OSError, ValueError):
+        prog = None
+    if prog is not None:
+        theirs = prog.get("settings", {})
+        diff = sorted(k for k in set(settings) | set(theirs) if settings.get(k) != theirs.get(k))
+        if not diff:
+            try:
+                keys = np.load(work / "keys.npy", mmap_mode="r+")
+                values = np.load(work / "values.npy", mmap_mode="r")
+                if (keys.shape == (N, dim) and keys.dtype == np.dtype(key_dtype) and values.shape == (N,)
+                        and np.array_equal(np.load(work / "offsets.npy"), offsets)):
+                    return keys, prog
+            except (OSError, ValueError):
+                pass
+        why = f"other settings ({', '.join(diff)})" if diff else "damaged arrays"
+        print(f"knnlm build: the partial build in {work} has {why}: starting over", file=sys.stderr)
+    (work / "progress.json").unlink(missing_ok=True)  # first: no half-deleted build looks resumable
+    for f in work.iterdir():
+        if f.name != "lock":
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    keys = np.lib.format.open_memmap(work / "keys.npy", mode="w+", dtype=np.dtype(key_dtype), shape=(N, dim))
+    values = np.lib.format.open_memmap(work / "values.npy", mode="w+", dtype=np.int32, shape=(N,))
+    for j, t in enumerate(toks):
+        values[offsets[j]:offsets[j + 1]] = t[1:]
+    values.flush()
+    del values
+    np.save(work / "offsets.npy", offsets)
+    prog = {"settings": settings, "passages_done": 0, "entries_done": 0, "max_abs_key": 0.0, "build_s": 0.0}
+    _write_json(work / "progress.json", prog)
+    return keys, prog
+
+
 def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_passages: Optional[int] = None,
                     max_tokens: int = MAX_TOKENS, key_dtype: str = "float16",
                     path: Union[str, Path, None] = None, force: bool = False, hnsw: bool = False,
@@ -296,7 +396,15 @@ def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_p
     """Build the datastore of (model, corpus) unless an up-to-date one with these settings
     exists (`force` rebuilds it); returns its directory (default: `datastore_dir`).
     `hnsw`: also build the faiss HNSW index. Raises CorpusError for an empty corpus and
-    ValueError when no passage has 2 tokens."""
+    ValueError when no passage has 2 tokens.
+
+    Resumable: the build fills `<path>.partial/` (keys memory-mapped) and commits its
+    progress (progress.json: settings, passages done) after flushing the keys, about every
+    COMMIT_S seconds and when it stops on an error; a later build with the same
+    settings (model, corpus, tokens, max_tokens, key dtype) continues from the committed
+    passages, one with other settings starts over. Ctrl-C raises BuildInterrupted (a
+    KeyboardInterrupt) saying how many passages are kept. Finished: meta.json is written
+    and the directory renamed into place."""
     import jax.numpy as jnp
 
     from ..core.engine import engine_for
@@ -330,60 +438,89 @@ def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_p
     N, D = int(offsets[-1]), model.config.d_model
     if N == 0:
         raise ValueError(f"no datastore entries: none of the {n_pass} passages encodes to 2 or more tokens")
+    tok_sha = hashlib.sha256()
+    for t in toks:
+        tok_sha.update(np.asarray([len(t), *t], np.int64).tobytes())
+    settings = {"format": FORMAT, "model": ident, "corpus_sha256": corpus.fingerprint, "n_passages": n_pass,
+                "max_tokens": max_tokens, "key_dtype": key_dtype, "batch_tokens": BATCH_TOKENS,
+                "tokens_sha256": tok_sha.hexdigest()}
     engine = engine_for(model)
     fn = _hidden_fn(model.config, jnp.dtype(engine.dtype).name)
     params = engine.params
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    work = partial_dir(path)
+    work.mkdir(parents=True, exist_ok=True)
+    lock = _lock(work)
     try:
-        keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.dtype(key_dtype), shape=(N, D))
-        values = np.empty(N, np.int32)
-        order = sorted((i for i in range(n_pass) if counts[i]), key=lambda i: -len(toks[i]))
-        batches, i = [], 0
-        while i < len(order):  # longest first; rows per forward ~ BATCH_TOKENS / bucket
-            P = _bucket(len(toks[order[i]]))
-            rows = max(1, BATCH_TOKENS // P)
-            batches.append((P, order[i:i + rows]))
-            i += rows
+        keys, prog = _start(work, settings, toks, offsets, D)
+        batches = _plan(toks, counts)
+        done, peak, ent = prog["passages_done"], prog["max_abs_key"], prog["entries_done"]
+        skip = np.cumsum([len(rows) for _, rows in batches]).tolist()
+        if done not in [0] + skip:  # never: a resume point is a batch boundary of the same plan
+            raise RuntimeError(f"{work}/progress.json: {done} passages done is no batch boundary; delete {work}")
+        todo = batches[([0] + skip).index(done):]
+        if done:
+            print(f"knnlm build: resuming build at passage {done:,}/{n_pass:,} ({ent:,}/{N:,} entries kept in "
+                  f"{work})", file=sys.stderr)
+
+        def commit():
+            nonlocal t_mark
+            keys.flush()  # the rows first, then the progress that counts them
+            now = time.perf_counter()
+            prog.update(passages_done=done, entries_done=ent, max_abs_key=peak,
+                        build_s=round(prog["build_s"] + now - t_mark, 2))  # over all runs of this build
+            _write_json(work / "progress.json", prog)
+            t_mark = now
+
         from tqdm.auto import tqdm
 
-        peak = 0.0
-        with tqdm(total=N, desc="knnlm datastore", unit="entry", disable=not progress,
+        t_mark = t0
+        with tqdm(total=N, initial=ent, desc="knnlm datastore", unit="entry", disable=not progress,
                   dynamic_ncols=True) as bar:
-            for P, rows in batches:
-                block = np.zeros((1 << (len(rows) - 1).bit_length(), P), np.int32)  # rows: a power of two
-                for r, j in enumerate(rows):
-                    block[r, :len(toks[j])] = toks[j]
-                h = np.asarray(fn(params, block))  # [R,P,D] f32
-                for r, j in enumerate(rows):
-                    c, o = int(counts[j]), int(offsets[j])
-                    part = h[r, :c]
-                    peak = max(peak, float(np.abs(part).max()))
-                    if key_dtype == "float16" and peak > F16_MAX:
-                        raise ValueError(f"hidden states reach {peak:.3g}, beyond float16's range: "
-                                         "build with --key-dtype float32 (key_dtype='float32')")
-                    keys[o:o + c] = part
-                    values[o:o + c] = toks[j][1:c + 1]
-                    bar.update(c)
-        keys.flush()
+            try:
+                for P, rows in todo:
+                    if P:
+                        block = np.zeros((1 << (len(rows) - 1).bit_length(), P), np.int32)  # rows: a power of two
+                        for r, j in enumerate(rows):
+                            block[r, :len(toks[j])] = toks[j]
+                        h = np.asarray(fn(params, block))  # [R,P,D] f32
+                        for r, j in enumerate(rows):
+                            c, o = int(counts[j]), int(offsets[j])
+                            part = h[r, :c]
+                            peak = max(peak, float(np.abs(part).max()))
+                            if key_dtype == "float16" and peak > F16_MAX:
+                                raise ValueError(f"hidden states reach {peak:.3g}, beyond float16's range: "
+                                                 "build with --key-dtype float32 (key_dtype='float32')")
+                            keys[o:o + c] = part
+                    n = int(counts[rows].sum())
+                    done, ent = done + len(rows), ent + n
+                    bar.set_postfix_str(f"passages {done:,}/{n_pass:,}", refresh=False)
+                    bar.update(n)
+                    if time.perf_counter() - t_mark >= COMMIT_S:
+                        commit()
+            except BaseException as e:  # keep the finished batches (an unfinished one is redone)
+                commit()
+                if isinstance(e, KeyboardInterrupt) and not isinstance(e, BuildInterrupted):
+                    raise BuildInterrupted(work, done, n_pass) from None
+                raise
+        commit()
         del keys
-        np.save(tmp / "values.npy", values)
-        np.save(tmp / "offsets.npy", offsets)
+        values = np.load(work / "values.npy", mmap_mode="r")
         meta = {"format": FORMAT, "model": ident, "corpus_sha256": corpus.fingerprint,
                 "corpus_source": str(corpus.source) if corpus.source else None,
                 "corpus_passages": len(corpus), "n_passages": n_pass, "max_tokens": max_tokens,
                 "n_entries": N, "dim": D, "key_dtype": key_dtype, "max_abs_key": peak,
                 "bytes": int(N * D * np.dtype(key_dtype).itemsize + values.nbytes + offsets.nbytes),
-                "build_s": round(time.perf_counter() - t0, 2),
+                "build_s": prog["build_s"],
                 "created": datetime.datetime.now().isoformat(timespec="seconds")}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        del values
+        (work / "meta.json").write_text(json.dumps(meta, indent=1))
+        (work / "progress.json").unlink()
+        (work / "lock").unlink()
         shutil.rmtree(path, ignore_errors=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, path)
+        os.replace(work, path)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        lock.close()
     if hnsw:
         build_hnsw(_open(path, meta), progress=progress)
     return path
