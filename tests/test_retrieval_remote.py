@@ -2,7 +2,8 @@
 by `python -m lookahead_jax.retrieval serve` in a subprocess answers `RemoteRetriever` with
 exactly the in-process retriever's arrays (BM25, and exact dense with the toy encoder of
 test_retrieval.py); RaLM / RaLMSpec (async) with `retriever="remote:HOST:PORT"` give the
-in-process run's tokens and passages on the tiny model; calls from several threads at once
+in-process run's tokens and passages on the tiny model, also through Slots stepped on a
+thread of their own (the server's engine thread); calls from several threads at once
 are each answered right; no server, a server gone, a slow one, a wrong key and bad addresses
 are clear errors, not hangs."""
 
@@ -227,6 +228,36 @@ def test_ralm_and_ralmspec_remote_equal_in_process(model, tok, ralm_served):
                                             prefetch=5, async_verify=True, **kw))
     assert_same(spec, base)
     assert spec.stats["verify_calls"] > 0 and spec.stats["reprefills"] == base.stats["reprefills"]
+
+
+def test_slots_on_an_engine_thread(model, tok, ralm_served):
+    """The serving path: Slots (core/slots.py) made and stepped on a thread of their own, as
+    the server's engine thread does, async RaLMSpec with the remote retriever: each request
+    gives its tokens and passages alone in process."""
+    import concurrent.futures as cf
+
+    from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.core.slots import Request, Slots
+    from test_ralm import PROMPTS, run
+    from tiny import drive_slots
+
+    local, addr, _ = ralm_served
+    kw = dict(stride=2, query_tokens=16, speculation_stride=2, async_verify=True)
+    idx = [4, 0, 7]
+
+    def engine():
+        slots = Slots(engine_for(model), tok, 2, 1024, RaLMSpec(retriever=f"remote:{addr}", **kw))
+        try:
+            return drive_slots(slots, [Request(tok.encode(PROMPTS[i]), 24) for i in idx])
+        finally:
+            slots.close()
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        got = pool.submit(engine).result(timeout=600)
+    for i, (row, streamed) in zip(idx, got):
+        one = run(model, tok, [PROMPTS[i]], RaLMSpec(retriever=local, **kw), max_new_tokens=24)
+        assert row.ids == streamed == one.token_ids[0], f"prompt {i}"
+        assert row.retrieval["passages"] == one.rows[0].retrieval["passages"]
 
 
 def test_ralm_remote_errors(model, tok):
