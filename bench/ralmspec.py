@@ -63,6 +63,13 @@ questions of each call's), rollbacks, speedup = the baseline's time / the method
 al., ICML 2024; an A10 GPU, larger models and retrievers) are printed beside ours. Saves
 JSON (command, host CPU) to bench/results/ralmspec.json and a bar plot of the speedups.
 
+`--retrieval-server KIND=HOST:PORT` (repeatable): the KIND group (bm25 | dense | hnsw)
+retrieves from a server started as `python -m lookahead_jax.retrieval serve --retriever KIND
+--corpus <this corpus> --port PORT` instead of in this process (its kind and corpus sha256
+are checked; the JSON's `retrieval_servers` names it). The search then runs outside this
+process's GIL, so +async overlaps a real search with decoding; every call pays a local
+round trip (~1 ms here).
+
 `--retrieval-latency MS` (a SIMULATION, labelled in the output and the JSON): every full-index
 call of bm25/dense/hnsw sleeps MS ms first, once per call whatever its number of queries, as
 when one scan of a large index dominates (the paper's 21M-passage Wikipedia, a remote
@@ -328,8 +335,19 @@ def main(argv=None):
     ap.add_argument("--retrieval-latency", type=float, default=0.0, metavar="MS",
                     help="SIMULATION: every full-index call of bm25/dense/hnsw takes MS ms longer (a "
                          "stand-in for a large or remote index; results are labelled; default 0)")
+    ap.add_argument("--retrieval-server", action="append", default=[], metavar="KIND=HOST:PORT",
+                    help="the KIND group (bm25|dense|hnsw) retrieves from this server (python -m "
+                         "lookahead_jax.retrieval serve --retriever KIND --corpus <the corpus>); repeatable")
     ap.add_argument("--out", help="JSON path (PNG beside it); default bench/results/ralmspec.json")
     a = ap.parse_args(argv)
+    servers = {}  # group -> HOST:PORT
+    for spec in a.retrieval_server:
+        g, _, addr = spec.partition("=")
+        if g not in RAG or not addr:
+            ap.error(f"--retrieval-server {spec!r}: expected KIND=HOST:PORT with KIND one of {', '.join(RAG)}")
+        if g not in a.retrievers:
+            ap.error(f"--retrieval-server {spec!r}: {g} is not among --retrievers {' '.join(a.retrievers)}")
+        servers[g] = addr
     a.out = a.out or default_out("ralmspec" + (f"-latency{a.retrieval_latency:g}ms" if a.retrieval_latency else ""),
                                  a.ignore_eos)
     ie = a.ignore_eos
@@ -340,7 +358,7 @@ def main(argv=None):
     import lookahead_jax as lj
     from lookahead_jax.core.budget import AcceptanceStats
     from lookahead_jax.drafters.trie import TrieDrafter
-    from lookahead_jax.retrieval import IndexUnavailable, load_corpus, load_retriever
+    from lookahead_jax.retrieval import IndexUnavailable, RemoteRetrievalError, RemoteRetriever, load_corpus, load_retriever
     from lookahead_jax.drafters.ngram_trie import NgramTrie
 
     sim = f" | SIMULATED: +{a.retrieval_latency:g} ms per full-index call" if a.retrieval_latency else ""
@@ -352,10 +370,16 @@ def main(argv=None):
     retrievers = {}
     for g in rag:
         try:
-            retrievers[g] = load_retriever(g, corpus)
+            if g in servers:  # the same corpus (sha256 checked), the server's index
+                retrievers[g] = RemoteRetriever(servers[g], corpus=corpus)
+                if retrievers[g].kind != g:
+                    sys.exit(f"error: the server at {servers[g]} serves {retrievers[g].kind!r}, not {g!r}")
+                print(f"{g}: {retrievers[g]!r}", flush=True)
+            else:
+                retrievers[g] = load_retriever(g, corpus)
             if a.retrieval_latency > 0:
                 retrievers[g] = Latency(retrievers[g], a.retrieval_latency / 1e3)
-        except IndexUnavailable as e:
+        except (IndexUnavailable, RemoteRetrievalError, ValueError) as e:
             sys.exit(f"error: {e}")
     qs = load_questions(corpus, max(a.n, a.knn_gold if knn else 0))
     questions = qs[:a.n]
@@ -437,6 +461,8 @@ def main(argv=None):
 
     result = dict(model=a.model, dtype=a.dtype, max_new_tokens=a.max_new_tokens, stop_at_eos=not ie,
                   simulated_retrieval_latency_ms=a.retrieval_latency or None,
+                  retrieval_servers={g: dict(address=addr, simulated_latency_ms=retrievers[g].simulated_latency_ms
+                                             or None) for g, addr in servers.items()} or None,
                   eos_token_ids=[] if ie else sorted(getattr(tok, "eos_token_ids", ()) or ()),
                   questions=a.n, stride=a.stride, corpus=dict(path=corpus_path.name, passages=len(corpus),
                                                               sha256=corpus.fingerprint),

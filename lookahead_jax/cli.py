@@ -482,10 +482,10 @@ def _run(argv, prog) -> int:
 
 def _retrieval_errors() -> tuple:
     """The retrieval package's errors a user fixes (an index not built or stale, an encoder
-    not installed): printed as errors, not tracebacks."""
-    from .retrieval import EncoderUnavailable, IndexUnavailable
+    not installed, a retrieval server not running): printed as errors, not tracebacks."""
+    from .retrieval import EncoderUnavailable, IndexUnavailable, RemoteRetrievalError
 
-    return IndexUnavailable, EncoderUnavailable
+    return IndexUnavailable, EncoderUnavailable, RemoteRetrievalError
 
 
 def console_main() -> int:

@@ -10,12 +10,15 @@
 `corpus.py` passages from JSON Lines; `base.py` the Retriever interface and the one ranking
 rule (score desc, then position asc); `bm25.py` BM25 (bm25s + PyStemmer); `dense.py` exact
 inner product (jax matmul, exact rescoring) and faiss HNSW / IVF; `encoders.py` encoders by
-name; `store.py` the on-disk cache; `cli.py` the command line.
+name; `store.py` the on-disk cache; `remote.py` / `server.py` a retriever in another process
+(`python -m lookahead_jax.retrieval serve`, `RemoteRetriever("HOST:PORT")`); `cli.py` the
+command line.
 """
 
 from .base import INVALID, Retriever, rank
 from .corpus import Corpus, CorpusError, Passage, load_corpus
 from .encoders import DEFAULT_ENCODER, EncoderUnavailable, get_encoder, register_encoder
+from .remote import RemoteRetrievalError, RemoteRetriever
 from .store import (
     KINDS, IndexNotBuilt, IndexUnavailable, StaleIndex, UnknownRetriever, build_index, cache_root,
     index_dir, is_built, load_retriever,
@@ -37,7 +40,7 @@ def __getattr__(name):  # the retriever classes pull in bm25s / jax / faiss only
 __all__ = [
     "INVALID", "KINDS", "BM25Retriever", "Corpus", "CorpusError", "DEFAULT_ENCODER",
     "DenseRetriever", "EncoderUnavailable", "IndexNotBuilt", "IndexUnavailable", "Passage",
-    "Retriever", "StaleIndex", "UnknownRetriever", "build_index", "cache_root", "exact_scores",
+    "RemoteRetrievalError", "RemoteRetriever", "Retriever", "StaleIndex", "UnknownRetriever", "build_index", "cache_root", "exact_scores",
     "get_encoder", "index_dir", "is_built", "load_corpus", "load_retriever", "rank",
     "register_encoder",
 ]

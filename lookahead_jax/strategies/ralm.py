@@ -56,8 +56,12 @@ class RaLM(StrategyBase):
 
     retriever: a `retrieval.Retriever` built from a Corpus (its `.corpus` gives the text), or
         a kind ("bm25", "dense", "hnsw", "ivf") loaded with `retrieval.load_retriever(kind,
-        corpus)` (the index must have been built: `python -m lookahead_jax.retrieval build`).
-    corpus: the corpus (JSON Lines path or `Corpus`) when `retriever` is a kind.
+        corpus)` (the index must have been built: `python -m lookahead_jax.retrieval build`),
+        or "remote:HOST:PORT": a `retrieval.RemoteRetriever` asking the server that
+        `python -m lookahead_jax.retrieval serve` started (same results, out of process).
+    corpus: the corpus (JSON Lines path or `Corpus`) when `retriever` is a kind; with
+        "remote:..." optional (a local copy of the server's corpus, checked by sha256;
+        without it passages come from the server).
     stride: generated tokens between retrievals (1..4096).  query_tokens: query length in
         tokens of prompt + output (the first query is the whole prompt).
     max_passage_tokens: passages are cut to this many tokens; the cache is sized for it (an
@@ -79,10 +83,11 @@ class RaLM(StrategyBase):
     help = "retrieval-augmented decoding: top-1 passage before the prompt, re-retrieved every --stride tokens"
     cli_names = {}
     parsers = {"retriever": str, "corpus": str, "lookahead": auto_or_int}
-    metavars = {"retriever": "KIND", "corpus": "JSONL", "lookahead": "N|auto"}
+    metavars = {"retriever": "KIND|remote:HOST:PORT", "corpus": "JSONL", "lookahead": "N|auto"}
     field_help = {
         "retriever": "retriever kind bm25|dense|hnsw|ivf (its index built with python -m "
-                     "lookahead_jax.retrieval build)",
+                     "lookahead_jax.retrieval build), or remote:HOST:PORT (a server started with "
+                     "python -m lookahead_jax.retrieval serve)",
         "corpus": "the passages (JSON Lines of {id, text, title?}) the index was built from",
         "stride": "generated tokens between retrievals (default 4)",
         "query_tokens": "the query is the text of the last N tokens of prompt + output (default 32)",
@@ -96,15 +101,20 @@ class RaLM(StrategyBase):
     # ---- checks and components
     def validate(self) -> None:
         from ..retrieval import KINDS, UnknownRetriever
+        from ..retrieval.remote import is_remote, parse_address
 
         r = self.retriever
         if r is None:
-            raise ValueError(f"strategy {self.name!r} needs a retriever: retriever=<Retriever object>, or "
-                             f"retriever=KIND and corpus=PATH (KIND one of {', '.join(KINDS)})")
+            raise ValueError(f"strategy {self.name!r} needs a retriever: retriever=<Retriever object>, "
+                             f"retriever=KIND and corpus=PATH (KIND one of {', '.join(KINDS)}), or "
+                             "retriever=remote:HOST:PORT (python -m lookahead_jax.retrieval serve)")
         if isinstance(r, str):
-            if r not in KINDS:
-                raise UnknownRetriever(f"unknown retriever {r!r}; valid: {', '.join(KINDS)}, or a Retriever object")
-            if self.corpus is None:
+            if is_remote(r):
+                parse_address(r)  # a ValueError naming the HOST:PORT form
+            elif r not in KINDS:
+                raise UnknownRetriever(f"unknown retriever {r!r}; valid: {', '.join(KINDS)}, remote:HOST:PORT, "
+                                       "or a Retriever object")
+            elif self.corpus is None:
                 raise ValueError(f"retriever={r!r} needs corpus=PATH (the JSON Lines file its index was built from)")
         elif not all(callable(getattr(r, m, None)) for m in ("retrieve", "retrieve_from")):
             raise ValueError(f"retriever must be a retriever kind or a Retriever object, got {type(r).__name__}")
@@ -158,11 +168,16 @@ _LOADED: dict = {}  # the last retriever loaded by (kind, corpus): one entry
 
 
 def resolve_retriever(retriever, corpus=None):
-    """A Retriever object as given, or `load_retriever(kind, corpus)` (the last one loaded
-    is kept, keyed by the corpus file's path, size and mtime)."""
+    """A Retriever object as given, a `RemoteRetriever` for "remote:HOST:PORT" (a new one
+    per run: it asks the server what it holds), or `load_retriever(kind, corpus)` (the last
+    one loaded is kept, keyed by the corpus file's path, size and mtime)."""
     if not isinstance(retriever, str):
         return retriever
     from ..retrieval import load_retriever
+    from ..retrieval.remote import RemoteRetriever, is_remote
+
+    if is_remote(retriever):
+        return RemoteRetriever(retriever, corpus=corpus)
     from ..retrieval.corpus import Corpus
 
     if isinstance(corpus, Corpus):
