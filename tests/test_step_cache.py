@@ -119,3 +119,43 @@ def test_what_the_key_covers(step_cache, traced):
 
 def _scale(a, by=2.0):
     return a * by
+
+
+def test_a_warm_process_loads_the_other_tree_sizes_in_the_background(step_cache, traced):
+    """With the steps stored, a fresh engine's first lookahead step queues the budget's
+    other tree sizes (loaded in background threads while it runs); the steps it takes from
+    them compute what traced steps compute, and no step is compiled twice."""
+    want = _run(tiny_model("llama", seed=5))
+    traced.clear()
+    model = tiny_model("llama", seed=5)
+    again = _run(model)
+    compiled = engine_for(model).compiled
+    assert traced == []
+    assert compiled.prefetched and {name for name, _ in compiled.prefetched} == {"verify"}
+    assert len(set(compiled.compilations)) == len(compiled.compilations)
+    _same(again, want)
+
+
+def test_prefetch_loads_only_stored_steps_and_hands_them_to_the_call(step_cache, monkeypatch):
+    x, y = jax.numpy.arange(3.0), jax.numpy.arange(5.0)
+    C.CompiledFunctions()("f", jax.jit(_scale), x)  # stored: shape [3] only
+    cf = C.CompiledFunctions()
+    assert cf.prefetch("f", jax.jit(_scale), y) is False  # never compiled here: left to its call
+    jitted = jax.jit(_scale)
+    assert cf.prefetch("f", jitted, x) is True
+    assert cf.prefetch("f", jitted, x) is False  # already queued
+    cf.settle()
+    np.testing.assert_array_equal(cf("f", jitted, x), 2.0 * np.arange(3.0))
+    assert cf.compilations == [] and [n for n, _ in cf.prefetched] == ["f"]
+    assert len(cf.executables("f")) == 1
+
+    def failing(name, fn, args, static):  # a load that fails is compiled again by the call
+        raise RuntimeError("broken load")
+
+    cf = C.CompiledFunctions()
+    real = C._compile_cached
+    monkeypatch.setattr(C, "_compile_cached", failing)
+    assert cf.prefetch("f", jitted, x) is True
+    monkeypatch.setattr(C, "_compile_cached", real)
+    np.testing.assert_array_equal(cf("f", jitted, x), 2.0 * np.arange(3.0))
+    assert len(cf.compilations) == 1

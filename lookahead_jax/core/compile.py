@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import jax
@@ -27,6 +29,26 @@ def _signature(args) -> tuple:
     ))
 
 
+def _abstract(x):
+    """An array argument's shape, dtype, weak type and sharding (what lowering reads)."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    return x
+
+
+_BACKGROUND: dict = {}
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def _background() -> ThreadPoolExecutor:
+    """The process's background compilation threads (two: a load is mostly one core's
+    work outside the GIL, and the step waiting for one keeps a core)."""
+    with _BACKGROUND_LOCK:
+        if "pool" not in _BACKGROUND:
+            _BACKGROUND["pool"] = ThreadPoolExecutor(2, thread_name_prefix="lookahead-jax-compile")
+        return _BACKGROUND["pool"]
+
+
 class CompiledFunctions:
     """Maps (name, argument shapes) -> compiled executable; counts compilations and time
     (`compile_s` of this table; `total_compile_s` of every table in the process, e.g. a
@@ -39,36 +61,100 @@ class CompiledFunctions:
         self._params_sig: dict[int, tuple] = {}
         self.compile_s = 0.0
         self.compilations: list[str] = []
+        self.prefetched: list[tuple] = []
 
     def executables(self, name: str) -> list:
         """The compiled executables of step `name` ("prefill", "verify"), oldest first."""
-        return [exe for key, exe in self._table.items() if key[0] == name]
+        return [exe.result() if isinstance(exe, Future) else exe for key, exe in self._table.items()
+                if key[0] == name]
 
-    def __call__(self, name: str, jitted: Callable, *args, **static):
-        """Run `jitted(*args, **static)`, compiling it first for a new signature; `static`
-        are the jitted function's static keyword arguments (part of the signature)."""
+    def _key(self, name: str, jitted: Callable, args, static) -> tuple:
         # args[0] is the params pytree (hundreds of leaves, the same object every step):
         # its signature is computed once per object, the rest of the arguments each call.
         params = args[0]
         psig = self._params_sig.get(id(params))
         if psig is None or psig[0] is not params:
             psig = self._params_sig[id(params)] = (params, _signature(params))
-        key = (name, id(jitted), psig[1], _signature(args[1:]), tuple(sorted(static.items())))
+        return (name, id(jitted), psig[1], _signature(args[1:]), tuple(sorted(static.items())))
+
+    def _log(self, name, args, static, dt: float, how: str) -> None:
+        shapes = ", ".join("x".join(map(str, x.shape)) for x in jax.tree.leaves(args[2:]) if hasattr(x, "shape"))
+        desc = f"{name}({shapes}{''.join(f', {k}={v}' for k, v in sorted(static.items()))})"
+        self.compilations.append(desc)
+        log.info("compiled %s in %.1f s%s (compilation #%d)", desc, dt, how, len(self.compilations))
+
+    def __call__(self, name: str, jitted: Callable, *args, **static):
+        """Run `jitted(*args, **static)`, compiling it first for a new signature; `static`
+        are the jitted function's static keyword arguments (part of the signature). A
+        signature `prefetch` is loading is waited for; only the wait counts as compile time."""
+        key = self._key(name, jitted, args, static)
         exe = self._table.get(key)
+        if isinstance(exe, Future) and exe.cancel():  # still queued: compiled here, now
+            exe = None
+        elif isinstance(exe, Future):
+            t0 = time.perf_counter()
+            try:
+                exe = exe.result()
+            except Exception as e:  # noqa: BLE001 - compiled again here, where an error shows
+                log.info("background compilation of %s failed (%s); compiling it now", name, e)
+                exe = None
+            dt = time.perf_counter() - t0
+            if dt > 1e-3:
+                self.compile_s += dt
+                CompiledFunctions.total_compile_s += dt
+            if exe is not None:
+                self._table[key] = exe
         if exe is None:
             t0 = time.perf_counter()
             exe = _compile_cached(name, jitted, args, static)
             dt = time.perf_counter() - t0
             self.compile_s += dt
             CompiledFunctions.total_compile_s += dt
-            shapes = ", ".join(
-                "x".join(map(str, x.shape)) for x in jax.tree.leaves(args[2:]) if hasattr(x, "shape")
-            )
-            desc = f"{name}({shapes}{''.join(f', {k}={v}' for k, v in sorted(static.items()))})"
-            self.compilations.append(desc)
-            log.info("compiled %s in %.1f s (compilation #%d)", desc, dt, len(self.compilations))
+            self._log(name, args, static, dt, "")
             self._table[key] = exe
         return exe(*args)
+
+    def prefetch(self, name: str, jitted: Callable, *args, **static) -> bool:
+        """Compile `jitted` for these arguments' shapes in a background thread, without
+        running it: a later `__call__` with the same signature takes the executable, waiting
+        only for what is left (or compiling it itself when the load has not started). Only
+        shapes, dtypes and shardings are read here, so the arrays may be donated right after.
+        Only a step the step cache holds is queued: a warm process loads it in ~0.5 s of CPU,
+        mostly outside the GIL, while other loads or the device run; a step never compiled
+        on this machine (seconds of compilation) is left to its first call. Returns whether a
+        load was queued; `prefetched` lists the loads (name, seconds), apart from
+        `compilations` (the calls that compiled)."""
+        key = self._key(name, jitted, args, static)
+        if key in self._table:
+            return False
+        shapes = jax.tree.map(_abstract, args)
+        if _step_path(name, jitted, shapes, static) is None:
+            return False  # not a load but a full compilation (seconds of CPU): left to the step
+
+        compile_cached = _compile_cached
+
+        def work():
+            t0 = time.perf_counter()
+            exe = compile_cached(name, jitted, shapes, static)
+            self.prefetched.append((name, time.perf_counter() - t0))
+            return exe
+
+        self._table[key] = _background().submit(work)
+        return True
+
+    def settle(self, cancel: bool = False) -> None:
+        """Wait for this table's queued loads; cancel=True: drop those not started instead
+        (running ones go on), e.g. when decoding ends, so none runs unasked."""
+        for key, exe in list(self._table.items()):
+            if isinstance(exe, Future):
+                if cancel:
+                    if exe.cancel():
+                        del self._table[key]
+                    continue
+                try:
+                    self._table[key] = exe.result()
+                except Exception:  # noqa: BLE001 - the step's call compiles it, where an error shows
+                    del self._table[key]
 
 
 def enable_compilation_cache(subdir: str = "xla") -> Optional[str]:
@@ -182,7 +268,7 @@ def _step_key(name, jitted, args, static) -> Optional[str]:
     for x in leaves:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             return None
-        if isinstance(x, jax.Array):
+        if getattr(x, "sharding", None) is not None:  # an array, or its `_abstract` shape
             devices |= set(x.sharding.device_set)
     what, st = _describe(fun), _describe(tuple(sorted(static.items())))
     if what is None or st is None or len(devices) > 1:
@@ -230,6 +316,16 @@ def _fun_name(jitted, default: str) -> str:
         f = f.func
     name = getattr(f, "__name__", default)
     return name if name.isidentifier() else default
+
+
+def _step_path(name, jitted, args, static):
+    """The step cache's file for this step when it holds one, else None."""
+    from pathlib import Path
+
+    root = _STEP_CACHE["dir"]
+    key = _step_key(name, jitted, args, static) if root else None
+    path = key and Path(root) / f"{name}-{key[:40]}.step"
+    return path if path and path.exists() else None
 
 
 def _compile_cached(name, jitted, args, static):

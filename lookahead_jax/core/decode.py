@@ -146,6 +146,7 @@ class DecodeState:
     prefill_s: float = 0.0
     t_start: float = 0.0
     compile_s: float = 0.0  # compilation seen since t_start
+    windows: set = dataclasses.field(default_factory=set)  # attention windows steps have used
     finish_s: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -548,6 +549,7 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
         if not state.active.any() or (until is not None and until(state)):
             break
         step(engine, state, drafter, rule, budget)
+    engine.compiled.settle(cancel=True)  # tree sizes queued in `step` and not needed: not loaded
     return state
 
 
@@ -568,6 +570,14 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     state.tree_sizes.append(T)
     opts = state.step_options()
     sampling = state.row_sampling()
+    if window not in state.windows:  # the budget's other buckets are likely soon: loaded meanwhile
+        state.windows.add(window)
+        for T2 in budget.buckets:
+            if T2 != T:
+                engine.verify(state.cache, tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2), active,
+                              state.seeds, state.rowids, rule=rule, sampling=sampling, prefetch=True,
+                              window=window_for(int(state.lengths[active].max()) + 1 + T2, S),
+                              draft_probs=_fit_probs(probs, T2), **opts)
     out, state.cache, seconds, compiled = timed(engine, state, lambda: engine.verify(
         state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
         draft_probs=probs, sampling=sampling, **opts))
@@ -575,6 +585,7 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     h0 = time.perf_counter()
     if not compiled:  # real step times correct the calibration
         budget.record(T, window, seconds)
+
     state.lengths = state.lengths + n_emit
     state.steps += 1
     kept = [[] for _ in range(B)]

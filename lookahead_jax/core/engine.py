@@ -291,11 +291,13 @@ class Engine:
 
     def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, hidden: bool = False, top_logprobs: int = 0, sampling=None):
+               counts=None, hidden: bool = False, top_logprobs: int = 0, sampling=None,
+               prefetch: bool = False):
         """`verify.verify_step` on a packed `tree.VerifyBlock`: returns (`verify.VerifyOut`,
         cache). sampling: each row's `RowSampling` (None: every row greedy). suppress / ban,
         penalties / seen / counts, logprobs, hidden, top_logprobs: see `verify.py`; off by
-        default."""
+        default. prefetch: only compile this step for these shapes in the background
+        (`CompiledFunctions.prefetch`; returns None, nothing runs)."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
@@ -309,6 +311,9 @@ class Engine:
         if top_logprobs:
             static["top_logprobs"] = int(top_logprobs)
         fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule), args, static)
+        if prefetch:
+            self.compiled.prefetch("verify", fn, *args, **static)
+            return None
         return self.compiled("verify", fn, *args, **static)
 
     def plain_steps(self, cache, block, active, seeds, rows, remaining, stop_ids, *, rule, window: int,
