@@ -49,7 +49,7 @@ from .budget import FixedBudget
 from .drafts import DraftBatch
 from .rows import RowState
 from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
-from .verify import window_for
+from .verify import fit_draft_probs, window_for
 
 # prompt lengths are padded to these (one prefill compilation each); steps of 1.5x above
 # 128 tokens, where prefill is compute-bound and padding 278 tokens to 512 cost ~40%
@@ -523,17 +523,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 # ----------------------------------------------------------------------------- the loop
-def _fit_probs(probs, T: int):
-    """Draft distributions [B,1+N,V] (block order) cut or zero-padded to the step's 1+T."""
-    if probs is None or probs.shape[1] == 1 + T:
-        return probs
-    if probs.shape[1] > 1 + T:
-        return probs[:, :1 + T]
-    import jax.numpy as jnp
-
-    return jnp.pad(probs, ((0, 0), (0, 1 + T - probs.shape[1]), (0, 0)))
-
-
 def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
            until: Optional[Callable[[DecodeState], bool]] = None) -> DecodeState:
     """Decode until every row has finished (or `until(state)` is true before a step).
@@ -565,19 +554,18 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
     blk = tree_lib.verify_block(state.root, drafts.drafts, T)
     window = window_for(int(state.lengths[active].max()) + 1 + T, S)
-    probs = _fit_probs(drafts.probs, T)
+    probs = fit_draft_probs(drafts.probs, T)
     state.host_s += time.perf_counter() - h0
     state.tree_sizes.append(T)
     opts = state.step_options()
     sampling = state.row_sampling()
     if window not in state.windows:  # the budget's other buckets are likely soon: loaded meanwhile
         state.windows.add(window)
-        for T2 in budget.buckets:
-            if T2 != T:
-                engine.verify(state.cache, tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2), active,
-                              state.seeds, state.rowids, rule=rule, sampling=sampling, prefetch=True,
-                              window=window_for(int(state.lengths[active].max()) + 1 + T2, S),
-                              draft_probs=_fit_probs(probs, T2), **opts)
+        for T2 in (b for b in budget.buckets if b != T):
+            engine.verify(state.cache, tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2), active,
+                          state.seeds, state.rowids, rule=rule, sampling=sampling, prefetch=True, **opts,
+                          window=window_for(int(state.lengths[active].max()) + 1 + T2, S),
+                          draft_probs=fit_draft_probs(probs, T2))
     out, state.cache, seconds, compiled = timed(engine, state, lambda: engine.verify(
         state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
         draft_probs=probs, sampling=sampling, **opts))

@@ -358,3 +358,12 @@ def window_for(needed: int, max_len: int) -> int:
         raise ValueError(f"a step needs {needed} cache slots but the cache holds {max_len}")
     w = max(WINDOW_MIN, 1 << max(needed - 1, 0).bit_length())
     return max_len if w >= max_len else w
+
+
+def fit_draft_probs(probs, T: int):
+    """Draft distributions [B,1+N,V] (block order) cut or zero-padded to the step's 1+T."""
+    if probs is None or probs.shape[1] == 1 + T:
+        return probs
+    if probs.shape[1] > 1 + T:
+        return probs[:, :1 + T]
+    return jnp.pad(probs, ((0, 0), (0, 1 + T - probs.shape[1]), (0, 0)))
