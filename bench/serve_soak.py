@@ -118,7 +118,10 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--decoding-length", type=int, default=16)
+    ap.add_argument("--decoding-length", type=int, default=0, help="lookahead's tree budget (0: the server's default, auto)")
+    ap.add_argument("--draft", default=None, help="specinfer's draft model (as bench/serve.py)")
+    ap.add_argument("--no-server-warmup", dest="server_warmup", action="store_false",
+                    help="skip the server's warm-up (steps compile during the first requests)")
     ap.add_argument("--p-cancel", type=float, default=0.1)
     ap.add_argument("--p-bad", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
@@ -155,7 +158,8 @@ def main(argv=None) -> None:
     th.join(120)
     print(host_line())
     print({k: v for k, v in stats.items() if k != "rss_samples"})
-    save(dict(strategy=args.strategy, requests=args.requests, concurrency=args.concurrency, **stats), args.out)
+    save(dict(strategy=args.strategy, decoding_length=args.decoding_length or "auto (server default)",
+              server_warmup=args.server_warmup, requests=args.requests, concurrency=args.concurrency, **stats), args.out)
 
 
 if __name__ == "__main__":
