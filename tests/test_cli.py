@@ -737,7 +737,10 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path, mode):
             "from tiny import ByteTokenizer, tiny_model; m = tiny_model('llama', seed=2);"
             "L.load = lambda *a, **k: (m, ByteTokenizer()); from lookahead_jax.cli import main, enable_compilation_cache;"
             "enable_compilation_cache('xla-tests'); sys.exit(main({argv!r}))").format(tests=os.path.dirname(__file__), argv=argv)
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT as a terminal delivers it: a shell's background job (e.g. `bash .ci/run &`) would
+    # otherwise pass SIGINT down ignored, and Python keeps an ignored SIGINT ignored
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # the first row (--json), or the first prompt's header and streamed text (a newline ends it)
     first = b"".join(p.stdout.readline() for _ in range(1 if mode == "json" else 3))
     assert first.count(b"\n") == (1 if mode == "json" else 3), p.stderr.read().decode()[-3000:]
