@@ -13,7 +13,6 @@ Small corpora made here from words the model writes, so the top-1 passage really
 
 from __future__ import annotations
 
-import re
 import zlib
 
 import numpy as np
@@ -24,7 +23,7 @@ from lookahead_jax.generate import generate
 from lookahead_jax import retrieval as R
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.strategies import RaLM, RaLMSpec
-from tiny import load_prompts
+from tiny import load_prompts, own_word_passages
 
 MAX_NEW = 24
 PROMPTS = [r["prompt"][:60] for r in load_prompts(3)]  # 9 prompts, 3 sources
@@ -33,16 +32,7 @@ PROMPTS = [r["prompt"][:60] for r in load_prompts(3)]  # 9 prompts, 3 sources
 @pytest.fixture(scope="module")
 def corpus(model, tok) -> R.Corpus:
     """80 passages of 3-11 words: the model's own output words plus the prompts' words."""
-    out = generate(model, tok, PROMPTS, max_new_tokens=48)
-    words = set()
-    for r in out.rows:
-        words |= {w.lower() for w in re.findall(r"[A-Za-z0-9]{2,}", r.text)}
-    for p in PROMPTS:
-        words |= {w.lower() for w in re.findall(r"[A-Za-z]{3,}", p)}
-    words = sorted(words)
-    rng = np.random.default_rng(0)
-    passages = [" ".join(rng.choice(words, size=int(rng.integers(3, 12)))) for _ in range(80)]
-    passages[7] = {"id": "titled", "title": "A title", "text": passages[7]}
+    passages = own_word_passages(model, tok, PROMPTS, 80, 48)
     return R.Corpus.from_passages(passages)
 
 

@@ -192,17 +192,9 @@ def ralm_served(model, tok, tmp_path_factory):
     pytest.importorskip("bm25s")
     pytest.importorskip("Stemmer")
     from test_ralm import PROMPTS
+    from tiny import own_word_passages
 
-    out = generate(model, tok, PROMPTS, max_new_tokens=48)
-    words = set()
-    for r in out.rows:
-        words |= {w.lower() for w in re.findall(r"[A-Za-z0-9]{2,}", r.text)}
-    for p in PROMPTS:
-        words |= {w.lower() for w in re.findall(r"[A-Za-z]{3,}", p)}
-    words = sorted(words)
-    rng = np.random.default_rng(0)
-    passages = [" ".join(rng.choice(words, size=int(rng.integers(3, 12)))) for _ in range(80)]
-    passages[7] = {"id": "titled", "title": "A title", "text": passages[7]}
+    passages = own_word_passages(model, tok, PROMPTS, 80, 48)
     d = tmp_path_factory.mktemp("ralm-remote")
     path = d / "passages.jsonl"
     path.write_text(Corpus.from_passages(passages).to_jsonl())

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import re
 
-import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -35,7 +33,7 @@ from lookahead_jax import retrieval as R  # noqa: E402
 from lookahead_jax.generate import generate  # noqa: E402
 from lookahead_jax.serve import make_server, start_in_thread  # noqa: E402
 from lookahead_jax.serve.__main__ import main as serve_main, parse as serve_parse  # noqa: E402
-from tiny import load_prompts  # noqa: E402
+from tiny import load_prompts, own_word_passages  # noqa: E402
 
 MAX_LEN = 512
 SLOTS = 3
@@ -48,16 +46,7 @@ RALM = dict(retriever="bm25", stride=2, query_tokens=16, max_passage_tokens=96)
 def corpus_path(model, tok, tmp_path_factory):
     """passages.jsonl of 60 passages (one titled) from the model's own words, its BM25
     index built in a cache of this module's own (LOOKAHEAD_JAX_CACHE, set for the module)."""
-    out = generate(model, tok, PROMPTS, max_new_tokens=40)
-    words = set()
-    for r in out.rows:
-        words |= {w.lower() for w in re.findall(r"[A-Za-z0-9]{2,}", r.text)}
-    for p in PROMPTS:
-        words |= {w.lower() for w in re.findall(r"[A-Za-z]{3,}", p)}
-    words = sorted(words)
-    rng = np.random.default_rng(0)
-    passages = [" ".join(rng.choice(words, size=int(rng.integers(3, 12)))) for _ in range(60)]
-    passages[7] = {"id": "titled", "title": "A title", "text": passages[7]}
+    passages = own_word_passages(model, tok, PROMPTS, 60, 40)
     d = tmp_path_factory.mktemp("serve-retrieval")
     path = d / "passages.jsonl"
     path.write_text(R.Corpus.from_passages(passages).to_jsonl())

@@ -92,3 +92,24 @@ def drive_slots(slots, requests, every=2):
         n += 1
     return [out[i] for i in range(len(requests))]
 
+
+
+def own_word_passages(model, tok, prompts, n: int, new_tokens: int) -> list:
+    """n passages of 3-11 words drawn (seed 0) from the model's own greedy output words on
+    `prompts` and the prompts' words, passage 7 with an id and a title: a corpus whose
+    top-1 passage changes while the model decodes (the retrieval tests' kind)."""
+    import re
+
+    from lookahead_jax.generate import generate
+
+    out = generate(model, tok, prompts, max_new_tokens=new_tokens)
+    words = set()
+    for r in out.rows:
+        words |= {w.lower() for w in re.findall(r"[A-Za-z0-9]{2,}", r.text)}
+    for p in prompts:
+        words |= {w.lower() for w in re.findall(r"[A-Za-z]{3,}", p)}
+    words = sorted(words)
+    rng = np.random.default_rng(0)
+    passages = [" ".join(rng.choice(words, size=int(rng.integers(3, 12)))) for _ in range(n)]
+    passages[7] = {"id": "titled", "title": "A title", "text": passages[7]}
+    return passages
