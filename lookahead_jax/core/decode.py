@@ -533,12 +533,14 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
     rule = rule if rule is not None else TokenMatch(state.sampling)
     if budget is None:
         budget = FixedBudget(drafter.max_nodes if drafter is not None else 0)
-    while True:
-        state.mark_finished()
-        if not state.active.any() or (until is not None and until(state)):
-            break
-        step(engine, state, drafter, rule, budget)
-    engine.compiled.settle(cancel=True)  # tree sizes queued in `step` and not needed: not loaded
+    try:
+        while True:
+            state.mark_finished()
+            if not state.active.any() or (until is not None and until(state)):
+                break
+            step(engine, state, drafter, rule, budget)
+    finally:  # tree sizes queued in `step` and not needed (or Ctrl-C): not loaded
+        engine.compiled.settle(cancel=True)
     return state
 
 
