@@ -77,12 +77,6 @@ class CompiledFunctions:
             psig = self._params_sig[id(params)] = (params, _signature(params))
         return (name, id(jitted), psig[1], _signature(args[1:]), tuple(sorted(static.items())))
 
-    def _log(self, name, args, static, dt: float, how: str) -> None:
-        shapes = ", ".join("x".join(map(str, x.shape)) for x in jax.tree.leaves(args[2:]) if hasattr(x, "shape"))
-        desc = f"{name}({shapes}{''.join(f', {k}={v}' for k, v in sorted(static.items()))})"
-        self.compilations.append(desc)
-        log.info("compiled %s in %.1f s%s (compilation #%d)", desc, dt, how, len(self.compilations))
-
     def __call__(self, name: str, jitted: Callable, *args, **static):
         """Run `jitted(*args, **static)`, compiling it first for a new signature; `static`
         are the jitted function's static keyword arguments (part of the signature). A
@@ -110,7 +104,12 @@ class CompiledFunctions:
             dt = time.perf_counter() - t0
             self.compile_s += dt
             CompiledFunctions.total_compile_s += dt
-            self._log(name, args, static, dt, "")
+            shapes = ", ".join(
+                "x".join(map(str, x.shape)) for x in jax.tree.leaves(args[2:]) if hasattr(x, "shape")
+            )
+            desc = f"{name}({shapes}{''.join(f', {k}={v}' for k, v in sorted(static.items()))})"
+            self.compilations.append(desc)
+            log.info("compiled %s in %.1f s (compilation #%d)", desc, dt, len(self.compilations))
             self._table[key] = exe
         return exe(*args)
 

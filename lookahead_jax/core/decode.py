@@ -555,7 +555,8 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     drafts = drafts.truncated(budget.plan(drafts, state))
     T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
     blk = tree_lib.verify_block(state.root, drafts.drafts, T)
-    window = window_for(int(state.lengths[active].max()) + 1 + T, S)
+    L = int(state.lengths[active].max())  # the longest active row's cached slots
+    window = window_for(L + 1 + T, S)
     probs = fit_draft_probs(drafts.probs, T)
     state.host_s += time.perf_counter() - h0
     state.tree_sizes.append(T)
@@ -566,8 +567,7 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
         for T2 in (b for b in budget.buckets if b != T):
             engine.verify(state.cache, tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2), active,
                           state.seeds, state.rowids, rule=rule, sampling=sampling, prefetch=True, **opts,
-                          window=window_for(int(state.lengths[active].max()) + 1 + T2, S),
-                          draft_probs=fit_draft_probs(probs, T2))
+                          window=window_for(L + 1 + T2, S), draft_probs=fit_draft_probs(probs, T2))
     out, state.cache, seconds, compiled = timed(engine, state, lambda: engine.verify(
         state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
         draft_probs=probs, sampling=sampling, **opts))
@@ -575,7 +575,6 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     h0 = time.perf_counter()
     if not compiled:  # real step times correct the calibration
         budget.record(T, window, seconds)
-
     state.lengths = state.lengths + n_emit
     state.steps += 1
     kept = [[] for _ in range(B)]
