@@ -63,6 +63,7 @@ def repo_prompts() -> list:
 
 
 def start_server(args, strategy: str, batch: int, model, tok):
+    from lookahead_jax.core.engine import engine_for
     from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
 
     opts = ()
@@ -72,10 +73,16 @@ def start_server(args, strategy: str, batch: int, model, tok):
         opts = (("draft_model", args.draft),)
     cfg = ServeConfig(model=args.model, strategy=strategy, strategy_options=opts, max_batch=batch,
                       max_len=args.max_len, max_waiting=100000, logprobs=False)
-    srv = make_server(cfg, model, tok)
-    stores = srv.scheduler.engine.stores
-    stores.tries.clear()  # each level starts with a cold trie (its warm-up prompts seed it), not the last level's
+    # each run starts cold (its warm-up prompts seed it), not with what the last run wrote: the
+    # measured prompts are the same in every run, so a kept cache of earlier outputs (the suffix
+    # drafter's, lookahead's default) would draft their answers. Cleared before the server
+    # makes its drafter, which takes the engine's cache then.
+    stores = engine_for(model).stores
+    stores.tries.clear()
+    stores.suffix_cache = None
     stores.acceptance.clear()
+    srv = make_server(cfg, model, tok)
+    assert srv.scheduler.engine.stores is stores
     if args.server_warmup:  # every step the slots may run compiled before serving (the server's --warmup)
         srv.scheduler.warm_up()
     uv, th, url = start_in_thread(srv)
