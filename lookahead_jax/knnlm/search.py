@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models import advance, hidden_states, logits_from_hidden
+from ..models import advance, cpu_kernels, hidden_states, logits_from_hidden
 from ..core.sampling import SamplingParams, select_tokens
 from ..core.verify import banned, token_logprobs
 
@@ -107,15 +107,11 @@ def _ranked(d, ids, k: int):
     return jnp.where(jnp.isfinite(d[..., :k]), ids[..., :k], -1), d[..., :k]
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def exact_search(keys, h, norms, n_valid, xmax, *, k: int):
-    """keys [nC,C,D]; h [Q,D] f32; norms [nC,C] f32 (|x|^2, +inf on padding); n_valid, xmax
-    scalars. Returns (ids [Q,k] int32 ranked by (d, id), ok [Q] bool): where ok is false
-    the shortlist could miss a neighbour: redo the query with `brute_search`."""
-    Q, D = h.shape
+def _scan_shortlist(h, keys, norms, kp: int):
+    """The shortlist pass in XLA (keys [nC,C,D], norms [nC,C]): a lax.scan over the chunks
+    keeping the kp smallest matmul distances -> (md [Q,kp] ascending, mi [Q,kp])."""
+    Q = h.shape[0]
     nC, C, _ = keys.shape
-    kp = min(shortlist_size(k), nC * C)
-    h = h.astype(jnp.float32)
 
     def body(carry, xs):
         best_d, best_i = carry  # [Q,kp]
@@ -130,6 +126,19 @@ def exact_search(keys, h, norms, n_valid, xmax, *, k: int):
 
     init = (jnp.full((Q, kp), jnp.inf, jnp.float32), jnp.full((Q, kp), -1, jnp.int32))
     (md, mi), _ = jax.lax.scan(body, init, (keys, norms, jnp.arange(nC, dtype=jnp.int32)))
+    return md, mi
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def exact_search(keys, h, norms, n_valid, xmax, *, k: int):
+    """keys [nC,C,D]; h [Q,D] f32; norms [nC,C] f32 (|x|^2, +inf on padding); n_valid, xmax
+    scalars. Returns (ids [Q,k] int32 ranked by (d, id), ok [Q] bool): where ok is false
+    the shortlist could miss a neighbour: redo the query with `brute_search`."""
+    Q, D = h.shape
+    nC, C, _ = keys.shape
+    kp = min(shortlist_size(k), nC * C)
+    h = h.astype(jnp.float32)
+    md, mi = cpu_kernels.knn_shortlist(h, keys, norms, kp, functools.partial(_scan_shortlist, kp=kp))
     valid = (mi >= 0) & (mi < n_valid)
     x = keys.reshape(nC * C, D)[jnp.clip(mi, 0, nC * C - 1)]  # [Q,kp,D]
     dc = jnp.where(valid, sq_distances(h[:, None, :], x), jnp.inf)
