@@ -686,9 +686,13 @@ static inline void knn_dots(const float* h, const KT* x, int64_t D, float* out) 
     for (int b = 0; b < KB; ++b) acc[a][b] = vzero();
   for (int64_t j = 0; j < D; j += VW) {
     vec xv[KB];
-    for (int b = 0; b < KB; ++b) xv[b] = hload(x + b * D + j);
+    for (int b = 0; b < KB; ++b) {
+      xv[b] = hload(x + b * D + j);
+      asm("" : "+x"(xv[b]));  // loaded once into a register (GCC would load it per FMA)
+    }
     for (int a = 0; a < QB; ++a) {
       vec hv = vload(h + a * D + j);
+      asm("" : "+x"(hv));
       for (int b = 0; b < KB; ++b) acc[a][b] = vfma(hv, xv[b], acc[a][b]);
     }
   }

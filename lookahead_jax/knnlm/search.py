@@ -10,10 +10,14 @@ Ties are broken by the lower entry id: a neighbour list is sorted by (d, id).
 
 Every search returns the top-k of its candidates under that rule:
 
-* exact (`exact_search`, device): the keys in fixed-size chunks [nC,C,D]; a lax.scan keeps a
-  running shortlist of the kp = 2k + 16 entries of smallest matmul distance
-  |x|^2 - 2 h.x (f32, Precision.HIGHEST), then the shortlist is ranked by `sq_distances`.
-  The matmul's rounding depends on shapes and backend, so it only shortlists: with
+* exact (`exact_search`, device): a shortlist of the kp = 2k + 16 entries of smallest
+  matmul distance |x|^2 - 2 h.x (f32), then ranked by `sq_distances`. On CPU the shortlist
+  is one kernel call (`cpu_kernels.knn_shortlist`: the keys read once for all Q queries,
+  each dot product W lane-wise FMA chains then a log2 W level sum, W = 8 or 16 lanes:
+  error <= (D/W + log2 W) u |h||x| (1 + O(Du)), the subtraction one more rounding);
+  elsewhere (and where the kernel does not apply) a lax.scan over the keys in fixed-size
+  chunks [nC,C,D] (Precision.HIGHEST; any summation order, error <= D u |h||x|). Either
+  rounding depends on the implementation, so the matmul distance only shortlists: with
   eps = 2 (D + log2 D + 16) u (|h| + max|x|)^2 (u = 2^-24, above the rounding of both
   forms), an entry outside the shortlist has a canonical distance >= (kp-th matmul
   distance + |h|^2) - eps; when that exceeds the k-th canonical distance of the shortlist
@@ -67,9 +71,10 @@ from ..core.verify import banned, token_logprobs
 
 U = 2.0 ** -24  # float32 unit roundoff
 BIG_ID = np.iinfo(np.int32).max  # sorts after every real id
-# keys per scan step of the exact search. On the CPU a chunk's f32 copy (2.4 MB at D = 576)
-# then stays in cache: 4096 was 1.7x slower there (bench/knn_search.py); on accelerators,
-# where each scan step is a launch, the earlier 4096 (not measured there yet)
+# keys per scan step of the exact search's XLA shortlist (the CPU kernel reads them flat).
+# On the CPU a chunk's f32 copy (2.4 MB at D = 576) then stays in cache: 4096 was 1.7x
+# slower there (bench/knn_search.py); on accelerators, where each scan step is a launch,
+# the earlier 4096 (not measured there yet)
 CHUNKS = {"cpu": 1024}
 CHUNK = 4096
 
