@@ -636,14 +636,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_attention, Attention,
 // f32, keys x[N,D] f16 or f32, norms[N] = |x|^2 f32 (+inf: padding) -> per query the kp
 // entries of smallest m = norm - 2 h.x, ranked by (m, id): md[Q,kp], mi[Q,kp] (+inf / -1
 // past the entries of finite m). The keys are read once for all Q queries: a block of 8
-// keys is widened to f32 once (F16C) and every query then takes it from L1 (for Q <= 2
-// straight from the stored halves), each loaded vector used for 2 queries x 4 keys.
+// keys is widened to f32 once (F16C) and every query then takes it from L1, each loaded
+// vector used for 2 queries x 4 keys.
 // h.x is VW lane-wise FMA chains over D then vsum, the same for every Q and blocking, and
 // the selection is the kp smallest by (m, id) whatever the split into tiles: a query's
 // shortlist does not depend on the other queries. Rounding: one dot product in some order
 // (|error| <= D u |h||x|), one product by 2 (exact) and one subtraction: within what the
 // search's error bound assumes of the matmul distance.
-static inline vec hload(const float* p) { return vload(p); }
 static inline vec hload(const uint16_t* p) {  // IEEE half -> f32, exact
 #if defined(__AVX512F__)
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -679,15 +678,15 @@ struct Selector {
   }
 };
 
-template <int QB, int KB, typename KT>
-static inline void knn_dots(const float* h, const KT* x, int64_t D, float* out) {
+template <int QB, int KB>
+static inline void knn_dots(const float* h, const float* x, int64_t D, float* out) {
   vec acc[QB][KB];
   for (int a = 0; a < QB; ++a)
     for (int b = 0; b < KB; ++b) acc[a][b] = vzero();
   for (int64_t j = 0; j < D; j += VW) {
     vec xv[KB];
     for (int b = 0; b < KB; ++b) {
-      xv[b] = hload(x + b * D + j);
+      xv[b] = vload(x + b * D + j);
       asm("" : "+x"(xv[b]));  // loaded once into a register (GCC would load it per FMA)
     }
     for (int a = 0; a < QB; ++a) {
@@ -701,8 +700,7 @@ static inline void knn_dots(const float* h, const KT* x, int64_t D, float* out) 
 }
 
 // Keys [k0, k1) (k1 - k0 <= 8) for queries [0, Q): m pushed into sel[q] where below thr.
-template <typename KT>
-static void knn_block(const float* h, int64_t Q, const KT* x, const float* norms, int64_t k0, int64_t k1,
+static void knn_block(const float* h, int64_t Q, const float* x, const float* norms, int64_t k0, int64_t k1,
                       int64_t D, Selector* sel) {
   float m[8];
   for (int64_t q = 0; q < Q;) {
@@ -741,15 +739,15 @@ static void knn_shortlist(ffi::ThreadPool& pool, const float* h, const KT* x, co
     std::unique_ptr<Cand[]> bufs(new Cand[Q * cap]);
     std::unique_ptr<Selector[]> sel(new Selector[Q]);
     for (int64_t q = 0; q < Q; ++q) sel[q] = Selector{bufs.get() + q * cap, kp, cap};
-    std::unique_ptr<float[]> wide(Q > 2 && !std::is_same<KT, float>::value ? new float[KT8 * D] : nullptr);
+    std::unique_ptr<float[]> wide(std::is_same<KT, float>::value ? nullptr : new float[KT8 * D]);
     const int64_t t0 = t * TILE, t1 = std::min(N, t0 + TILE);
     for (int64_t k0 = t0; k0 < t1; k0 += KT8) {
       const int64_t k1 = std::min(t1, k0 + KT8);
-      if (wide) {  // widen once, read by every query pair from L1
+      if constexpr (std::is_same<KT, float>::value) {
+        knn_block(h, Q, x + k0 * D, norms, k0, k1, D, sel.get());
+      } else {  // widened once, then read by every query pair from L1 (faster even at Q = 1)
         for (int64_t e = 0; e < (k1 - k0) * D; e += VW) vstore(wide.get() + e, hload(x + k0 * D + e));
-        knn_block<float>(h, Q, wide.get(), norms, k0, k1, D, sel.get());
-      } else {
-        knn_block<KT>(h, Q, x + k0 * D, norms, k0, k1, D, sel.get());
+        knn_block(h, Q, wide.get(), norms, k0, k1, D, sel.get());
       }
     }
     for (int64_t q = 0; q < Q; ++q) {

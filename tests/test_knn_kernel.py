@@ -138,12 +138,17 @@ def test_exact_search_through_the_kernel_is_brute_force(N, k):
     h = jnp.asarray(_queries(keys, 9, seed=N))
     assert "lookahead_knn_shortlist" in S.exact_search.lower(idx.keys, h, idx.norms, idx.n_valid, idx.xmax,
                                                              k=k).as_text()
+    assert "lookahead_knn_shortlist" not in S.exact_search.lower(idx.keys, h, idx.norms, idx.n_valid, idx.xmax,
+                                                                 k=k, kernel=False).as_text()
     brute = np.asarray(S.brute_search(idx.keys, h, idx.n_valid, k=k))
     for Q in (1, 2, 3, 8, 9):
         ids, ok = S.exact_search(idx.keys, h[:Q], idx.norms, idx.n_valid, idx.xmax, k=k)
         ids, ok = np.asarray(ids), np.asarray(ok)
         np.testing.assert_array_equal(ids[ok], brute[:Q][ok])
         assert ok[2:].all() or N <= 2 * k + 16  # only the exact duplicates (queries 0, 1) may need brute force
+        xla, xok = S.exact_search(idx.keys, h[:Q], idx.norms, idx.n_valid, idx.xmax, k=k, kernel=False)
+        both = ok & np.asarray(xok)
+        np.testing.assert_array_equal(ids[both], np.asarray(xla)[both])  # the XLA scan's answer
     for q in range(9):
         ids, ok = S.exact_search(idx.keys, h[q:q + 1], idx.norms, idx.n_valid, idx.xmax, k=k)
         if bool(ok[0]):

@@ -134,16 +134,18 @@ def _scan_shortlist(h, keys, norms, kp: int):
     return md, mi
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def exact_search(keys, h, norms, n_valid, xmax, *, k: int):
+@functools.partial(jax.jit, static_argnames=("k", "kernel"))
+def exact_search(keys, h, norms, n_valid, xmax, *, k: int, kernel: bool = True):
     """keys [nC,C,D]; h [Q,D] f32; norms [nC,C] f32 (|x|^2, +inf on padding); n_valid, xmax
     scalars. Returns (ids [Q,k] int32 ranked by (d, id), ok [Q] bool): where ok is false
-    the shortlist could miss a neighbour: redo the query with `brute_search`."""
+    the shortlist could miss a neighbour: redo the query with `brute_search`. kernel=False:
+    the XLA shortlist on CPU too (bench/knn_search.py times both)."""
     Q, D = h.shape
     nC, C, _ = keys.shape
     kp = min(shortlist_size(k), nC * C)
     h = h.astype(jnp.float32)
-    md, mi = cpu_kernels.knn_shortlist(h, keys, norms, kp, functools.partial(_scan_shortlist, kp=kp))
+    scan = functools.partial(_scan_shortlist, kp=kp)
+    md, mi = cpu_kernels.knn_shortlist(h, keys, norms, kp, scan) if kernel else scan(h, keys, norms)
     valid = (mi >= 0) & (mi < n_valid)
     x = keys.reshape(nC * C, D)[jnp.clip(mi, 0, nC * C - 1)]  # [Q,kp,D]
     dc = jnp.where(valid, sq_distances(h[:, None, :], x), jnp.inf)
