@@ -101,8 +101,8 @@ def test_padding_and_short_stores():
 
 
 def test_the_xla_scan_where_the_kernel_does_not_apply():
-    """D not a multiple of the vector width, too many queries, kernels off: the reference
-    (the XLA scan) is what runs, with the same contract."""
+    """D not a multiple of the vector width, more than MAX_KNN_QUERIES queries: the
+    reference (the XLA scan) is what runs, with the same contract."""
     keys = _store(300, 12, np.float16, seed=5)
     norms = _norms(keys)
     h = _queries(keys, 3, seed=6)
