@@ -1,7 +1,8 @@
 // CPU kernels for the decode and verify steps (XLA FFI custom calls), f32, for few rows M
 // (1 greedy token, 2..16 for a verify block): y[M,N] = x[M,K] @ w[K,N] ("nn"; also with w
 // packed in column tiles, for any M), y[M,V] = x[M,D] @ e[V,D]^T ("nt", tied embeddings),
-// one layer's attention of the new tokens over the KV cache, and argmax over logits.
+// one layer's attention of the new tokens over the KV cache, argmax over logits, and the
+// exact KNN search's shortlist (the kp smallest |x|^2 - 2 h.x over f16/f32 keys).
 //
 // Why: XLA:CPU hands a dot with M >= 2 to a general GEMM whose cost jumps by ~30% from
 // M = 1 to M = 2 and ~60% at M = 4 on a 2-core x86, although reading the weights (the real

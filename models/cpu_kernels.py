@@ -9,7 +9,8 @@ weight vector for all rows at once, so up to ~8 rows cost about one pass over th
 operands; `attention(q, k, v, mask, scale, reference)` is one layer's attention of a few
 new tokens over the cache in one call, where XLA runs ~12 small ops whose fixed costs
 dominate at decode sizes (2-4 ms of a SmolLM2 step); `argmax(x)` is jnp.argmax over the
-last axis (XLA's reduce costs ~0.1 ms per 49k-logit row). They take the kernel only where
+last axis (XLA's reduce costs ~0.1 ms per 49k-logit row); `knn_shortlist` is the exact KNN
+search's shortlist pass (keys read once for all queries). They take the kernel only where
 it pays and is possible, decided at trace time:
 
 * lowering for CPU (`lax.platform_dependent`: GPU/TPU lower plain `dot` / the reference),
