@@ -1,6 +1,8 @@
 """Micro-benchmark of the KNN-LM exact search (`knnlm.search.exact_search`): one query
 against batches of Q queries over a random float16 store, the figure being the ratio
 batch-Q / batch-1 (speculative KNN-LM verifies a round's queries in one batched search).
+Both shortlist passes are timed in the same rounds: the CPU kernel ("kernel", what
+exact_search runs on CPU) and the XLA scan ("xla", kernel=False; what it ran before).
 
     nice -n 5 python bench/knn_search.py                  # N = 1,000,000, D = 576, k = 32
     nice -n 5 python bench/knn_search.py --n 200000 --runs 3
@@ -9,7 +11,8 @@ The store is random (seed fixed), queries are stored keys plus small noise (thei
 neighbours are real near-ties, as in a datastore of hidden states). Batch sizes are timed
 alternately (batch 1, 2, 4, 8, batch 1, ...), the median of `--runs` rounds reported:
 absolute times on a shared host are noisy, the ratios measured side by side less so.
-Each batch's ids are checked against the same queries searched one at a time.
+Each batch's ids are checked against the same queries searched one at a time, and the
+two paths' ids against each other.
 """
 
 from __future__ import annotations
@@ -62,41 +65,51 @@ def main():
     hq = (host_keys[src].astype(np.float32) + args.noise * rng.standard_normal((Qmax, args.dim), np.float32))
     del host_keys
 
-    def search(Q):
-        ids, ok = exact_search(idx.keys, jnp.asarray(hq[:Q]), idx.norms, idx.n_valid, idx.xmax, k=args.k)
+    paths = ("kernel", "xla")
+
+    def search(Q, path, q0=0):
+        ids, ok = exact_search(idx.keys, jnp.asarray(hq[q0:q0 + Q]), idx.norms, idx.n_valid, idx.xmax, k=args.k,
+                               kernel=path == "kernel")
         return np.asarray(ids), np.asarray(ok)
 
-    single = []
-    for Q in batches:  # compile every shape; check each batch against one-at-a-time answers
-        t0 = time.perf_counter()
-        search(Q)
-        print(f"Q={Q}: compiled and ran in {time.perf_counter() - t0:.1f} s")
-    for q in range(Qmax):
-        single.append(exact_search(idx.keys, jnp.asarray(hq[q:q + 1]), idx.norms, idx.n_valid, idx.xmax,
-                                   k=args.k)[0][0])
-    single = np.asarray(jax.device_get(single))
-    all_ok, same = True, True
-    for Q in batches:
-        ids, ok = search(Q)
-        all_ok &= bool(ok.all())
-        same &= bool(np.array_equal(ids, single[:Q]))
-    print(f"batched ids equal one-at-a-time: {same}; ok (no brute-force fallback) everywhere: {all_ok}")
-
-    times = {Q: [] for Q in batches}
-    for _ in range(args.runs):
+    for path in paths:  # compile every shape; check each batch against one-at-a-time answers
         for Q in batches:
             t0 = time.perf_counter()
-            search(Q)
-            times[Q].append(time.perf_counter() - t0)
-    med = {Q: statistics.median(v) for Q, v in times.items()}
-    print(f"\n{'Q':>3} {'median s':>9} {'x batch 1':>10} {'per query s':>12}")
-    for Q in batches:
-        print(f"{Q:>3} {med[Q]:>9.3f} {med[Q] / med[batches[0]]:>10.2f} {med[Q] / Q:>12.3f}")
+            search(Q, path)
+            print(f"{path} Q={Q}: compiled and ran in {time.perf_counter() - t0:.1f} s")
+    single = {p: np.concatenate([search(1, p, q)[0] for q in range(Qmax)]) for p in paths}
+    all_ok, same = True, bool(np.array_equal(single["kernel"], single["xla"]))
+    for path in paths:
+        for Q in batches:
+            ids, ok = search(Q, path)
+            all_ok &= bool(ok.all())
+            same &= bool(np.array_equal(ids, single[path][:Q]))
+    print(f"batched ids equal one-at-a-time and kernel ids equal xla ids: {same}; ok (no brute-force fallback) "
+          f"everywhere: {all_ok}")
+
+    times = {(p, Q): [] for p in paths for Q in batches}
+    for _ in range(args.runs):
+        for Q in batches:
+            for path in paths:
+                t0 = time.perf_counter()
+                search(Q, path)
+                times[path, Q].append(time.perf_counter() - t0)
+    med = {key: statistics.median(v) for key, v in times.items()}
+    print(f"\n{'path':>6} {'Q':>3} {'median s':>9} {'x batch 1':>10} {'per query s':>12} {'x xla':>6}")
+    for path in paths:
+        for Q in batches:
+            m = med[path, Q]
+            print(f"{path:>6} {Q:>3} {m:>9.3f} {m / med[path, batches[0]]:>10.2f} {m / Q:>12.3f} "
+                  f"{m / med['xla', Q]:>6.2f}")
+
+    def figures(path):
+        return dict(median_s={str(Q): round(med[path, Q], 4) for Q in batches},
+                    ratio_to_batch1={str(Q): round(med[path, Q] / med[path, batches[0]], 3) for Q in batches},
+                    times_s={str(Q): [round(t, 4) for t in times[path, Q]] for Q in batches})
+
     save(dict(n=args.n, dim=args.dim, k=args.k, chunk=idx.chunk, runs=args.runs, noise=args.noise,
-              seed=args.seed, batched_equals_single=same, all_ok=all_ok,
-              median_s={str(Q): round(med[Q], 4) for Q in batches},
-              ratio_to_batch1={str(Q): round(med[Q] / med[batches[0]], 3) for Q in batches},
-              times_s={str(Q): [round(t, 4) for t in v] for Q, v in times.items()}), args.out)
+              seed=args.seed, batched_equals_single=same, all_ok=all_ok, **figures("kernel"), xla=figures("xla")),
+         args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 // CPU kernels for the decode and verify steps (XLA FFI custom calls), f32, for few rows M
 // (1 greedy token, 2..16 for a verify block): y[M,N] = x[M,K] @ w[K,N] ("nn"; also with w
 // packed in column tiles, for any M), y[M,V] = x[M,D] @ e[V,D]^T ("nt", tied embeddings),
-// one layer's attention of the new tokens over the KV cache, and argmax over logits.
+// one layer's attention of the new tokens over the KV cache, argmax over logits, and the
+// exact KNN search's shortlist (the kp smallest |x|^2 - 2 h.x over f16/f32 keys).
 //
 // Why: XLA:CPU hands a dot with M >= 2 to a general GEMM whose cost jumps by ~30% from
 // M = 1 to M = 2 and ~60% at M = 4 on a 2-core x86, although reading the weights (the real
@@ -25,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -629,5 +631,181 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_attention, Attention,
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+// ---------------------------------------------------------------- KNN shortlist
+// The shortlist pass of the exact KNN search (knnlm.search.exact_search): queries h[Q,D]
+// f32, keys x[N,D] f16 or f32, norms[N] = |x|^2 f32 (+inf: padding) -> per query the kp
+// entries of smallest m = norm - 2 h.x, ranked by (m, id): md[Q,kp], mi[Q,kp] (+inf / -1
+// past the entries of finite m). The keys are read once for all Q queries: a block of 8
+// keys is widened to f32 once (F16C) and every query then takes it from L1, each loaded
+// vector used for 2 queries x 4 keys.
+// h.x is VW lane-wise FMA chains over D then vsum, the same for every Q and blocking, and
+// the selection is the kp smallest by (m, id) whatever the split into tiles: a query's
+// shortlist does not depend on the other queries. Rounding: one dot product in some order
+// (|error| <= D u |h||x|), one product by 2 (exact) and one subtraction: within what the
+// search's error bound assumes of the matmul distance.
+static inline vec hload(const uint16_t* p) {  // IEEE half -> f32, exact
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+}
+
+struct Cand {
+  float d;
+  int32_t i;
+};
+static inline bool cand_less(const Cand& a, const Cand& b) { return a.d < b.d || (a.d == b.d && a.i < b.i); }
+
+// The kp smallest (d, id) pushed: a buffer of 2 kp compacted (nth_element) when full;
+// `thr` is then the kp-th d. Entries pushed in increasing id may be rejected by d >= thr
+// (a tie with the kp-th loses on id); others need d <= thr.
+struct Selector {
+  Cand* buf;
+  int64_t kp, cap, n = 0;
+  float thr = INFINITY;
+  void push(float d, int32_t i) {
+    buf[n++] = Cand{d, i};
+    if (n == cap) {
+      std::nth_element(buf, buf + kp - 1, buf + n, cand_less);
+      n = kp;
+      thr = buf[kp - 1].d;
+    }
+  }
+  int64_t finish() {  // sorted, the first min(n, kp)
+    std::sort(buf, buf + n, cand_less);
+    return n = std::min(n, kp);
+  }
+};
+
+template <int QB, int KB>
+static inline void knn_dots(const float* h, const float* x, int64_t D, float* out) {
+  vec acc[QB][KB];
+  for (int a = 0; a < QB; ++a)
+    for (int b = 0; b < KB; ++b) acc[a][b] = vzero();
+  for (int64_t j = 0; j < D; j += VW) {
+    vec xv[KB];
+    for (int b = 0; b < KB; ++b) {
+      xv[b] = vload(x + b * D + j);
+      asm("" : "+x"(xv[b]));  // loaded once into a register (GCC would load it per FMA)
+    }
+    for (int a = 0; a < QB; ++a) {
+      vec hv = vload(h + a * D + j);
+      asm("" : "+x"(hv));
+      for (int b = 0; b < KB; ++b) acc[a][b] = vfma(hv, xv[b], acc[a][b]);
+    }
+  }
+  for (int a = 0; a < QB; ++a)
+    for (int b = 0; b < KB; ++b) out[a * KB + b] = vsum(acc[a][b]);
+}
+
+// Keys [k0, k1) (k1 - k0 <= 8) for queries [0, Q): m pushed into sel[q] where below thr.
+static void knn_block(const float* h, int64_t Q, const float* x, const float* norms, int64_t k0, int64_t k1,
+                      int64_t D, Selector* sel) {
+  float m[8];
+  for (int64_t q = 0; q < Q;) {
+    int qb = Q - q >= 2 ? 2 : 1;
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {
+      if (qb == 2) knn_dots<2, 4>(h + q * D, x + (k - k0) * D, D, m);
+      else knn_dots<1, 4>(h + q * D, x + (k - k0) * D, D, m);
+      for (int a = 0; a < qb; ++a)
+        for (int b = 0; b < 4; ++b) {
+          float d = norms[k + b] - 2.0f * m[a * 4 + b];
+          if (d < sel[q + a].thr) sel[q + a].push(d, (int32_t)(k + b));
+        }
+    }
+    for (; k < k1; ++k) {
+      if (qb == 2) knn_dots<2, 1>(h + q * D, x + (k - k0) * D, D, m);
+      else knn_dots<1, 1>(h + q * D, x + (k - k0) * D, D, m);
+      for (int a = 0; a < qb; ++a) {
+        float d = norms[k] - 2.0f * m[a];
+        if (d < sel[q + a].thr) sel[q + a].push(d, (int32_t)k);
+      }
+    }
+    q += qb;
+  }
+}
+
+template <typename KT>
+static void knn_shortlist(ffi::ThreadPool& pool, const float* h, const KT* x, const float* norms, int64_t Q,
+                          int64_t N, int64_t D, int64_t kp, float* md, int32_t* mi) {
+  constexpr int64_t TILE = 8192, KT8 = 8;
+  const int64_t tiles = (N + TILE - 1) / TILE, cap = 2 * kp;
+  // per tile and query: its sorted shortlist (kp) and how many entries it has
+  std::unique_ptr<Cand[]> found(new Cand[tiles * Q * kp]);
+  std::unique_ptr<int64_t[]> count(new int64_t[tiles * Q]);
+  auto tile = [&, found = found.get(), count = count.get()](int64_t t) {
+    std::unique_ptr<Cand[]> bufs(new Cand[Q * cap]);
+    std::unique_ptr<Selector[]> sel(new Selector[Q]);
+    for (int64_t q = 0; q < Q; ++q) sel[q] = Selector{bufs.get() + q * cap, kp, cap};
+    std::unique_ptr<float[]> wide(std::is_same<KT, float>::value ? nullptr : new float[KT8 * D]);
+    const int64_t t0 = t * TILE, t1 = std::min(N, t0 + TILE);
+    for (int64_t k0 = t0; k0 < t1; k0 += KT8) {
+      const int64_t k1 = std::min(t1, k0 + KT8);
+      if constexpr (std::is_same<KT, float>::value) {
+        knn_block(h, Q, x + k0 * D, norms, k0, k1, D, sel.get());
+      } else {  // widened once, then read by every query pair from L1 (faster even at Q = 1)
+        for (int64_t e = 0; e < (k1 - k0) * D; e += VW) vstore(wide.get() + e, hload(x + k0 * D + e));
+        knn_block(h, Q, wide.get(), norms, k0, k1, D, sel.get());
+      }
+    }
+    for (int64_t q = 0; q < Q; ++q) {
+      int64_t n = sel[q].finish();
+      std::copy(sel[q].buf, sel[q].buf + n, found + (t * Q + q) * kp);
+      count[t * Q + q] = n;
+    }
+  };
+  if (tiles == 1) tile(0);
+  else parallel_tiles(pool, tiles, tile);
+  std::unique_ptr<Cand[]> buf(new Cand[cap]);
+  for (int64_t q = 0; q < Q; ++q) {  // merge the tiles' shortlists (any order of ids: d <= thr)
+    Selector s{buf.get(), kp, cap};
+    for (int64_t t = 0; t < tiles; ++t) {
+      const Cand* c = found.get() + (t * Q + q) * kp;
+      for (int64_t j = 0; j < count[t * Q + q] && c[j].d <= s.thr; ++j) s.push(c[j].d, c[j].i);
+    }
+    int64_t n = s.finish();
+    for (int64_t j = 0; j < kp; ++j) {
+      md[q * kp + j] = j < n ? buf[j].d : INFINITY;
+      mi[q * kp + j] = j < n ? buf[j].i : -1;
+    }
+  }
+}
+
+template <ffi::DataType KD>
+static ffi::Error KnnShortlist(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<KD> keys,
+                               ffi::Buffer<ffi::F32> norms, ffi::ResultBuffer<ffi::F32> md,
+                               ffi::ResultBuffer<ffi::S32> mi) {
+  auto hd = h.dimensions(), kd = keys.dimensions(), od = md->dimensions();
+  if (hd.size() != 2 || kd.size() < 2 || od.size() != 2 || od[0] != hd[0] || kd[kd.size() - 1] != hd[1])
+    return ffi::Error::InvalidArgument("knn_shortlist: needs h[Q,D], keys[...,D], md/mi[Q,kp]");
+  const int64_t Q = hd[0], D = hd[1], kp = od[1], N = keys.element_count() / std::max<int64_t>(D, 1);
+  if (D % VW || (int64_t)norms.element_count() != N || kp < 1 || kp > N || N > INT32_MAX)
+    return ffi::Error::InvalidArgument("knn_shortlist: D a multiple of the vector width, norms[N], 1 <= kp <= N");
+  using KT = std::conditional_t<KD == ffi::F16, uint16_t, float>;
+  knn_shortlist<KT>(pool, h.typed_data(), reinterpret_cast<const KT*>(keys.untyped_data()), norms.typed_data(), Q,
+                    N, D, kp, md->typed_data(), mi->typed_data());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_knn_shortlist_f16, KnnShortlist<ffi::F16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_knn_shortlist_f32, KnnShortlist<ffi::F32>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 extern "C" int lookahead_vector_width() { return VW; }

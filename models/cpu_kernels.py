@@ -9,7 +9,8 @@ weight vector for all rows at once, so up to ~8 rows cost about one pass over th
 operands; `attention(q, k, v, mask, scale, reference)` is one layer's attention of a few
 new tokens over the cache in one call, where XLA runs ~12 small ops whose fixed costs
 dominate at decode sizes (2-4 ms of a SmolLM2 step); `argmax(x)` is jnp.argmax over the
-last axis (XLA's reduce costs ~0.1 ms per 49k-logit row). They take the kernel only where
+last axis (XLA's reduce costs ~0.1 ms per 49k-logit row); `knn_shortlist` is the exact KNN
+search's shortlist pass (keys read once for all queries). They take the kernel only where
 it pays and is possible, decided at trace time:
 
 * lowering for CPU (`lax.platform_dependent`: GPU/TPU lower plain `dot` / the reference),
@@ -61,6 +62,7 @@ log = logging.getLogger("lookahead_jax")
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (compute, not weight reads, dominates)
 MAX_ROWS_NT = 16  # x @ e.T (tied embeddings as the output layer)
 MAX_ATTN_TOKENS = 16  # attention: decode and verify blocks (prefill keeps XLA's batched dots)
+MAX_KNN_QUERIES = 64  # knn_shortlist: a speculative round's queries (the kernel takes any Q)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _lock = threading.Lock()
 _state: dict = {}  # "width": vector width once built and registered, or "error": why not
@@ -109,7 +111,8 @@ def _build(flags: tuple = ()) -> Path:
 
 
 KERNELS = ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nn_packed_bf16",
-           "lookahead_matmul_nt", "lookahead_attention", "lookahead_argmax", "lookahead_copy")
+           "lookahead_matmul_nt", "lookahead_attention", "lookahead_argmax", "lookahead_copy",
+           "lookahead_knn_shortlist_f16", "lookahead_knn_shortlist_f32")
 
 
 def _check_elf(path: Path) -> None:
@@ -404,3 +407,29 @@ def attention(q, k, v, mask, scale: float, reference):
             q, k, v, mask, scale=np.float32(scale))
 
     return _with_plain_jvp(kernel, reference)(q, k, v, mask)
+
+
+def knn_shortlist(h, keys, norms, kp: int, reference):
+    """The shortlist pass of the exact KNN search (`knnlm.search.exact_search`): h [Q,D]
+    f32, keys [...,D] f16/f32 (N rows), norms [...] f32 (|x|^2, +inf on padding, N of
+    them) -> (md [Q,kp] f32, mi [Q,kp] int32): per query the kp entries of smallest
+    matmul distance |x|^2 - 2 h.x, ranked by (distance, id), +inf / -1 past the entries
+    of finite distance. On CPU one kernel call reads the keys once for all Q queries
+    (XLA's scan widened every f16 chunk to f32 and ran a small-batch GEMM at ~12
+    GFLOP/s); a query's shortlist does not depend on the others in the call.
+    `reference(h, keys, norms)` gives the same contract in jnp (its rounding, and so its
+    ties, may differ): what GPU/TPU lower and what runs where the kernel does not apply."""
+    Q, D = h.shape
+    usable = (h.dtype == jnp.float32 and keys.dtype in (jnp.float16, jnp.float32) and norms.dtype == jnp.float32
+              and 1 <= Q <= MAX_KNN_QUERIES and keys.shape[-1] == D and norms.size * D == keys.size
+              and 1 <= kp <= norms.size < 2 ** 31)
+    vw = vector_width() if usable else None
+    if not vw or D % vw:
+        return reference(h, keys, norms)
+    name = "lookahead_knn_shortlist_" + ("f16" if keys.dtype == jnp.float16 else "f32")
+
+    def kernel(h, keys, norms):
+        out = (jax.ShapeDtypeStruct((Q, kp), jnp.float32), jax.ShapeDtypeStruct((Q, kp), jnp.int32))
+        return tuple(jax.ffi.ffi_call(name, out)(h, keys, norms))
+
+    return jax.lax.platform_dependent(h, keys, norms, cpu=kernel, default=reference)

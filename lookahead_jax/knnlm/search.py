@@ -10,10 +10,14 @@ Ties are broken by the lower entry id: a neighbour list is sorted by (d, id).
 
 Every search returns the top-k of its candidates under that rule:
 
-* exact (`exact_search`, device): the keys in fixed-size chunks [nC,C,D]; a lax.scan keeps a
-  running shortlist of the kp = 2k + 16 entries of smallest matmul distance
-  |x|^2 - 2 h.x (f32, Precision.HIGHEST), then the shortlist is ranked by `sq_distances`.
-  The matmul's rounding depends on shapes and backend, so it only shortlists: with
+* exact (`exact_search`, device): a shortlist of the kp = 2k + 16 entries of smallest
+  matmul distance |x|^2 - 2 h.x (f32), then ranked by `sq_distances`. On CPU the shortlist
+  is one kernel call (`cpu_kernels.knn_shortlist`: the keys read once for all Q queries,
+  each dot product W lane-wise FMA chains then a log2 W level sum, W = 8 or 16 lanes:
+  error <= (D/W + log2 W) u |h||x| (1 + O(Du)), the subtraction one more rounding);
+  elsewhere (and where the kernel does not apply) a lax.scan over the keys in fixed-size
+  chunks [nC,C,D] (Precision.HIGHEST; any summation order, error <= D u |h||x|). Either
+  rounding depends on the implementation, so the matmul distance only shortlists: with
   eps = 2 (D + log2 D + 16) u (|h| + max|x|)^2 (u = 2^-24, above the rounding of both
   forms), an entry outside the shortlist has a canonical distance >= (kp-th matmul
   distance + |h|^2) - eps; when that exceeds the k-th canonical distance of the shortlist
@@ -61,15 +65,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models import advance, hidden_states, logits_from_hidden
+from ..models import advance, cpu_kernels, hidden_states, logits_from_hidden
 from ..core.sampling import SamplingParams, select_tokens
 from ..core.verify import banned, token_logprobs
 
 U = 2.0 ** -24  # float32 unit roundoff
 BIG_ID = np.iinfo(np.int32).max  # sorts after every real id
-# keys per scan step of the exact search. On the CPU a chunk's f32 copy (2.4 MB at D = 576)
-# then stays in cache: 4096 was 1.7x slower there (bench/knn_search.py); on accelerators,
-# where each scan step is a launch, the earlier 4096 (not measured there yet)
+# keys per scan step of the exact search's XLA shortlist (the CPU kernel reads them flat).
+# On the CPU a chunk's f32 copy (2.4 MB at D = 576) then stays in cache: 4096 was 1.7x
+# slower there (bench/knn_search.py); on accelerators, where each scan step is a launch,
+# the earlier 4096 (not measured there yet)
 CHUNKS = {"cpu": 1024}
 CHUNK = 4096
 
@@ -107,15 +112,11 @@ def _ranked(d, ids, k: int):
     return jnp.where(jnp.isfinite(d[..., :k]), ids[..., :k], -1), d[..., :k]
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def exact_search(keys, h, norms, n_valid, xmax, *, k: int):
-    """keys [nC,C,D]; h [Q,D] f32; norms [nC,C] f32 (|x|^2, +inf on padding); n_valid, xmax
-    scalars. Returns (ids [Q,k] int32 ranked by (d, id), ok [Q] bool): where ok is false
-    the shortlist could miss a neighbour: redo the query with `brute_search`."""
-    Q, D = h.shape
+def _scan_shortlist(h, keys, norms, kp: int):
+    """The shortlist pass in XLA (keys [nC,C,D], norms [nC,C]): a lax.scan over the chunks
+    keeping the kp smallest matmul distances -> (md [Q,kp] ascending, mi [Q,kp])."""
+    Q = h.shape[0]
     nC, C, _ = keys.shape
-    kp = min(shortlist_size(k), nC * C)
-    h = h.astype(jnp.float32)
 
     def body(carry, xs):
         best_d, best_i = carry  # [Q,kp]
@@ -130,6 +131,21 @@ def exact_search(keys, h, norms, n_valid, xmax, *, k: int):
 
     init = (jnp.full((Q, kp), jnp.inf, jnp.float32), jnp.full((Q, kp), -1, jnp.int32))
     (md, mi), _ = jax.lax.scan(body, init, (keys, norms, jnp.arange(nC, dtype=jnp.int32)))
+    return md, mi
+
+
+@functools.partial(jax.jit, static_argnames=("k", "kernel"))
+def exact_search(keys, h, norms, n_valid, xmax, *, k: int, kernel: bool = True):
+    """keys [nC,C,D]; h [Q,D] f32; norms [nC,C] f32 (|x|^2, +inf on padding); n_valid, xmax
+    scalars. Returns (ids [Q,k] int32 ranked by (d, id), ok [Q] bool): where ok is false
+    the shortlist could miss a neighbour: redo the query with `brute_search`. kernel=False:
+    the XLA shortlist on CPU too (bench/knn_search.py times both)."""
+    Q, D = h.shape
+    nC, C, _ = keys.shape
+    kp = min(shortlist_size(k), nC * C)
+    h = h.astype(jnp.float32)
+    scan = functools.partial(_scan_shortlist, kp=kp)
+    md, mi = cpu_kernels.knn_shortlist(h, keys, norms, kp, scan) if kernel else scan(h, keys, norms)
     valid = (mi >= 0) & (mi < n_valid)
     x = keys.reshape(nC * C, D)[jnp.clip(mi, 0, nC * C - 1)]  # [Q,kp,D]
     dc = jnp.where(valid, sq_distances(h[:, None, :], x), jnp.inf)
