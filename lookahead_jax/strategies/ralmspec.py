@@ -65,9 +65,11 @@ verify step) once it is ready: a wrong speculation rolls the row back as above, 
 the speculations made since, so a miss loses the decoding done while its verification
 ran (about one retrieval's time), not a stride. A lookup that names another passage is
 recorded too (the row goes on with the passage in effect, never a re-prefill on a
-guess), except for a row alone in the batch (no other row could use the time): it waits
-for the verification in flight, then is verified at once with the real query at the
-boundary, as sync. One verification is in flight at a time; a row with s unverified
+guess), except for a row alone in the batch (no other row could use the time) when
+waiting costs less than decoding on would lose (`_wait_on_change`: b(1) against the
+ceil(b(1) / step) steps run before the result, times the share of such lookups that were
+right): it waits for the verification in flight, then is verified at once with the real
+query at the boundary, as sync. One verification is in flight at a time; a row with s unverified
 boundaries (recorded and in flight: s bounds them), a row with s = 0 and a finished row
 with unverified boundaries wait for it (then are verified at once, as above). OS3's async
 form (`speculation.os3_rates`): per boundary, T(s) = max(a, b(n)/n) + (1 - gamma)(b(n) + R)
@@ -161,6 +163,7 @@ class RalmSpecRun(RalmRun):
         self._step_s = self._tokens_per_step = None  # OS3 measurements: decoding,
         self._verify_cost = collections.deque(maxlen=VERIFY_FIT_CALLS)  # (queries, seconds) per verification,
         self._reprefill_s, self._reprefill_calls = 0.0, 0  # re-prefills,
+        self._changes = [0, 0]  # async: lookups naming another passage checked, and those right to
         self.window = AcceptanceWindow(B)  # and each row's last checks
         self.inflight = [[] for _ in range(B)]  # async: speculations being verified, per row
         self.epoch = [0] * B  # async: a verification's answers for a row whose request has left are dropped
@@ -297,8 +300,8 @@ class RalmSpecRun(RalmRun):
             if due:
                 looks = self._lookup(state, due)
                 # a lone active row whose lookup names another passage waits for the truth
-                # (decoding on would mostly be rolled back); with others, they use the time
-                alone = int(np.count_nonzero(state.active)) <= 1
+                # when decoding on would lose more (`_wait_on_change`); with others, they use the time
+                alone = int(np.count_nonzero(state.active)) <= 1 and self._wait_on_change()
                 change = [b for b in due if alone and looks[b][1] != self.passage[b]]
                 if change:
                     swaps = []
@@ -422,6 +425,18 @@ class RalmSpecRun(RalmRun):
         self.s[b] = self.os3(b)
         self.stats.strides.append(self.s[b])
 
+    def _wait_on_change(self) -> bool:
+        """Async, a lone row's lookup names another passage: wait for its verification (about
+        b(1) seconds) rather than decode on, unless decoding on loses less: the steps run
+        before the result is applied, ceil(b(1) / step) of them, lost when the passage
+        really changes (chance p: (right + 1) / (checked + 2) of such lookups so far)."""
+        if self._step_s is None or not self._verify_cost:
+            return True
+        b0, b1 = fit_verify_cost(self._verify_cost)
+        b = b0 + b1
+        p = (self._changes[1] + 1) / (self._changes[0] + 2)
+        return b <= p * np.ceil(b / max(self._step_s, 1e-9)) * self._step_s
+
     def _check(self, state, b, recs, got, now, swaps, probe=None) -> bool:
         """Row b's speculations `recs` against the true top-1s `got` (plus, when `now`, the
         real retrieval at its current boundary, against which its lookup `probe` is checked).
@@ -429,6 +444,9 @@ class RalmSpecRun(RalmRun):
         and passage kept (the round could go on) or not."""
         for rec, row in zip(recs, got):
             true = int(row[0])
+            if rec.looked != rec.before:
+                self._changes[0] += 1
+                self._changes[1] += true != rec.before
             self.stats.checks[b] += 1
             self.window.note(b, "change" if rec.looked != rec.before
                              else "keep" if true == rec.spec == rec.before else "miss")
@@ -446,6 +464,9 @@ class RalmSpecRun(RalmRun):
             return False
         if now:  # all right: the query at the current boundary was a real retrieval
             g, true = self.next_g[b], int(got[-1][0])
+            if probe is not None and probe != self.passage[b]:
+                self._changes[0] += 1
+                self._changes[1] += true != self.passage[b]
             if probe is not None:
                 self.stats.checks[b] += 1
                 self.stats.hits[b] += probe == true
