@@ -178,6 +178,14 @@ class RalmSpecRun(RalmRun):
         self.stats.retire(b)
         self.window.reset(b)
 
+    def add(self, state, rows, prompt_ids, spans=None) -> list:
+        """RalmRun.add; its first retrieval (a full-index call of one query per row, top
+        `prefetch`) is also a measured verification cost (b(n)), so OS3 and a lone row's
+        choice at a passage change have one from the first boundary on."""
+        out = super().add(state, rows, prompt_ids, spans)
+        self._verify_cost.append((len(out), self.last_retrieve_s))
+        return out
+
     def _fixed_s(self) -> Optional[int]:
         s = self.strat.speculation_stride
         return None if s == "auto" else int(s)
