@@ -284,7 +284,8 @@ class RalmSpecRun(RalmRun):
         a row with s = 0, a full row and a finished row with unverified boundaries wait
         for the call in flight, then the first two and any finished row with boundaries
         not yet sent are verified at once (a blocking call, as sync); so is a row whose
-        lookup names another passage when it is the only active row."""
+        lookup names another passage when it is the only active row and waiting is the
+        cheaper (`_wait_on_change`)."""
         while True:
             held = self._held(state)
             due = [b for b in held if self._due(state, b)]
