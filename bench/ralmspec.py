@@ -113,7 +113,8 @@ PAPER = {"bm25": "1.31-1.77x", "dense": "1.75-2.39x (exact)", "hnsw": "1.04-1.39
 SUMS = ("time_s", "wall_s", "compile_s", "retrieval_s", "verify_s", "speculation_s", "forward_steps", "new_tokens",
         "full_index_queries", "retrieval_calls", "speculations", "speculation_checks", "speculation_hits",
         "tokens_kept", "rollbacks", "rollback_tokens", "reprefills", "passage_changes", "reprefill_tokens",
-        "reused_tokens")
+        "reused_tokens", "verify_wait_s", "verify_wait_end_s", "blocking_verify_s")
+ASYNC = ("verify_wait_s", "verify_wait_end_s", "blocking_verify_s")  # +async: the retrieval time not hidden
 
 
 # ----------------------------------------------------------------------------- data
@@ -234,6 +235,7 @@ def run(lj, model, tok, x, a, retriever=None, **kw) -> tuple:
                                       "speculation_hits", "rollbacks", "rollback_tokens", "mean_speculation_stride")})
         if "tokens_kept" in k:  # knnlm: checked positions whose token stood
             rec["tokens_kept"] = k["tokens_kept"]
+        rec.update({x: k[x] for x in ASYNC if x in k})
     return out, rec
 
 
@@ -269,6 +271,7 @@ def summarize(recs: list, base: list = None) -> dict:
                  speculation_accuracy=round(tot["speculation_hits"] / checks, 4) if checks else None,
                  mean_speculation_stride=round(sum(strides) / len(strides), 3) if strides else None,
                  rollbacks=tot["rollbacks"], rollback_tokens=tot["rollback_tokens"])
+        m.update({x: round(tot[x], 3) for x in ASYNC if any(x in r for r in recs)})
         if any("tokens_kept" in r for r in recs):
             m["tokens_kept_fraction"] = round(tot["tokens_kept"] / checks, 4) if checks else None
     if base is not None:

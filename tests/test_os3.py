@@ -6,6 +6,8 @@ tests/test_ralm.py::test_every_speculation_wrong[auto]."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -20,10 +22,20 @@ def sync_rate(g, a, b0, b1, r, s):
 
 
 def async_rate(g, a, b0, b1, r, s):
+    """Async: per boundary; one call covers n = min(s, ceil(b(1) / a)) boundaries, a miss
+    loses the decoding done while its verification ran, b(n)."""
     if s == 0:
         return sync_rate(g, a, b0, b1, r, 0)
-    b = b0 + b1 * s
-    return (1 - g ** s) / (1 - g) / (s * a + g ** s * max(0, b - a) + (1 - g ** s) * max(a, b) + (1 - g ** s) * r)
+    n = max(1, min(s, math.ceil((b0 + b1) / a)))
+    b = b0 + b1 * n
+    return 1 / (max(a, b / n) + (1 - g) * (b + r))
+
+
+def async_best(want, min_s=0):
+    """The async argmax: ties among s >= 1 to the largest s; s = 0 only when strictly best."""
+    lo = max(min_s, 1)
+    best = max((s for s in range(lo, len(want)) if want[s] >= max(want[lo:])))
+    return best if min_s >= 1 or want[best] > want[0] else 0
 
 
 def test_os3():
@@ -35,13 +47,16 @@ def test_os3():
             for asyn, rate in ((False, sync_rate), (True, async_rate)):
                 want = [rate(g, a, b, b1, r, s) for s in range(17)]
                 np.testing.assert_allclose(os3_rates(g, a, b, b1, r, asynchronous=asyn), want, rtol=1e-9)
-                assert os3_stride(g, a, b, b1, r, asynchronous=asyn) == int(np.argmax(want))
-                assert os3_stride(g, a, b, b1, r, asynchronous=asyn, min_s=1) == 1 + int(np.argmax(want[1:]))
+                best = async_best if asyn else lambda w, min_s=0: min_s + int(np.argmax(w[min_s:]))
+                assert os3_stride(g, a, b, b1, r, asynchronous=asyn) == best(want)
+                assert os3_stride(g, a, b, b1, r, asynchronous=asyn, min_s=1) == best(want, 1)
     assert os3_stride(0.9, 1.0, 2.0) == 5
     assert os3_stride(1.0, 1.0, 100.0) == 16  # always right: as far as allowed
     assert os3_stride(0.95, 1.0, 50.0) > os3_stride(0.95, 1.0, 1.0)  # dearer verification, longer rounds
-    assert os3_stride(0.9, 1.0, 0.5, asynchronous=True) == 1  # verification hidden: verify every boundary
-    assert os3_stride(0.9, 1.0, 20.0, asynchronous=True) > 3  # dear verification: longer rounds
+    # async, verification hidden (b < a): speculate, as many unverified boundaries as allowed
+    assert os3_stride(0.9, 1.0, 0.5, asynchronous=True) == 16
+    assert os3_stride(0.1, 1.0, 0.5, asynchronous=True) == 16  # a miss loses b, plain RaLM waits b each time
+    assert os3_stride(0.9, 1.0, 20.0, asynchronous=True) > 3  # dear verification: several per call
     # the re-prefill is paid at a fraction 1 - g of the boundaries whatever s: same argmax
     for g, a, b in cases:
         assert os3_stride(g, a, b, 0.1, 50.0) == os3_stride(g, a, b, 0.1, 0.0)

@@ -65,7 +65,9 @@ class Forced:
     "wrong" answers a passage other than the full index's top-1; "right" answers the full
     index's top-1 even when it is not among the candidates; "stale" answers the full
     index's top-1 for the query without its last 6 characters, so it mostly keeps the
-    passage in effect and is wrong where the passage changes (rollbacks)."""
+    passage in effect and is wrong where the passage changes (rollbacks); "outside" answers
+    the first passage not among the candidates, so every lookup names another passage than
+    the one in effect (which is always cached)."""
 
     def __init__(self, inner, mode: str):
         self.inner, self.mode, self.corpus = inner, mode, inner.corpus
@@ -81,6 +83,8 @@ class Forced:
         ids, scores = self.inner.retrieve(queries, k)
         if self.mode == "wrong":
             ids = (ids + 1) % len(self.corpus)
+        if self.mode == "outside":
+            ids = np.array([[min(set(range(len(self.corpus))) - {int(i) for i in c})] * k for c in candidates])
         return ids, scores
 
 
@@ -349,6 +353,60 @@ def test_async_verification_equals_ralm(model, tok, bm25, mode):
         assert_same(run(model, tok, PROMPTS, strat, stop_token_ids=[ends[0]]), stopped)
     if "slow" in mode:
         assert any(t.startswith("ralmspec-verify") for t in retr.threads)  # it ran on the worker
+
+
+@pytest.mark.parametrize("mode", ["right", "outside", "outside-go-on", pytest.param("slow-stale", marks=pytest.mark.slow)])
+def test_async_verification_lone_row(model, tok, bm25, mode, monkeypatch):
+    """One row alone (batch 1): every speculated boundary goes to the worker as soon as it is
+    free; a lookup naming another passage is verified at once when waiting is the cheaper
+    (`_wait_on_change`, forced here both ways). RaLM's tokens and re-prefills, one for one;
+    a right cache never rolls back and OS3's async form never turns speculation off
+    (plain_rounds 0); an `outside` cache (every lookup names another passage) never rolls
+    back when the row waits, while in a batch the rows decode on and are rolled back where
+    the passage really changes."""
+    from lookahead_jax.strategies.ralmspec import RalmSpecRun
+
+    monkeypatch.setattr(RalmSpecRun, "_wait_on_change", lambda self: not mode.endswith("go-on"))
+    kw = dict(retriever=bm25, stride=2, query_tokens=16)
+    inner = Forced(bm25, "outside" if "outside" in mode else mode.split("-")[-1])
+    retr = Slow(inner, 0.02) if "slow" in mode else inner
+    strat = RaLMSpec(speculation_stride="auto", prefetch=2, async_verify=True, **{**kw, "retriever": retr})
+    for p in PROMPTS[:4]:
+        base = run(model, tok, [p], RaLM(**kw))
+        spec = run(model, tok, [p], strat)
+        assert_same(spec, base)
+        st = spec.stats
+        assert st["reprefills"] == base.stats["reprefills"] and st["speculation_checks"] > 0
+        if mode == "right":
+            assert st["rollbacks"] == 0 and st["plain_rounds"] == 0 and st["speculation_accuracy"] == 1.0
+        if mode == "outside":
+            assert st["rollbacks"] == 0 and st["blocking_verify_s"] > 0
+        if mode == "slow-stale":
+            assert st["verify_wait_s"] <= st["retrieval_s"]
+    if mode == "outside-go-on":  # decoding on past a change: rolled back where the passage changes
+        assert st["rollbacks"] > 0
+    if mode == "outside":
+        base = run(model, tok, PROMPTS, RaLM(**kw))
+        spec = run(model, tok, PROMPTS, strat)
+        assert_same(spec, base)
+        assert spec.stats["reprefills"] == base.stats["reprefills"] and spec.stats["rollbacks"] > 0
+
+
+def test_async_wait_on_change(bm25, tok):
+    """A lone row's lookup names another passage: wait for the verification (b) unless
+    decoding on loses less, p * ceil(b / step) * step, p the share of such lookups that
+    were right (speculation.py's async model, written out)."""
+    r = RaLMSpec(retriever=bm25, async_verify=True).start(tok, 1)
+    assert r._wait_on_change()  # nothing measured: wait
+    r._step_s, r._tokens_per_step = 0.09, 1.0
+    r._verify_cost.extend([(1, 0.1)] * 3)
+    r._changes = [16, 10]  # p = 11 / 18: 0.1 s against 0.61 * 2 steps * 0.09 s = 0.11 s
+    assert r._wait_on_change()
+    r._verify_cost.extend([(1, 0.3)] * 60)  # 0.3 s against 0.61 * 4 * 0.09 = 0.22 s: decode on
+    assert not r._wait_on_change()
+    r._changes = [16, 16]  # every such lookup right: 17 / 18 * 0.36 s > 0.3 s
+    assert r._wait_on_change()
+    r.close()
 
 
 @pytest.mark.slow  # CI's full run (the default run keeps async greedy and sync sampling)

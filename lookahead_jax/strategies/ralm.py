@@ -224,7 +224,7 @@ class RalmRun:
         self.history = [[] for _ in range(B)]  # (boundary, passage) where the passage changed
         self.row_reprefills = [0] * B
         self._tokens: dict = {}  # passage tokens by corpus position
-        self.retrieval_s = 0.0
+        self.retrieval_s = self.last_retrieve_s = 0.0
         self.retrieval_calls = 0
         self.retrievals = 0  # queries answered by the full index
         self.reprefills = 0  # of the requests that have left
@@ -259,7 +259,8 @@ class RalmRun:
     def _retrieve(self, queries, k):
         t0 = time.perf_counter()
         ids, _ = self.retriever.retrieve(queries, min(k, self.n_docs))
-        self.retrieval_s += time.perf_counter() - t0
+        self.last_retrieve_s = time.perf_counter() - t0
+        self.retrieval_s += self.last_retrieve_s
         self.retrieval_calls += 1
         self.retrievals += len(queries)
         return np.asarray(ids)

@@ -53,26 +53,39 @@ names another passage ends the round at once with a verification, wasting no str
 window counts these apart (d, `detect`), and the synchronous model then counts the three
 outcomes (keep, change: the round ends early at j a + b(j), miss: the rest of the round is
 wasted; `speculation.os3_rates`). Counting a change as a miss, as the form above does,
-chose s = 0 wherever passages change often (a quarter of NQ's boundaries). The
-asynchronous form keeps gamma alone (a change there goes on with the passage in effect
-until the next call verifies it). Until a and b are measured, s = RALM_DEFAULT_STRIDE (3).
+chose s = 0 wherever passages change often (a quarter of NQ's boundaries). Until a and b
+are measured, s = RALM_DEFAULT_STRIDE (3).
 
-Asynchronous verification (`async_verify=True`): when a row has s speculated boundaries
-and reaches the next one whose lookup keeps the passage, its batched verification goes to
-a worker thread and the row speculates that boundary too and decodes on (XLA, numpy, bm25s
-and faiss release the GIL, so the retrieval overlaps decoding). The result is applied at
-the next pause after it is ready: a wrong speculation rolls the row back as above,
-dropping the speculations made since. One verification is in flight at a time; a row that
-needs the next one, ends with unverified boundaries, or whose lookup would change the
-passage waits for it (then is verified at once, as above; rows with s = 0 too). OS3's
-async form (the verification of s queries overlaps the first stride of the next round; a
-miss wastes that stride): E(s) = (1 - gamma^s) / (1 - gamma) boundaries (all s right: s;
-first miss at i: i) in T(s) = s * a + gamma^s * max(0, b(s) - a) + (1 - gamma^s) *
-max(a, b(s)) + (1 - gamma^s) R seconds. Stats (`speculation.SpeculationStats`):
-`verify_s` is the worker's retrieval time, `verify_wait_s` (counted in `retrieval_s`) the
-time decoding waited for it, `speculations_while_verifying` the boundaries speculated
-while a verification was in flight; `speculations` counts every lookup that was recorded
-or checked at once, `mean_speculation_stride` the s chosen at each verification."""
+Asynchronous verification (`async_verify=True`): every speculated boundary's real
+retrieval goes to a worker thread as soon as the worker is free (at the boundary itself
+when it is; else with the other boundaries waiting, in one batched call when the one in
+flight is applied), and the row decodes on (XLA, numpy, bm25s and faiss release the GIL,
+so the retrieval overlaps decoding). A result is applied at the first pause (after any
+verify step) once it is ready: a wrong speculation rolls the row back as above, dropping
+the speculations made since, so a miss loses the decoding done while its verification
+ran (about one retrieval's time), not a stride. A lookup that names another passage is
+recorded too (the row goes on with the passage in effect, never a re-prefill on a
+guess), except for a row alone in the batch (no other row could use the time) when
+waiting costs less than decoding on would lose (`_wait_on_change`: b(1) against the
+ceil(b(1) / step) steps run before the result, times the share of such lookups that were
+right): it waits for the verification in flight, then is verified at once with the real
+query at the boundary, as sync. One verification is in flight at a time; a row with s unverified
+boundaries (recorded and in flight: s bounds them), a row with s = 0 and a finished row
+with unverified boundaries wait for it (then are verified at once, as above). OS3's async
+form (`speculation.os3_rates`): per boundary, T(s) = max(a, b(n)/n) + (1 - gamma)(b(n) + R)
+with n = min(s, ceil(b(1)/a)) the boundaries one call covers, against plain RaLM's
+a + b(1) + (1 - gamma) R: speculation wins whenever gamma > 0 and the worker keeps up, and
+ties go to the largest s (more room before a row waits). (The form before, rounds of s
+boundaries launched one stride after the first of them with a miss wasting a stride,
+chose s = 0 at most boundaries of a 100 ms retrieval: its blocking calls were the time
+left un-hidden.) Stats (`speculation.SpeculationStats`): `verify_s` is the worker's
+retrieval time, `verify_wait_s` (counted in `retrieval_s`) the time decoding waited for
+it (`verify_wait_end_s` of it at a finished row), `blocking_verify_s` (counted in
+`retrieval_s`) the verifications made at once in the loop, `speculations_while_verifying`
+the speculated boundaries whose verification ran while decoding went on; `speculations`
+counts every lookup that was recorded or checked at once, `mean_speculation_stride` the s
+chosen at each verification (async: the bound on unverified boundaries, 16 once OS3 has
+measured, 0 for plain rounds)."""
 
 from __future__ import annotations
 
@@ -150,9 +163,9 @@ class RalmSpecRun(RalmRun):
         self._step_s = self._tokens_per_step = None  # OS3 measurements: decoding,
         self._verify_cost = collections.deque(maxlen=VERIFY_FIT_CALLS)  # (queries, seconds) per verification,
         self._reprefill_s, self._reprefill_calls = 0.0, 0  # re-prefills,
+        self._changes = [0, 0]  # async: lookups naming another passage checked, and those right to
         self.window = AcceptanceWindow(B)  # and each row's last checks
         self.inflight = [[] for _ in range(B)]  # async: speculations being verified, per row
-        self.urgent = [False] * B  # async: a lookup said another passage; verify at the next call
         self.epoch = [0] * B  # async: a verification's answers for a row whose request has left are dropped
         self._pending = None  # async: (future, rows, spans, epochs) of the verification in flight
         self._pool = None
@@ -160,11 +173,18 @@ class RalmSpecRun(RalmRun):
     def _reset(self, b: int) -> None:
         super()._reset(b)
         self.cache[b], self.records[b], self.inflight[b] = set(), [], []
-        self.urgent[b] = False
         self.s[b] = self._fixed_s() or RALM_DEFAULT_STRIDE
         self.epoch[b] += 1
         self.stats.retire(b)
         self.window.reset(b)
+
+    def add(self, state, rows, prompt_ids, spans=None) -> list:
+        """RalmRun.add; its first retrieval (a full-index call of one query per row, top
+        `prefetch`) is also a measured verification cost (b(n)), so OS3 and a lone row's
+        choice at a passage change have one from the first boundary on."""
+        out = super().add(state, rows, prompt_ids, spans)
+        self._verify_cost.append((len(out), self.last_retrieve_s))
+        return out
 
     def _fixed_s(self) -> Optional[int]:
         s = self.strat.speculation_stride
@@ -231,13 +251,11 @@ class RalmSpecRun(RalmRun):
     def _resolve(self, engine, state, drafter) -> None:
         """The retrievals due, in one batched call where they can share one: rows at a
         boundary look their speculation up in the cache; one that keeps the passage goes on
-        (speculated). Sync: one that would change it, a row whose round is full (s
-        speculations) and a finished row with unverified boundaries are verified now
-        (their speculations plus the real query at the boundary). Async: full rounds go to
-        the worker; a row whose lookup would change the passage goes on with the passage
-        in effect and has its speculations verified by the next call on the worker
-        (`urgent`); only rows with s = 0 and finished rows wait for a call."""
-        asynchronous = self.strat.async_verify
+        (speculated). One that would change it, a row whose round is full (s speculations)
+        and a finished row with unverified boundaries are verified now (their speculations
+        plus the real query at the boundary). Async: `_resolve_async`."""
+        if self.strat.async_verify:
+            return self._resolve_async(engine, state, drafter)
         while True:
             spec, verify, ended = [], [], []
             for b in self._held(state):
@@ -245,48 +263,82 @@ class RalmSpecRun(RalmRun):
                     (verify if len(self.records[b]) >= self.s[b] else spec).append(b)
                 elif self._unverified_end(state, b):
                     ended.append(b)
-            if self._pending is not None and (verify or ended or self._pending[0].done()):
-                swaps = []
-                self._collect(state, swaps)
-                self._swap(engine, state, drafter, swaps)
-                continue  # rolled-back rows have new boundaries; verified ones fewer records
-            urgent = [b for b in self._held(state) if self.urgent[b] and self._pending is None
-                      and b not in spec + verify + ended]
-            if not spec and not verify and not ended and not urgent:
+            if not spec and not verify and not ended:
                 return
-            # s = 0 rows probe the cache too (their window keeps measuring); async full rounds
-            # probe to know whether their current boundary joins the launch
-            probe = spec + [b for b in verify if self.s[b] == 0 or asynchronous]
+            # s = 0 rows probe the cache too (their window keeps measuring)
+            probe = spec + [b for b in verify if self.s[b] == 0]
             looks = self._lookup(state, probe) if probe else {}
-            change = {b for b in probe if looks[b][1] != self.passage[b]}
-            hurry = [b for b in spec if b in change or self.urgent[b]]  # urgent: async only
-            launch = []
-            if not asynchronous or ended or any(self.s[b] == 0 for b in verify):
-                # a blocking call: every row that needs a verification joins it
-                now = ended + verify + urgent + hurry
-            else:
-                now = []
-                launch = verify + urgent + (hurry if self._pending is None else [])
+            now = ended + verify + [b for b in spec if looks[b][1] != self.passage[b]]
             swaps = []
             if now:
                 self._verify(state, sorted(now), swaps, {b: looks[b][1] for b in now if b in looks})
-            first = [b for b in launch if b in change]  # their current boundary goes with the launch
-            for b in first:
-                self._record(b, *looks[b])
-            if launch:
-                self._launch(sorted(launch))
-            for b in sorted(b for b in looks if b not in now and b not in first):
+            for b in sorted(b for b in looks if b not in now):
                 self._record(b, *looks[b])
             self._swap(engine, state, drafter, swaps)
 
+    def _resolve_async(self, engine, state, drafter) -> None:
+        """Async (module docstring): a verification that is ready is applied; when none is
+        in flight, every row's unverified boundaries go to the worker in one call; rows at a
+        boundary with s > 0 and room (fewer than s unverified) speculate it, whatever their
+        lookup says (a change goes on with the passage in effect until its verification);
+        a row with s = 0, a full row and a finished row with unverified boundaries wait
+        for the call in flight, then the first two and any finished row with boundaries
+        not yet sent are verified at once (a blocking call, as sync); so is a row whose
+        lookup names another passage when it is the only active row and waiting is the
+        cheaper (`_wait_on_change`)."""
+        while True:
+            held = self._held(state)
+            due = [b for b in held if self._due(state, b)]
+            ended = [b for b in held if self._unverified_end(state, b)]
+            plain = [b for b in due if self.s[b] == 0]
+            full = [b for b in due if self.s[b] > 0 and len(self.records[b]) + len(self.inflight[b]) >= self.s[b]]
+            if self._pending is not None and (self._pending[0].done() or ended or plain or full):
+                swaps = []
+                self._collect(state, swaps, "end" if ended else "full" if full or plain else None)
+                self._swap(engine, state, drafter, swaps)
+                continue  # rolled-back rows have new boundaries; verified ones fewer records
+            now = sorted(set(ended + plain + full))
+            if now:  # nothing in flight: verified at once, with the real query at the boundary
+                looks = self._lookup(state, [b for b in now if b in due])  # keeps the window measuring
+                swaps = []
+                t0 = time.perf_counter()
+                self._verify(state, now, swaps, {b: pid for b, (_, pid) in looks.items()})
+                self.stats.blocking_verify_s += time.perf_counter() - t0
+                self._swap(engine, state, drafter, swaps)
+                continue
+            if due:
+                looks = self._lookup(state, due)
+                # a lone active row whose lookup names another passage waits for the truth
+                # when decoding on would lose more (`_wait_on_change`); with others, they use the time
+                alone = int(np.count_nonzero(state.active)) <= 1 and self._wait_on_change()
+                change = [b for b in due if alone and looks[b][1] != self.passage[b]]
+                if change:
+                    swaps = []
+                    if self._pending is not None:
+                        self._collect(state, swaps, "change")
+                    else:
+                        t0 = time.perf_counter()
+                        self._verify(state, change, swaps, {b: looks[b][1] for b in change})
+                        self.stats.blocking_verify_s += time.perf_counter() - t0
+                    self._swap(engine, state, drafter, swaps)
+                    continue
+                for b, look in sorted(looks.items()):
+                    self._record(b, *look)
+            waiting = [b for b in held if self.records[b]]
+            if self._pending is None and waiting:
+                self._launch(state, waiting)
+                continue
+            if not due:
+                return
+
     # ---- asynchronous verification
-    def _launch(self, rows) -> None:
+    def _launch(self, state, rows) -> None:
         """Start one batched verification of the listed rows' speculations on the worker;
-        they move to `inflight` (the rows then speculate their current boundary)."""
+        they move to `inflight`."""
         queries, spans = [], []
         for b in rows:
             recs, self.records[b] = self.records[b], []
-            self.inflight[b], self.urgent[b] = recs, False
+            self.inflight[b] = recs
             spans.append((len(queries), len(recs)))
             queries += [r.query for r in recs]
         if self._pool is None:
@@ -298,17 +350,22 @@ class RalmSpecRun(RalmRun):
             ids, _ = self.retriever.retrieve(queries, k)
             return np.asarray(ids), time.perf_counter() - t0
 
-        self._pending = (self._pool.submit(work), list(rows), spans, [self.epoch[b] for b in rows])
+        self._pending = (self._pool.submit(work), list(rows), spans, [self.epoch[b] for b in rows],
+                         sum(r.steps for r in state.rows))
 
-    def _collect(self, state, swaps) -> None:
+    def _collect(self, state, swaps, why=None) -> None:
         """Wait for the verification in flight (if not done) and apply it: a wrong speculation
-        rolls its row back and drops the speculations made since."""
-        future, rows, spans, epochs = self._pending
+        rolls its row back and drops the speculations made since. why: what waits for it
+        ("end": a finished row, "full": a row with s unverified or s = 0), for the stats."""
+        future, rows, spans, epochs, steps = self._pending
         self._pending = None
+        decoded = sum(r.steps for r in state.rows) > steps  # decoding went on while it ran
         t0 = time.perf_counter()
         ids, seconds = future.result()
         wait = time.perf_counter() - t0
         self.stats.verify_wait_s += wait
+        if why == "end":
+            self.stats.verify_wait_end_s += wait
         self.retrieval_s += wait
         self.stats.verify_s += seconds
         self.stats.verify_calls += 1
@@ -320,6 +377,7 @@ class RalmSpecRun(RalmRun):
             if epoch != self.epoch[b]:  # the row's request left (cancelled) while it was verified
                 continue
             recs, self.inflight[b] = self.inflight[b], []
+            self.stats.overlapped += len(recs) if decoded else 0
             self._apply(state, b, recs, ids[i0:i0 + n], False, swaps)
 
     def _lookup(self, state, rows) -> dict:
@@ -336,14 +394,12 @@ class RalmSpecRun(RalmRun):
 
     def _record(self, b, query, pid) -> None:
         """Row b goes on past its boundary with the passage in effect; its lookup `pid` said
-        so, or (async) said another passage: the row is then `urgent` (to be verified by the
-        next call; never a re-prefill on a guess)."""
+        so, or (async) said another passage (verified by the worker's next call; never a
+        re-prefill on a guess)."""
         assert pid == self.passage[b] or self.strat.async_verify, "sync: a change is verified first"
         g = self.next_g[b]
         self.records[b].append(_Spec(g, query, self.passage[b], self.passage[b], pid))
-        self.urgent[b] = self.urgent[b] or pid != self.passage[b]
         self.stats.speculations[b] += 1
-        self.stats.overlapped += self._pending is not None
         self.next_g[b] = g + self.strat.stride
 
     def _verify(self, state, rows, swaps, probes=None) -> None:
@@ -364,7 +420,7 @@ class RalmSpecRun(RalmRun):
         self.stats.verify_calls += 1
         self._verify_cost.append((len(queries), dt))
         for b, (i0, n, now) in zip(rows, spans):
-            recs, self.records[b], self.urgent[b] = self.records[b], [], False
+            recs, self.records[b] = self.records[b], []
             if b in probes:
                 self.stats.speculations[b] += 1
             self._apply(state, b, recs, ids[i0:i0 + n], now, swaps, probes.get(b))
@@ -374,9 +430,21 @@ class RalmSpecRun(RalmRun):
         are checked (a rollback also drops those made since: async), the next s is chosen."""
         self._prefetched([b] * len(got), got)
         if not self._check(state, b, recs, got, now, swaps, probe):
-            self.records[b], self.urgent[b] = [], False
+            self.records[b] = []
         self.s[b] = self.os3(b)
         self.stats.strides.append(self.s[b])
+
+    def _wait_on_change(self) -> bool:
+        """Async, a lone row's lookup names another passage: wait for its verification (about
+        b(1) seconds) rather than decode on, unless decoding on loses less: the steps run
+        before the result is applied, ceil(b(1) / step) of them, lost when the passage
+        really changes (chance p: (right + 1) / (checked + 2) of such lookups so far)."""
+        if self._step_s is None or not self._verify_cost:
+            return True
+        b0, b1 = fit_verify_cost(self._verify_cost)
+        b = b0 + b1
+        p = (self._changes[1] + 1) / (self._changes[0] + 2)
+        return b <= p * np.ceil(b / max(self._step_s, 1e-9)) * self._step_s
 
     def _check(self, state, b, recs, got, now, swaps, probe=None) -> bool:
         """Row b's speculations `recs` against the true top-1s `got` (plus, when `now`, the
@@ -385,6 +453,9 @@ class RalmSpecRun(RalmRun):
         and passage kept (the round could go on) or not."""
         for rec, row in zip(recs, got):
             true = int(row[0])
+            if rec.looked != rec.before:
+                self._changes[0] += 1
+                self._changes[1] += true != rec.before
             self.stats.checks[b] += 1
             self.window.note(b, "change" if rec.looked != rec.before
                              else "keep" if true == rec.spec == rec.before else "miss")
@@ -402,6 +473,9 @@ class RalmSpecRun(RalmRun):
             return False
         if now:  # all right: the query at the current boundary was a real retrieval
             g, true = self.next_g[b], int(got[-1][0])
+            if probe is not None and probe != self.passage[b]:
+                self._changes[0] += 1
+                self._changes[1] += true != self.passage[b]
             if probe is not None:
                 self.stats.checks[b] += 1
                 self.stats.hits[b] += probe == true

@@ -17,10 +17,16 @@ the verification's cost. Two forms:
   E(0) = 1, T(0) = a + b(1) + (1 - g) R. Synchronous s >= 1: a round decodes s + 1
   strides (one after its real boundary, one after each of its s speculated boundaries) and
   verifies s + 1 queries: E(s) = (1 - g^(s+1)) / (1 - g),
-  T(s) = (s + 1) a + b(s + 1) + (1 - g^(s+1)) R. Asynchronous s >= 1 (the verification of
-  s queries overlaps the first stride of the next round; a miss wastes it):
-  E(s) = (1 - g^s) / (1 - g),
-  T(s) = s a + g^s max(0, b(s) - a) + (1 - g^s) max(a, b(s)) + (1 - g^s) R.
+  T(s) = (s + 1) a + b(s + 1) + (1 - g^(s+1)) R. Asynchronous s >= 1: every speculated
+  boundary's real retrieval starts on a worker as soon as it is free and overlaps
+  decoding; the result is applied at the first pause after it is ready, so a miss (or a
+  change, which goes on with the passage in effect until verified) loses the decoding
+  done while its verification ran, not a stride; s bounds a row's unverified boundaries
+  (a row at s waits). One call then covers n(s) = min(s, ceil(b(1) / a)) boundaries (the
+  worker is busy about b(n) while n strides pass), so per boundary E = 1 and
+  T(s) = max(a, b(n) / n) + (1 - g)(b(n) + R): speculation beats T(0) whenever g > 0 and
+  the worker keeps up; ties go to the largest s (more room, no cost), s = 0 only when
+  strictly faster.
   A lookup that names another passage (chance d, `detect`; the window counts these apart)
   is verified at once, ending the round with no stride wasted; only a lookup that keeps
   the passage wrongly (chance m = 1 - g - d) wastes the rest of its round. With d > 0 the
@@ -98,10 +104,11 @@ def os3_rates(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: flo
     g = min(max(gamma, 0.0), 1.0 - 1e-9)
     s = np.arange(0, max_s + 1, dtype=np.float64)
     cost = lambda n: b0 + b1 * n  # noqa: E731  a verification of n queries
-    if asynchronous:
-        gs = g ** s
-        e = (1 - gs) / (1 - g)
-        t = s * a + gs * np.maximum(0.0, cost(s) - a) + (1 - gs) * np.maximum(a, cost(s)) + (1 - gs) * reprefill
+    if asynchronous:  # per boundary; n: the boundaries one call covers (module docstring)
+        per_call = max(1.0, float(np.ceil(cost(1) / a))) if a > 0 else float(max_s)
+        n = np.maximum(np.minimum(s, per_call), 1.0)
+        e = np.ones_like(s)
+        t = np.maximum(a, cost(n) / n) + (1 - g) * (cost(n) + reprefill)
     elif detect > 0:
         d = min(max(detect, 0.0), 1.0 - g)
         m = 1.0 - g - d
@@ -124,11 +131,17 @@ def os3_stride(gamma: float, a: float, b0: float, b1: float = 0.0, reprefill: fl
                max_s: int = MAX_SPECULATION_STRIDE, asynchronous: bool = False, min_s: int = 0,
                detect: float = 0.0) -> int:
     """RaLMSpec's OS3: argmax over s in min_s..max_s of `os3_rates` (module docstring); 0
-    (plain RaLM) when speculation cannot pay.
+    (plain RaLM) when speculation cannot pay. Asynchronous: ties among s >= 1 go to the
+    largest s, and s = 0 is taken only when strictly faster than every s >= 1.
     # gamma 0.9, a 1, b0 2 -> 5 (E/T: s=0 .333, 1 .475, 3 .573, 4 .585, 5 .586, 6 .580);
     # gamma 0, a 1, b0 100 -> 0 (every speculation wrong: each round wastes a stride)."""
     rates = os3_rates(gamma, a, b0, b1, reprefill, max_s, asynchronous, detect)
-    return int(min_s + np.argmax(rates[min_s:]))
+    if not asynchronous:
+        return int(min_s + np.argmax(rates[min_s:]))
+    lo = max(min_s, 1)
+    tail = rates[lo:][::-1]
+    best = lo + len(tail) - 1 - int(np.argmax(tail))
+    return best if min_s >= 1 or rates[best] > rates[0] else 0
 
 
 def fit_verify_cost(calls) -> tuple:
@@ -203,7 +216,10 @@ class SpeculationStats:
     verifications (calls, seconds), speculative lookups (calls, seconds), the stride of
     every round started (`plain_rounds`: those with s = 0, ralmspec's OS3 turning
     speculation off); with asynchronous verification the seconds decoding waited for a
-    verification and the speculations made while one was in flight."""
+    verification (`verify_wait_s`; of them at a finished row, `verify_wait_end_s`), the
+    seconds of verifications made at once in the loop (`blocking_verify_s`: s = 0, a full
+    row, a lone row's passage change) and the speculations whose verification ran while
+    decoding went on (`overlapped`)."""
 
     batch: int
     verify_calls: int = 0
@@ -211,6 +227,8 @@ class SpeculationStats:
     spec_calls: int = 0
     spec_s: float = 0.0
     verify_wait_s: float = 0.0
+    verify_wait_end_s: float = 0.0
+    blocking_verify_s: float = 0.0
     overlapped: int = 0
     strides: list = dataclasses.field(default_factory=list)
 
@@ -261,7 +279,8 @@ class SpeculationStats:
             verify_calls=self.verify_calls, verify_s=round(self.verify_s, 4), speculation_s=round(self.spec_s, 4),
         )
         if asynchronous:
-            out.update(verify_wait_s=round(self.verify_wait_s, 4), speculations_while_verifying=self.overlapped)
+            out.update(verify_wait_s=round(self.verify_wait_s, 4), verify_wait_end_s=round(self.verify_wait_end_s, 4),
+                       blocking_verify_s=round(self.blocking_verify_s, 4), speculations_while_verifying=self.overlapped)
         return out
 
 
