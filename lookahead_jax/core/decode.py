@@ -32,6 +32,9 @@ with the roots into a static block (`tree.py`) and verified in one jitted forwar
 acceptance rule (`verify.py`, `acceptance.py`); each row keeps its emitted tokens up to
 EOS / stop string / max length (`RowState.accept`, which also streams text); the drafter
 and the budget see the outcome. Greedy is the same loop with no drafter (T = 0).
+With `state.overlap` the budget's scoring of a step is deferred and runs while the next
+step's forward computes (dispatched, not yet waited for); `DecodeState.flush` runs it
+first wherever the state is edited between steps. The same tokens; tree sizes may differ.
 """
 
 from __future__ import annotations

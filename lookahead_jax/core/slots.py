@@ -133,8 +133,9 @@ class Slots:
     prefill), its compilation excluded, and the first insert's setup of the strategy (e.g.
     auto's calibration). prefill_chunk: None (a prompt is forwarded whole at insert) or C >= 2
     tokens forwarded per block of a longer prompt (module docstring; a retrieval run's slots
-    always prefill whole prompts: `self.prefill_chunk` is then None). Call `close()` when
-    done (a run's workers stop)."""
+    always prefill whole prompts: `self.prefill_chunk` is then None). overlap: a step's
+    budget scoring runs while the next step computes (`decode.step`; insert, free, close
+    and a run's step run it first). Call `close()` when done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
