@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from lookahead_jax.core.budget import (AcceptanceStats, AutoBudget, StepTimes, accepted_length, accepted_lengths,
                                   outcome_known, predicted_lengths)
+from lookahead_jax.core.drafts import Draft
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.core.tree import BUCKETS
 
@@ -65,6 +66,19 @@ def test_outcome_known_means_final(t, more):
     if outcome_known(tokens, parents, actual, depth):
         assert accepted_lengths(tokens, parents, actual + more, BUCKETS) == \
             accepted_lengths(tokens, parents, actual, BUCKETS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees(), st.integers(0, 8))
+def test_outcome_known_is_the_full_replay(t, depth):
+    """The early-exit replay (with the draft's cached depths or without) decides as the
+    definition: actual reaches the depth, or the full tree's accepted length falls short."""
+    tokens, parents, actual = t
+    want = len(actual) >= depth or accepted_length(tokens, parents, actual, len(tokens)) < len(actual)
+    assert outcome_known(tokens, parents, actual, depth) == want
+    assert outcome_known(tokens, parents, actual, depth, Draft(tokens, parents).depths) == want
+    assert accepted_lengths(tokens, parents, actual, BUCKETS, Draft(tokens, parents).depths) == \
+        accepted_lengths(tokens, parents, actual, BUCKETS)
 
 
 def test_outcome_known_examples():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,14 +66,17 @@ class TokenMatch:
 
     @staticmethod
     def accepted_lengths(tokens: Sequence[int], parents: Sequence[int], actual: Sequence[int],
-                         budgets: Sequence[int]) -> tuple:
+                         budgets: Sequence[int], depth: Optional[Sequence[int]] = None) -> tuple:
         """Drafts a tree of the first `b` nodes would have accepted, for every b in
         `budgets` (ascending), given the true continuation `actual` (tokens after the root).
 
         # tokens [5, 7, 6], parents [-1, 0, -1], actual [5, 7, 9], budgets (0, 1, 3)
         # -> node0 ok (depth 1), node1 ok (depth 2), node2 wrong -> (0, 1, 2)
+
+        depth: `depths(parents)` when the caller has it (`Draft.depths`).
         """
-        depth = depths(parents)
+        if depth is None:
+            depth = depths(parents)
         ok = [False] * len(tokens)
         out, best, i = [], 0, 0
         for b in budgets:

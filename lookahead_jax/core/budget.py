@@ -47,6 +47,7 @@ import collections
 from typing import Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 from .acceptance import TokenMatch
+from .drafts import depths
 from .tree import BUCKETS, buckets_up_to
 
 
@@ -73,11 +74,27 @@ def accepted_length(tokens, parents, actual, budget: int) -> int:
     return accepted_lengths(tokens, parents, actual, (budget,))[0]
 
 
-def outcome_known(tokens, parents, actual, max_depth: int) -> bool:
+def outcome_known(tokens, parents, actual, max_depth: int, depth=None) -> bool:
     """Whether later tokens can no longer change how many drafts are accepted: `actual`
     reaches the draft's depth, or the accepted path already stopped short of it (a node
-    deeper than the first mismatch needs an accepted parent)."""
-    return len(actual) >= max_depth or accepted_length(tokens, parents, actual, len(tokens)) < len(actual)
+    deeper than the first mismatch needs an accepted parent): the same as
+    `accepted_length(tokens, parents, actual, len(tokens)) < len(actual)`, replayed only
+    until a node at depth len(actual) is accepted. depth: `depths(parents)` if known
+    (`Draft.depths`; the replay runs after every step while the outcome is open)."""
+    n = len(actual)
+    if n >= max_depth:
+        return True
+    if n == 0:  # nothing known yet: accepted length 0 is not short of it
+        return False
+    if depth is None:
+        depth = depths(parents)
+    ok = [False] * len(tokens)
+    for i, (t, p, d) in enumerate(zip(tokens, parents, depth)):
+        if d <= n and (p < 0 or ok[p]) and t == actual[d - 1]:
+            if d == n:
+                return False
+            ok[i] = True
+    return True
 
 
 @runtime_checkable
@@ -152,7 +169,8 @@ class AcceptanceStats:
         self._calib: dict = {}
         self._calib_sums: dict = {}
 
-    def observe(self, tokens, parents, actual, key: Hashable = None, accept_probs=None) -> None:
+    def observe(self, tokens, parents, actual, key: Hashable = None, accept_probs=None,
+                depth=None) -> None:
         q = self.samples.get(key)
         if q is None:
             q = self.samples[key] = collections.deque(maxlen=self.window)
@@ -161,7 +179,7 @@ class AcceptanceStats:
         if len(q) == self.window:  # the oldest sample leaves the window
             for i, a in enumerate(q[0]):
                 sums[i] -= a
-        new = accepted_lengths(tokens, parents, actual, BUCKETS)
+        new = accepted_lengths(tokens, parents, actual, BUCKETS, depth)
         q.append(new)
         for i, a in enumerate(new):
             sums[i] += a
@@ -373,13 +391,13 @@ class AutoBudget:
         return hit[1]
 
     def observe(self, tokens, parents, actual, key: Hashable = None, b=None, row=None,
-                accept_probs=None) -> None:
+                accept_probs=None, depth=None) -> None:
         """Score one draft against the tokens that followed it: into the shared
         statistics and the own ones of row b while `row` holds it (b None: the call's)."""
-        self.stats.observe(tokens, parents, actual, key, accept_probs)
+        self.stats.observe(tokens, parents, actual, key, accept_probs, depth)
         own = self._own(b, row, create=b is None)
         if own is not None:
-            own.observe(tokens, parents, actual, key, accept_probs)
+            own.observe(tokens, parents, actual, key, accept_probs, depth)
 
     def _ratios(self, stats, key, prior: dict) -> dict:
         """r(T) = (accepted + calib_prior x prior(T)) / (predicted + calib_prior) per bucket
@@ -441,8 +459,8 @@ class AutoBudget:
         keep = []
         for b, row, g0, d, depth in self._pending:
             actual = row.ids[g0:]
-            if row.finish or outcome_known(d.tokens, d.parents, actual, depth):
-                self.observe(d.tokens, d.parents, actual, d.key, b, row, d.accept_probs)
+            if row.finish or outcome_known(d.tokens, d.parents, actual, depth, d.depths):
+                self.observe(d.tokens, d.parents, actual, d.key, b, row, d.accept_probs, d.depths)
             else:
                 keep.append((b, row, g0, d, depth))
         self._pending = keep

@@ -32,6 +32,9 @@ with the roots into a static block (`tree.py`) and verified in one jitted forwar
 acceptance rule (`verify.py`, `acceptance.py`); each row keeps its emitted tokens up to
 EOS / stop string / max length (`RowState.accept`, which also streams text); the drafter
 and the budget see the outcome. Greedy is the same loop with no drafter (T = 0).
+With `state.overlap` the budget's scoring of a step is deferred and runs while the next
+step's forward computes (dispatched, not yet waited for); `DecodeState.flush` runs it
+first wherever the state is edited between steps. The same tokens; tree sizes may differ.
 """
 
 from __future__ import annotations
@@ -51,54 +54,7 @@ from .rows import RowState
 from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
 from .verify import fit_draft_probs, window_for
 
-# prompt lengths are padded to these (one prefill compilation each); steps of 1.5x above
-# 128 tokens, where prefill is compute-bound and padding 278 tokens to 512 cost ~40%
-PROMPT_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
-                  6144, 8192, 12288, 16384, 24576, 32768)
-CACHE_ROUND = 256  # smallest cache; caches are powers of two so few shapes compile
-
-
-def prompt_bucket(n: int, S: int) -> int:
-    """Padded length of a block of n tokens (at most the cache size S)."""
-    P = next((b for b in PROMPT_BUCKETS if b >= n), -(-n // CACHE_ROUND) * CACHE_ROUND)
-    return min(P, S)
-
-
-# A block forward's fixed cost in token rows (its weights are read once, whatever the
-# rows): rows of different lengths share one padded block only when the padding costs
-# less than another forward. On the 2-core CPU a 1.5B model's forward of P tokens costs
-# about (10 + P) x its per-token cost; accelerators amortize more, so this leans to merging.
-BLOCK_OVERHEAD_TOKENS = 64
-
-
-def prefill_groups(lengths: dict, S: int) -> list:
-    """Rows {row: tokens to forward} -> groups of rows, each forwarded as one right-padded
-    block, shortest first: the rows sorted by length are cut into consecutive groups
-    minimizing sum(rows x prompt_bucket(longest) + BLOCK_OVERHEAD_TOKENS). Rows of one
-    bucket always share a block (cutting between them only adds a forward), so the exact
-    search runs over the distinct buckets, O(buckets^2) whatever the batch; ties keep fewer
-    groups.
-    # {0: 1504, 1: 20, 2: 18} -> [[2, 1], [0]]: 2 x 32 + 1536 + 2 x 64, not 3 x 1536 + 64
-    """
-    by_bucket: dict = {}
-    for b in sorted(lengths, key=lambda b: (lengths[b], b)):
-        by_bucket.setdefault(prompt_bucket(int(lengths[b]), S), []).append(b)
-    buckets = sorted(by_bucket)
-    n = len(buckets)
-    rows_before = [0]
-    for P in buckets:
-        rows_before.append(rows_before[-1] + len(by_bucket[P]))
-    best, cut = [0] + [float("inf")] * n, [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):
-            c = best[i] + (rows_before[j] - rows_before[i]) * buckets[j - 1] + BLOCK_OVERHEAD_TOKENS
-            if c < best[j]:
-                best[j], cut[j] = c, i
-    groups, j = [], n
-    while j > 0:
-        groups.append([b for P in buckets[cut[j]:j] for b in by_bucket[P]])
-        j = cut[j]
-    return groups[::-1]
+from .buckets import BLOCK_OVERHEAD_TOKENS, CACHE_ROUND, PROMPT_BUCKETS, prefill_groups, prompt_bucket  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- state
@@ -148,6 +104,17 @@ class DecodeState:
     compile_s: float = 0.0  # compilation seen since t_start
     windows: set = dataclasses.field(default_factory=set)  # attention windows steps have used
     finish_s: dict = dataclasses.field(default_factory=dict)
+    # overlap: a step's budget scoring runs while the next step's forward computes (`step`)
+    overlap: bool = False
+    deferred: Optional[Callable[[], None]] = None
+
+    def flush(self) -> None:
+        """Run the bookkeeping a step deferred (`overlap`); every state edit between steps
+        and the end of decoding call this first."""
+        if self.deferred is not None:
+            fn, self.deferred, h0 = self.deferred, None, time.perf_counter()
+            fn()
+            self.host_s += time.perf_counter() - h0
 
     @property
     def batch(self) -> int:
@@ -242,11 +209,15 @@ class DecodeState:
                 self.finish_s[r.index] = self.elapsed()
 
 
-def timed(engine, state, fn):
+def timed(engine, state, fn, meanwhile: Optional[Callable[[], None]] = None):
     """Run fn() -> (named result, cache); time it apart from any compilation it triggers.
-    Returns (the result as host arrays, the cache, seconds, compiled?)."""
+    meanwhile(): host work run after fn() dispatched the computation (asynchronous) and
+    before its result is waited for. Returns (the result as host arrays, the cache,
+    seconds, compiled?)."""
     c0, t0 = engine.compiled.compile_s, time.perf_counter()
     out, cache = fn()
+    if meanwhile is not None:
+        meanwhile()
     out = jax.tree.map(np.asarray, out)  # host values (fields not asked for stay None)
     dc = engine.compiled.compile_s - c0
     state.compile_s += dc
@@ -295,6 +266,7 @@ def extend(engine, state: DecodeState, rows: Sequence[int], tokens: Sequence[Seq
     long prompt): they join `prompt_ids`, so the row must have no generated tokens yet
     (`rollback` to the prompt first). as_output=True: they are forced output tokens,
     appended to the row's generated ids. Returns the next token of each extended row."""
+    state.flush()  # a step's deferred bookkeeping before the edit
     rows = list(rows)
     if len(tokens) != len(rows):
         raise ValueError(f"extend: {len(tokens)} token lists for {len(rows)} rows")
@@ -324,6 +296,7 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     (a row's tokens do not depend on its block: the lossless tests compare batches with
     rows alone). When all of the batch's rows share one block it is the plain whole-batch
     step."""
+    state.flush()  # a step's deferred bookkeeping before the edit
     B, S = state.batch, state.max_len
     blocks = {b: state.context(b)[int(state.lengths[b]):] for b in rows}
     need = int(max(state.lengths[b] + len(blk) for b, blk in blocks.items()))
@@ -392,6 +365,7 @@ def accept(state: DecodeState, rows: Sequence[int], tokens, logprobs=None, cache
     to that slot, to replace the token picked there): the length advances, no step is
     counted. tokens[i] is cut at EOS / stop / length as every step's (`RowState.accept`).
     Returns the ids each row kept."""
+    state.flush()  # a step's deferred bookkeeping before the edit
     rows = [int(b) for b in rows]
     if len(tokens) != len(rows) or any(state.rows[b].finish for b in rows):
         raise ValueError(f"accept: {len(rows)} live rows need as many tokens, got {len(tokens)} "
@@ -434,6 +408,7 @@ def rollback(state: DecodeState, rows: Sequence[int], to_length: int, drafter=No
     cut so that the row's root is context[to_length] again, and the drafter is told.
     `to_length` must leave the prompt's last token as the earliest root
     (len(prompt) - 1 <= to_length <= current length)."""
+    state.flush()  # a step's deferred bookkeeping before the edit
     rows = list(rows)
     for b in rows:
         r = state.rows[b]
@@ -474,6 +449,7 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
 
     A kept id must not end the row (EOS), and keep_generated[i] < the row's max_new_tokens;
     the context + 1 slot must fit the cache (an error before anything changes)."""
+    state.flush()  # a step's deferred bookkeeping before the edit
     rows = [int(b) for b in rows]
     if not len(prompts) == len(keep_generated) == len(rows) or len(set(rows)) != len(rows):
         raise ValueError(f"replace_prompt: {len(rows)} distinct rows need as many prompts and keep counts "
@@ -540,6 +516,7 @@ def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
                 break
             step(engine, state, drafter, rule, budget)
     finally:  # tree sizes queued in `step` and not needed (or Ctrl-C): not loaded
+        state.flush()
         engine.compiled.settle(cancel=True)
     return state
 
@@ -570,7 +547,7 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
                           window=window_for(L + 1 + T2, S), draft_probs=fit_draft_probs(probs, T2))
     out, state.cache, seconds, compiled = timed(engine, state, lambda: engine.verify(
         state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
-        draft_probs=probs, sampling=sampling, **opts))
+        draft_probs=probs, sampling=sampling, **opts), meanwhile=state.flush)
     emitted, n_emit, path, lps = out.tokens, out.n, out.path, out.logprobs
     h0 = time.perf_counter()
     if not compiled:  # real step times correct the calibration
@@ -588,7 +565,10 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
                         np.array([len(d) for d in drafts.drafts], np.int32))
     if drafter is not None:
         drafter.update(state, result)
-    budget.score(state)
+    if state.overlap:  # scored while the next step computes (or at the next flush)
+        state.deferred = lambda: budget.score(state)
+    else:
+        budget.score(state)
     state.host_s += time.perf_counter() - h0
     state.mark_finished()
     return result

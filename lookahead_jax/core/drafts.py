@@ -18,6 +18,7 @@ topological order is closed under parents).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Sequence
 from typing import Optional
 
@@ -51,9 +52,15 @@ class Draft:
             self, tokens=self.tokens[:n], parents=self.parents[:n],
             accept_probs=None if self.accept_probs is None else self.accept_probs[:n])
 
+    @functools.cached_property
+    def depths(self) -> list:
+        """`depths(parents)`, computed once per draft (the budget replays a draft against
+        the row's tokens after every step until its outcome is known)."""
+        return depths(self.parents)
+
     @property
     def max_depth(self) -> int:
-        return max(depths(self.parents), default=0)
+        return max(self.depths, default=0)
 
 
 EMPTY = Draft([], [])

@@ -133,12 +133,14 @@ class Slots:
     prefill), its compilation excluded, and the first insert's setup of the strategy (e.g.
     auto's calibration). prefill_chunk: None (a prompt is forwarded whole at insert) or C >= 2
     tokens forwarded per block of a longer prompt (module docstring; a retrieval run's slots
-    always prefill whole prompts: `self.prefill_chunk` is then None). Call `close()` when
-    done (a run's workers stop)."""
+    always prefill whole prompts: `self.prefill_chunk` is then None). overlap: a step's
+    budget scoring runs while the next step computes (`decode.step`; insert, free, close
+    and a run's step run it first). Call `close()` when done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
-                 logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None):
+                 logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
+                 overlap: bool = False):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
@@ -164,6 +166,7 @@ class Slots:
             seeds=engine.put(np.zeros(n_slots, np.uint32)), rowids=engine.put(np.arange(n_slots, dtype=np.int32)),
             sampling=sampling, max_len=max_len, ban=self.eos_ids, logprobs=bool(logprobs), penalties=penalties,
             vocab=int(engine.config.vocab_size))
+        self.state.overlap = bool(overlap)  # budget scoring overlapped with the next step (`decode.step`)
         self.state.set_row_values(engine.put)
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
@@ -213,6 +216,7 @@ class Slots:
         their caches. With `prefill_chunk` C, while other slots decode, a prompt longer than
         C gets only its first block of C tokens here and is `prefilling` (its first token
         comes from a later `step`). Returns the first SlotEvent of each (no tokens while prefilling)."""
+        self.state.flush()
         slots = [slots] if isinstance(slots, (int, np.integer)) else [int(s) for s in slots]
         requests = [requests] if isinstance(requests, Request) else list(requests)
         if len(slots) != len(requests) or len(set(slots)) != len(slots):
@@ -271,6 +275,7 @@ class Slots:
             drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain \
                 else self.drafter
             if self.run is not None:
+                self.state.flush()
                 self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
             elif self._block_steps and self.state.row_penalties() is None:
                 # plain decoding, several tokens per call (the strategy's device_steps)
@@ -290,6 +295,7 @@ class Slots:
         """Release `slot` (finished, or cancelled mid-decode or while prefilling: finish
         reason "abort") and return its row (tokens, text, finish reason, logprobs; a
         retrieval strategy's record of the request in `row.retrieval`)."""
+        self.state.flush()
         row = self.state.rows[slot]
         if row.finish == FREE:
             raise ValueError(f"slot {slot} is already free")
@@ -400,6 +406,7 @@ class Slots:
 
     def close(self) -> None:
         """Done with these slots: the drafter ends every row, the run stops its workers."""
+        self.state.flush()
         if self.drafter is not None:
             self.drafter.end()
         if self.run is not None:

@@ -92,7 +92,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              max_cache_len: Optional[int] = None, ignore_eos: bool = False,
              first_index: int = 0, mesh=None, stop_token_ids=None, n: int = 1,
              min_new_tokens: int = 0, logprobs: bool = False, repetition_penalty: float = 1.0,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, overlap: bool = False,
              **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
@@ -144,10 +144,13 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         sampling key's row), so a long list decoded in batches samples as one batch.
     mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): params
         split by the rule table, batch rows and the KV cache over "data".
+    overlap: a drafting step's budget bookkeeping runs while the next step's forward
+        computes (`core.decode.step`); the same tokens, tree sizes may differ.
     """
     strat = resolve(strategy, **strategy_options)
     call = _Call.check(max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
                        repetition_penalty, presence_penalty, frequency_penalty, first_index, on_text)
+    call = dataclasses.replace(call, overlap=bool(overlap))
     engine = engine_for(model, mesh)
     ids, spans = _encode(engine, tokenizer, prompts, chat, call, strat.uses_question_spans)
     B = len(ids)
@@ -186,6 +189,7 @@ class _Call:
     penalties: Penalties
     first_index: int
     on_text: Optional[Callable]
+    overlap: bool = False
 
     @classmethod
     def check(cls, max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
@@ -264,7 +268,8 @@ def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: i
     drafter, budget)."""
     first_row = call.first_index * call.n  # prompt i's sample j is sampling row (first_index + i) * n + j
     slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, run=run, sampling=call.sampling,
-                  penalties=call.penalties, logprobs=call.logprobs, eos_ids=eos)
+                  penalties=call.penalties, logprobs=call.logprobs, eos_ids=eos,
+                  overlap=call.overlap)
     state = slots.state
     state.t_start, state.compile_s = time.perf_counter(), 0.0  # setup and calibration are not decode time
     requests = [Request(x, call.max_new_tokens, seed=call.seed, sampling_row=first_row + b, stop=call.stop,

@@ -1,0 +1,84 @@
+"""The overlapped loop (`generate(overlap=True)`, `Slots(overlap=True)`): a drafting step's
+budget scoring runs while the next step's forward computes (`core.decode.step`). Token for
+token the plain loop and greedy / plain sampling (f32 tiny model, batch > 1): lookahead
+with trie and suffix drafts, SpecInfer, sampling, EOS mid-batch and stop strings, slots
+inserted and freed between steps; every state edit runs the deferred work first."""
+
+from __future__ import annotations
+
+import pytest
+
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.slots import Request, Slots
+from lookahead_jax.generate import generate
+from lookahead_jax.prompts import encode_prompts
+from lookahead_jax.strategies import Lookahead
+from tiny import ByteTokenizer, drive_slots, load_prompts, tiny_model
+
+MAX_NEW = 24
+CACHE = 1280
+TEXTS = [p["prompt"] for p in load_prompts(2)][:6]
+
+
+@pytest.fixture(scope="module")
+def greedy(model, tok):
+    return generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE).token_ids
+
+
+@pytest.mark.parametrize("drafts", ["suffix", "trie"])
+def test_lookahead_overlap_is_greedy(model, tok, greedy, drafts):
+    kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead", drafts=drafts)
+    on = generate(model, tok, TEXTS, overlap=True, **kw)
+    off = generate(model, tok, TEXTS, overlap=False, **kw)
+    assert on.token_ids == off.token_ids == greedy
+    assert on.stats["mean_tree_size"] > 0  # drafts were verified: a drafting loop ran
+
+
+def test_sampling_overlap_is_plain_sampling(model, tok):
+    kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE, temperature=0.8, seed=3)
+    ref = generate(model, tok, TEXTS, **kw)
+    out = generate(model, tok, TEXTS, strategy="lookahead", overlap=True, **kw)
+    assert out.token_ids == ref.token_ids
+
+
+def test_specinfer_overlap_eos_mid_batch_and_stop(model, greedy):
+    draft = tiny_model("llama", seed=2)
+    tok = ByteTokenizer()
+    tok.eos_token_ids = {greedy[1][10]}
+    kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE)
+    ref = generate(model, tok, TEXTS[:4], **kw)
+    assert "eos" in [r.finish_reason for r in ref.rows] and len({len(t) for t in ref.token_ids}) > 1
+    for strat in (dict(strategy="specinfer", draft_model=draft), dict(strategy="lookahead")):
+        out = generate(model, tok, TEXTS[:4], overlap=True, **strat, **kw)
+        assert out.token_ids == ref.token_ids
+        assert [r.finish_reason for r in out.rows] == [r.finish_reason for r in ref.rows]
+    tok = ByteTokenizer()
+    stop = tok.decode(greedy[4])[12:14]
+    ref = generate(model, tok, TEXTS[4:6], stop=[stop], **kw)
+    out = generate(model, tok, TEXTS[4:6], stop=[stop], strategy="lookahead", overlap=True, **kw)
+    assert ref.rows[0].finish_reason == "stop"
+    assert out.token_ids == ref.token_ids and out.texts == ref.texts
+
+
+def test_slots_insert_free_between_steps(model, tok, greedy):
+    """Server-style: requests enter and leave mid-decode; each is its greedy decoding, and
+    the deferred scoring ran before every edit (none is left once the slots are done)."""
+    ids = encode_prompts(tok, TEXTS, chat=False)
+    slots = Slots(engine_for(model), tok, 3, CACHE, Lookahead(), overlap=True)
+    got = drive_slots(slots, [Request(x, MAX_NEW, sampling_row=i) for i, x in enumerate(ids)], every=2)
+    assert [row.ids for row, _ in got] == greedy
+    assert [toks for _, toks in got] == greedy
+    assert slots.state.deferred is None  # the last free ran it
+
+
+def test_edits_flush_the_deferred_scoring(model, tok):
+    ids = encode_prompts(tok, TEXTS[:2], chat=False)
+    slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(), overlap=True)
+    slots.insert([0, 1], [Request(x, MAX_NEW, sampling_row=i) for i, x in enumerate(ids)])
+    slots.step()
+    assert slots.state.deferred is not None  # left for the next step's forward
+    pending = len(slots.budget._pending)
+    slots.step()  # ran while this step computed
+    assert slots.state.deferred is not None
+    slots.free(0)
+    assert slots.state.deferred is None and len(slots.budget._pending) <= pending + 2
