@@ -301,9 +301,7 @@ class RalmSpecRun(RalmRun):
             if now:  # nothing in flight: verified at once, with the real query at the boundary
                 looks = self._lookup(state, [b for b in now if b in due])  # keeps the window measuring
                 swaps = []
-                t0 = time.perf_counter()
-                self._verify(state, now, swaps, {b: pid for b, (_, pid) in looks.items()})
-                self.stats.blocking_verify_s += time.perf_counter() - t0
+                self._verify_blocking(state, now, swaps, {b: pid for b, (_, pid) in looks.items()})
                 self._swap(engine, state, drafter, swaps)
                 continue
             if due:
@@ -317,9 +315,7 @@ class RalmSpecRun(RalmRun):
                     if self._pending is not None:
                         self._collect(state, swaps, "change")
                     else:
-                        t0 = time.perf_counter()
-                        self._verify(state, change, swaps, {b: looks[b][1] for b in change})
-                        self.stats.blocking_verify_s += time.perf_counter() - t0
+                        self._verify_blocking(state, change, swaps, {b: looks[b][1] for b in change})
                     self._swap(engine, state, drafter, swaps)
                     continue
                 for b, look in sorted(looks.items()):
@@ -332,6 +328,13 @@ class RalmSpecRun(RalmRun):
                 return
 
     # ---- asynchronous verification
+    def _verify_blocking(self, state, rows, swaps, probes) -> None:
+        """`_verify` made at once in the async loop (nothing in flight), its time counted
+        as `blocking_verify_s`."""
+        t0 = time.perf_counter()
+        self._verify(state, rows, swaps, probes)
+        self.stats.blocking_verify_s += time.perf_counter() - t0
+
     def _launch(self, state, rows) -> None:
         """Start one batched verification of the listed rows' speculations on the worker;
         they move to `inflight`."""
