@@ -170,6 +170,20 @@ def oracle_line(o: dict) -> str:
             f"root-anchored {o['root-anchored oracle (own)']} / {o['root-anchored oracle (+ earlier outputs)']}")
 
 
+def cold_stores(model) -> None:
+    """Forget what the model's engine keeps across requests for drafting (the trie, the
+    suffix drafter's cache of earlier outputs, acceptance statistics), so a run on prompts
+    an earlier run already answered drafts from nothing but its own warm-up. A drafter
+    takes the engine's cache when it is made: call this before making the server / calling
+    generate."""
+    from lookahead_jax.core.engine import engine_for
+
+    stores = engine_for(model).stores
+    stores.tries.clear()
+    stores.suffix_cache = None
+    stores.acceptance.clear()
+
+
 def model_gguf(model: str) -> Path:
     """The GGUF behind `--model`: a `.gguf` path as given, else the preset's packaged file."""
     if model.endswith(".gguf"):

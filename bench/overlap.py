@@ -6,9 +6,11 @@ with the auto budget.
     python bench/overlap.py --batches 16 --rounds 5
 
 Each batch is warmed up once per side (compilation, calibration), then every round runs
-off and on in alternating order (ABBA), each with a fresh drafter. Reported per batch and
-side: decode wall (generate's wall_s), host_s (the loop's host work), forward steps, and
-whether the tokens equal the plain loop's; the spread is the min / median / max over rounds
+off and on in alternating order (ABBA), each with the engine's drafting stores emptied first
+(`common.cold_stores`; before, every run drafted from the earlier runs' outputs of the same
+prompts: `overlap.json` was measured so). Reported per batch and side: decode wall
+(generate's wall_s), host_s (the loop's host work), forward steps, and whether the tokens
+equal the plain loop's; the spread is the min / median / max over rounds
 (the host is shared). Saves JSON with the host to bench/results/overlap.json.
 """
 
@@ -20,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dataset_prompts, save  # noqa: E402
+from common import cold_stores, dataset_prompts, save  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +46,7 @@ def main() -> None:
         runs = {False: [], True: []}
         for r in range(args.rounds):
             for ov in ((False, True) if r % 2 == 0 else (True, False)):
+                cold_stores(model)  # no run drafts from an earlier run's outputs of these prompts
                 o = generate(model, tok, prompts, overlap=ov, **kw)
                 runs[ov].append(dict(wall_s=o.stats["wall_s"], host_s=o.stats["host_s"],
                                      steps=o.stats["forward_steps"], tokens=o.token_ids))

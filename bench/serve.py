@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, host_line, save  # noqa: E402
+from common import ROOT, cold_stores, host_line, save  # noqa: E402
 
 DATA = ROOT / "data"
 
@@ -63,7 +63,6 @@ def repo_prompts() -> list:
 
 
 def start_server(args, strategy: str, batch: int, model, tok):
-    from lookahead_jax.core.engine import engine_for
     from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
 
     opts = ()
@@ -75,14 +74,9 @@ def start_server(args, strategy: str, batch: int, model, tok):
                       max_len=args.max_len, max_waiting=100000, logprobs=False)
     # each run starts cold (its warm-up prompts seed it), not with what the last run wrote: the
     # measured prompts are the same in every run, so a kept cache of earlier outputs (the suffix
-    # drafter's, lookahead's default) would draft their answers. Cleared before the server
-    # makes its drafter, which takes the engine's cache then.
-    stores = engine_for(model).stores
-    stores.tries.clear()
-    stores.suffix_cache = None
-    stores.acceptance.clear()
+    # drafter's, lookahead's default) would draft their answers
+    cold_stores(model)
     srv = make_server(cfg, model, tok)
-    assert srv.scheduler.engine.stores is stores
     if args.server_warmup:  # every step the slots may run compiled before serving (the server's --warmup)
         srv.scheduler.warm_up()
     uv, th, url = start_in_thread(srv)
