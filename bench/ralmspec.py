@@ -427,11 +427,13 @@ def main(argv=None):
 
         gold = [q["gold"] for q in qs[:a.knn_gold]]
         sub, positions = knn_subset(corpus_path, gold, a.knn_passages)
-        cmd = f"python -m lookahead_jax.knnlm build --model {a.model} --dtype {a.dtype} --corpus {sub} --hnsw"
+        hnsw = "knnlm-hnsw" in knn  # the HNSW index only when a group searches it (minutes at 1M entries)
+        cmd = (f"python -m lookahead_jax.knnlm build --model {a.model} --dtype {a.dtype} --corpus {sub}"
+               + " --hnsw" * hnsw)
         print(f"KNN-LM datastore over {len(positions)} passages ({len(set(gold))} gold passages of the first "
               f"{len(gold)} questions + evenly spaced others): {sub}\n  (built once, as `{cmd}`)", flush=True)
         t0 = time.perf_counter()
-        path = build_datastore(model, tok, sub, hnsw=True, progress=True)
+        path = build_datastore(model, tok, sub, hnsw=hnsw, progress=True)
         ds = load_datastore(model, sub, path)
         files = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
         knn_info = dict(subset=str(sub), passages=len(positions), gold_passages=len(set(gold)),

@@ -376,3 +376,59 @@ def test_drafts_with_their_own_estimates_are_priced_by_them():
     assert good.calibrated_ratios("k")[3] > 0.9
     assert good.choose(["k"], accept_probs=[probs]) == 3  # the 0.1 nodes are not worth T=7
     assert good.choose(["k"], accept_probs=[(1.0,) * 7]) == 7
+
+
+def _thin_state(rows: int, batch: int = 16):
+    """A decode state's view for `AutoBudget.plan` / `propose_nodes`: `rows` of `batch` active."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    active = np.arange(batch) < rows
+    return SimpleNamespace(active=active, rows=[SimpleNamespace(ids=[], finish=None) for _ in range(batch)])
+
+
+def _thin_step(b, state):
+    """One step as `decode.step` drives the budget: (nodes asked of the drafter, T)."""
+    n = b.propose_nodes(state)
+    drafts = [Draft([1, 2, 3], [-1, 0, 1], key="unseen") if n and a else Draft([], []) for a in state.active]
+    return n, b.plan(drafts, state)
+
+
+def test_proposals_thin_out_while_trees_do_not_pay():
+    """At >= THIN_ROWS rows, after THIN_AFTER plain choices in a row the drafter is asked
+    only on probe steps, 1, 2, 4, ... THIN_MAX_GAP skipped steps apart; fewer active rows
+    end the run (trees get cheaper per token), and below THIN_ROWS nothing is skipped."""
+    from lookahead_jax.core.budget import THIN_AFTER, THIN_MAX_GAP, THIN_ROWS
+
+    b = AutoBudget((0, 3), {0: 1.0, 3: 1.5})  # an unseen class: plain every time
+    state = _thin_state(THIN_ROWS + 4)
+    asked = [_thin_step(b, state)[0] > 0 for _ in range(200)]
+    assert all(asked[:THIN_AFTER]) and not asked[THIN_AFTER]
+    probes = [i for i, a in enumerate(asked) if a]
+    gaps = [j - i - 1 for i, j in zip(probes[THIN_AFTER - 1:], probes[THIN_AFTER:])]
+    assert gaps[:6] == [1, 2, 4, 8, 16, 16][:6] and set(gaps[4:]) == {THIN_MAX_GAP}
+    assert b.skipped == asked.count(False) and b.summary()["proposals_skipped"] == b.skipped
+    # one row fewer: asked at once, and every step until a new run of plain choices
+    fewer = _thin_state(THIN_ROWS + 3)
+    assert [_thin_step(b, fewer)[0] > 0 for _ in range(THIN_AFTER + 1)] == [True] * THIN_AFTER + [False]
+    # below THIN_ROWS rows: every step
+    small = AutoBudget((0, 3), {0: 1.0, 3: 1.5})
+    assert all(_thin_step(small, _thin_state(THIN_ROWS - 1))[0] for _ in range(50)) and small.skipped == 0
+
+
+def test_a_probe_that_picks_a_tree_ends_the_thinning():
+    """Once the class turns out to pay, the next probe picks a tree and every later step
+    proposes again."""
+    from lookahead_jax.core.budget import THIN_AFTER, THIN_ROWS
+
+    b = AutoBudget((0, 3), {0: 1.0, 3: 1.05})
+    state = _thin_state(THIN_ROWS)
+    for _ in range(THIN_AFTER + 3):
+        _thin_step(b, state)
+    assert b.skipped > 0
+    for _ in range(20):  # the class now accepts 3 of 3
+        b.stats.observe([1, 2, 3], [-1, 0, 1], [1, 2, 3], key="unseen")
+    steps = [_thin_step(b, state) for _ in range(40)]
+    first = next(i for i, (n, T) in enumerate(steps) if n)
+    assert steps[first][1] == 3 and all(n == 3 and T == 3 for n, T in steps[first:])

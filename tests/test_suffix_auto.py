@@ -132,3 +132,22 @@ def test_a_fixed_decoding_length_is_the_suffix_drafters_cap(model):
     assert Lookahead(decoding_length=63).drafter(eng).max_nodes == 63
     assert Lookahead(decoding_length=7).drafter(eng).max_nodes == 32
     assert Lookahead().drafter(eng).max_nodes == 32
+
+
+def test_thinned_proposals_are_lossless_and_resume(model, tok, monkeypatch):
+    """A full block (>= THIN_ROWS rows) where no tree pays: after a few plain choices the
+    drafter is asked only on probe steps (`AutoBudget.propose_nodes`), and the tokens are
+    greedy's; with free trees at the same occupancy, nothing is skipped and it drafts."""
+    rows = budget_lib.THIN_ROWS
+    texts = (TEXTS * 2)[:rows]
+    ref = generate(model, tok, texts, max_new_tokens=MAX_NEW, max_cache_len=CACHE)
+    _costs(monkeypatch, lambda T: 1.0 if T == 0 else 50.0)
+    out = generate(model, tok, texts, max_new_tokens=MAX_NEW, max_cache_len=CACHE, references=[[t] for t in texts],
+                   strategy=Lookahead(drafts="suffix"), drafter=SuffixDrafter(**SUFFIX_SETTINGS))
+    assert out.token_ids == ref.token_ids
+    assert out.stats["mean_tree_size"] == 0 and out.stats["proposals_skipped"] > MAX_NEW // 2
+    _costs(monkeypatch, lambda T: 1.0)
+    out = generate(model, tok, texts, max_new_tokens=MAX_NEW, max_cache_len=CACHE, references=[[t] for t in texts],
+                   strategy=Lookahead(drafts="suffix"), drafter=SuffixDrafter(**SUFFIX_SETTINGS))
+    assert out.token_ids == ref.token_ids
+    assert out.stats["mean_tree_size"] > 0 and out.stats["proposals_skipped"] == 0

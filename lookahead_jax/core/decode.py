@@ -528,7 +528,8 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     B, S = state.batch, state.max_len
     active = state.active
     h0 = time.perf_counter()
-    drafts = drafter.propose(state, budget.max_nodes) if drafter is not None else DraftBatch.empty(B)
+    n = budget.propose_nodes(state) if drafter is not None else 0
+    drafts = drafter.propose(state, n) if n else DraftBatch.empty(B)
     drafts = drafts.truncated(budget.plan(drafts, state))
     T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
     blk = tree_lib.verify_block(state.root, drafts.drafts, T)
