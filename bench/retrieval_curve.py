@@ -51,6 +51,14 @@ def points(path: Path) -> list:
     return out
 
 
+def all_identical(identical) -> bool:
+    """"k/n" identical outputs (or a bool, or None when not recorded): were all n identical?"""
+    if identical is None or isinstance(identical, bool):
+        return identical is not False
+    k, _, n = str(identical).partition("/")
+    return k.strip() == n.strip()
+
+
 def plot(pts: list, path: str) -> None:
     import matplotlib
 
@@ -66,7 +74,7 @@ def plot(pts: list, path: str) -> None:
         xs = [p["retrieval_ms_per_query"] for p in ps]
         ax.plot(xs, [p["speedup"] for p in ps], "o-", label=f"{group}: {method}")
         for p in ps:
-            if p["identical"] and not str(p["identical"]).startswith(str(p["questions"])):
+            if not all_identical(p["identical"]):
                 ax.annotate("outputs differ", (p["retrieval_ms_per_query"], p["speedup"]), fontsize=7)
     ceil = sorted({(p["retrieval_ms_per_query"], p["ceiling"]) for p in pts})
     ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k:", label="ceiling 1 / (1 - retrieval share)")

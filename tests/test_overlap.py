@@ -13,7 +13,7 @@ from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.generate import generate
 from lookahead_jax.prompts import encode_prompts
 from lookahead_jax.strategies import Lookahead
-from tiny import ByteTokenizer, drive_slots, load_prompts, tiny_model
+from tiny import ByteTokenizer, drive_slots, load_prompts, pin_verify_costs, tiny_model
 
 MAX_NEW = 24
 CACHE = 1280
@@ -30,11 +30,7 @@ def test_lookahead_overlap_is_greedy(model, tok, greedy, drafts, monkeypatch):
     # trees priced as cheap as a plain step, whatever this host's load makes real steps
     # measure (auto chose plain all along once, with a busy host's step times): trees
     # are verified as soon as the drafts have earned it, so the drafting loop runs
-    from lookahead_jax.core import budget as budget_lib
-    from lookahead_jax.strategies import lookahead as lookahead_strategy
-
-    monkeypatch.setattr(lookahead_strategy, "prior_costs", lambda platform, buckets, batch=1: {b: 1.0 for b in buckets})
-    monkeypatch.setattr(budget_lib.StepTimes, "record", lambda self, T, window, seconds: None)
+    pin_verify_costs(monkeypatch, lambda T: 1.0)
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="lookahead", drafts=drafts)
     on = generate(model, tok, TEXTS, overlap=True, **kw)
     off = generate(model, tok, TEXTS, overlap=False, **kw)

@@ -14,7 +14,7 @@ from lookahead_jax.generate import generate
 from lookahead_jax.strategies import Lookahead
 from lookahead_jax.strategies import lookahead as lookahead_strategy
 from lookahead_jax.strategies.lookahead import SUFFIX_SETTINGS
-from tiny import ByteTokenizer, load_prompts, tiny_model
+from tiny import ByteTokenizer, load_prompts, pin_verify_costs, tiny_model
 
 MAX_NEW = 32
 CACHE = 1280
@@ -88,23 +88,16 @@ def test_sampling_equals_plain_sampling(model, tok, temperature, top_k, top_p):
     assert ids == ref
 
 
-def _costs(monkeypatch, ratio):
-    """Auto's starting costs t(T)/t(0) = ratio(T), and no real step corrects them."""
-    monkeypatch.setattr(lookahead_strategy, "prior_costs",
-                        lambda platform, buckets, batch=1: {b: ratio(b) for b in buckets})
-    monkeypatch.setattr(budget_lib.StepTimes, "record", lambda self, T, window, seconds: None)
-
-
 def test_auto_prices_trees_with_the_verify_costs(model, tok, plain, monkeypatch):
     """Trees that cost 50 plain steps never pay: auto drafts nothing (plain decoding);
     free trees always pay: it drafts. Tokens are greedy's either way."""
-    _costs(monkeypatch, lambda T: 1.0 if T == 0 else 50.0)
+    pin_verify_costs(monkeypatch, lambda T: 1.0 if T == 0 else 50.0)
     drafter = SuffixDrafter(**SUFFIX_SETTINGS, acceptance=AcceptanceStats())
     ids, steps, trees = run(model, tok, strategy=Lookahead(drafts="suffix"), drafter=drafter)
     assert ids == plain[0] and max(trees) == 0 and steps == plain[1]
     # the drafts were still proposed and scored
     assert any(drafter.acceptance.calibration(k) for k in drafter.acceptance.samples)
-    _costs(monkeypatch, lambda T: 1.0)
+    pin_verify_costs(monkeypatch, lambda T: 1.0)
     ids, steps, trees = run(model, tok, strategy=Lookahead(drafts="suffix"),
                             drafter=SuffixDrafter(**SUFFIX_SETTINGS))
     assert ids == plain[0] and max(trees) > 0 and steps < plain[1]
@@ -141,12 +134,12 @@ def test_thinned_proposals_are_lossless_and_resume(model, tok, monkeypatch):
     rows = budget_lib.THIN_ROWS
     texts = (TEXTS * 2)[:rows]
     ref = generate(model, tok, texts, max_new_tokens=MAX_NEW, max_cache_len=CACHE)
-    _costs(monkeypatch, lambda T: 1.0 if T == 0 else 50.0)
+    pin_verify_costs(monkeypatch, lambda T: 1.0 if T == 0 else 50.0)
     out = generate(model, tok, texts, max_new_tokens=MAX_NEW, max_cache_len=CACHE, references=[[t] for t in texts],
                    strategy=Lookahead(drafts="suffix"), drafter=SuffixDrafter(**SUFFIX_SETTINGS))
     assert out.token_ids == ref.token_ids
     assert out.stats["mean_tree_size"] == 0 and out.stats["proposals_skipped"] > MAX_NEW // 2
-    _costs(monkeypatch, lambda T: 1.0)
+    pin_verify_costs(monkeypatch, lambda T: 1.0)
     out = generate(model, tok, texts, max_new_tokens=MAX_NEW, max_cache_len=CACHE, references=[[t] for t in texts],
                    strategy=Lookahead(drafts="suffix"), drafter=SuffixDrafter(**SUFFIX_SETTINGS))
     assert out.token_ids == ref.token_ids

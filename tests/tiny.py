@@ -113,3 +113,14 @@ def own_word_passages(model, tok, prompts, n: int, new_tokens: int) -> list:
     passages = [" ".join(rng.choice(words, size=int(rng.integers(3, 12)))) for _ in range(n)]
     passages[7] = {"id": "titled", "title": "A title", "text": passages[7]}
     return passages
+
+
+def pin_verify_costs(monkeypatch, ratio):
+    """Lookahead auto's starting costs t(T)/t(0) = ratio(T), and no real step corrects them
+    (whatever this host's load makes real steps measure)."""
+    from lookahead_jax.core import budget as budget_lib
+    from lookahead_jax.strategies import lookahead as lookahead_strategy
+
+    monkeypatch.setattr(lookahead_strategy, "prior_costs",
+                        lambda platform, buckets, batch=1: {b: ratio(b) for b in buckets})
+    monkeypatch.setattr(budget_lib.StepTimes, "record", lambda self, T, window, seconds: None)

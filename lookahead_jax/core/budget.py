@@ -461,10 +461,10 @@ class AutoBudget:
         >= THIN_ROWS active rows, the drafts are proposed (and scored) only on probe steps,
         with 1, 2, 4, ... up to THIN_MAX_GAP skipped steps between two probes; a probe that
         picks a tree, or fewer active rows than in the run (a fuller batch only pays more
-        per tree), ends it. At
-        high occupancy the proposing and scoring were ~2-3% of a plain step's time here with
-        no tree ever chosen (serve bench, 32 slots); thinning takes most of that away, and
-        costs at most THIN_MAX_GAP steps of a tree that would have started paying."""
+        per tree), ends it. At high occupancy the proposing and scoring were ~2-3% of a
+        plain step's time here with no tree ever chosen (the engine's slots driven directly,
+        32 rows); thinning takes most of that away, and costs at most THIN_MAX_GAP steps of
+        a tree that would have started paying."""
         if self._plain_run < THIN_AFTER:
             return self.max_nodes
         if int(state.active.sum()) < self._plain_rows:
