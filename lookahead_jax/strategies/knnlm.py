@@ -42,8 +42,10 @@ steps and one verification resolves E(s) = (1 - g^s) / (1 - g) positions (g: the
 chance that a position keeps its token) in s a + b seconds (a: a speculative step, b: a
 verification), and s = argmax_{1..16} E(s) / (s a + b); s = 4 until a and b are measured.
 
-Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`). The
-decode state is edited only through decode.py's public edits: `accept` (the roots this
+Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`; a
+speculative step is `spec_step_fn`: forward, cache search and pick in one jitted call,
+the host waiting only for its tokens). The decode state is edited only through
+decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
 a wrong token's position, then `accept` of the right one), `set_logprob`.
 """
@@ -259,17 +261,19 @@ class KnnRun:
         """Seconds on the host clock less the compilation seen so far (timers exclude it)."""
         return time.perf_counter() - self.engine.compiled.compile_s
 
-    def _forward(self, state, active):
+    def _forward(self, state, active, wait: bool = True):
         """Forward every row's root: (h [B,D], logits [B,V], the new cache, its length
         advanced for the active rows). The step donates `state.cache`: its new cache goes
         to `accept` (`_accept`) with the tokens picked; nothing reads the state's cache
-        in between."""
+        in between. wait: block until h is ready (so that a search timer that follows
+        times the search, not this forward)."""
         from ..knnlm.search import forward_fn
 
         eng = self.engine
         h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
                                       state.cache, eng.arg(state.root), eng.arg(active))
-        h.block_until_ready()  # the search timers below time the search, not this forward
+        if wait:
+            h.block_until_ready()
         return h, logits, cache
 
     def _search(self, state, h, need=None):
@@ -309,7 +313,10 @@ class KnnRun:
 
         eng, s = self.engine, self.strat
         opts = state.step_options()
-        args = (self.index.keys, h, logits, eng.arg(np.asarray(ids, np.int32)), self.index.values, state.seeds,
+        import jax
+
+        ids = ids if isinstance(ids, jax.Array) else eng.arg(np.asarray(ids, np.int32))  # device ids stay there
+        args = (self.index.keys, h, logits, ids, self.index.values, state.seeds,
                 state.rowids, eng.arg(np.asarray(pos, np.int32)))
         static = dict(lam=float(s.knn_lambda), temperature=float(s.knn_temperature), sampling=state.sampling,
                       logprobs=bool(opts.get("logprobs")))
@@ -428,24 +435,29 @@ class KnnSpecRun(KnnRun):
 
     # ---- steps
     def _spec_step(self, state, active, cand) -> _Step:
+        """One speculative step of every active row: forward, cache search and pick are
+        dispatched back to back and the host waits once, for the tokens (the separate
+        jitted calls are kept: one program holding all three rounded the pick's
+        log-probabilities differently from `choose` alone, and a pick must be the same
+        function of (h, logits, ids) here as at verification and in plain KNN-LM)."""
         from ..knnlm.search import cache_search
 
         t0 = self._clock()
         pos = state.lengths.copy()
         nids = [len(r.ids) for r in state.rows]
-        h, logits, cache = self._forward(state, active)
-        t1 = self._clock()
-        spec = np.asarray(self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
-                                     self.index.n_valid, k=self.k))
-        self.stats.spec_s += self._clock() - t1
-        self.stats.spec_calls += 1
+        h, logits, cache = self._forward(state, active, wait=False)
+        spec = self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
+                          self.index.n_valid, k=self.k)
         tok, lp = self._choose(state, h, logits, spec, pos)
         for b in np.flatnonzero(active):
             if self._pending[b] is None:
                 self._pending[b] = nids[b]
         self._accept(state, active, tok, lp, cache)
         self.stats.speculations += active
-        self.step_s += self._clock() - t0
+        dt = self._clock() - t0
+        self.step_s += dt
+        self.stats.spec_s += dt  # the cache search is not timed apart (no sync): the step's time
+        self.stats.spec_calls += 1
         self.spec_steps += 1
         return _Step(h, logits, spec, tok, active.copy(), pos, nids)
 
