@@ -396,6 +396,9 @@ def test_options_are_checked(model, tok, ds):
         with pytest.raises(ValueError, match=msg):
             run(model, tok, "knnlm", **bad)
     assert os3_stride(0.9, 1.0, 2.0) == 6 and os3_stride(0.0, 1.0, 2.0) == 1
+    # a verification that grows with its queries (b(n) = 1 + n, the same b(1)): shorter rounds
+    assert os3_stride(0.9, 1.0, 1.0, 1.0) == 3
+    assert os3_stride(0.9, 1.0, 1.0, 1.0, rows=4) < os3_stride(0.9, 1.0, 1.0, 1.0)  # 4 rows: 4 queries a step
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -61,8 +61,8 @@ import numpy as np
 
 from ..core.decode import accept, call_compiled, rollback, set_logprob
 from .base import StrategyBase
-from .speculation import (KNNLM_DEFAULT_STRIDE, FinalTextStream, SpeculationStats, auto_or_int,
-                          check_speculation_stride, number_in, os3_stride_knnlm)
+from .speculation import (KNN_WINDOW, KNNLM_DEFAULT_STRIDE, VERIFY_FIT_CALLS, FinalTextStream, SpeculationStats,
+                          auto_or_int, check_speculation_stride, fit_verify_cost, number_in, os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
@@ -380,6 +380,8 @@ class KnnSpecRun(KnnRun):
         self.spec_steps = 0
         self._pending = [None] * B  # generated ids before the row's first unverified token
         self._stream = FinalTextStream(tokenizer)
+        self.outcomes = collections.deque(maxlen=KNN_WINDOW)  # OS3's g: did each check's token stand
+        self.verify_log = collections.deque(maxlen=VERIFY_FIT_CALLS)  # OS3's b(n): (queries, seconds)
 
     def add(self, state, rows, prompt_ids, spans=None) -> list:
         out = super().add(state, rows, prompt_ids, spans)
@@ -423,15 +425,15 @@ class KnnSpecRun(KnnRun):
         return out
 
     # ---- OS3
-    def _stride(self) -> int:
+    def _stride(self, rows: int) -> int:
         s = self.strat.speculation_stride
         if s != "auto":
             return int(s)
-        st = self.stats
-        if not st.verify_calls or not self.spec_steps:
+        if not self.verify_log or not self.spec_steps:
             return KNNLM_DEFAULT_STRIDE
-        g = (self.kept + int(self.row_kept.sum()) + 1) / (st.total("checks") + 2)
-        return os3_stride_knnlm(g, self.step_s / self.spec_steps, st.verify_s / st.verify_calls)
+        g = (sum(self.outcomes) + 1) / (len(self.outcomes) + 2)
+        b0, b1 = fit_verify_cost(self.verify_log)
+        return os3_stride_knnlm(g, self.step_s / self.spec_steps, b0, b1, rows)
 
     # ---- steps
     def _spec_step(self, state, active, cand) -> _Step:
@@ -491,12 +493,14 @@ class KnnSpecRun(KnnRun):
                 if np.array_equal(spec[t, b], true[t, b]):
                     st_.hits[b] += 1
                     self.row_kept[b] += 1
+                    self.outcomes.append(True)
                 else:
                     fix.append(b)
             if not fix:
                 continue
             tok, lp = self._choose(state, st.h, st.logits, true[t], st.pos)
             for b in fix:
+                self.outcomes.append(bool(tok[b] == st.tok[b]))
                 if tok[b] == st.tok[b]:  # other neighbours, the same token: later positions stand
                     self.row_kept[b] += 1
                     set_logprob(state, b, st.nids[b], lp[b])
@@ -507,7 +511,9 @@ class KnnSpecRun(KnnRun):
                 checking.discard(b)
         self._pending = [None] * B
         state.mark_finished()
-        st_.verify_s += self._clock() - t0
+        dt = self._clock() - t0
+        st_.verify_s += dt
+        self.verify_log.append((int(need.sum()), dt))
 
     def step(self, engine, state, drafter=None, rule=None, budget=None) -> None:
         """One turn: the rows that have no token yet (new requests: their caches are empty)
@@ -521,7 +527,7 @@ class KnnSpecRun(KnnRun):
             for b in np.flatnonzero(fresh):
                 self._insert(b, true[b])
         elif active.any():
-            s = self._stride()
+            s = self._stride(int(active.sum()))
             steps, cand = [], None
             while len(steps) < s:
                 active = state.active

@@ -39,9 +39,13 @@ the verification's cost. Two forms:
   The re-prefill term is E(s) (1 - g) R for every s: it shifts T/E by the same (1 - g) R,
   so it never changes the argmax; it keeps the predicted rates (and their ratio to s = 0)
   true.
-* KNN-LM (`os3_stride_knnlm`): every position of a round is speculated and the
-  verification adds none: E(s) = (1 - g^s) / (1 - g), T(s) = s a + b, g the cumulative
-  (kept + 1) / (checks + 2), s >= 1.
+* KNN-LM (`os3_stride_knnlm`, `os3_rates_knnlm`): every position of a round is
+  speculated and the verification adds none: E(s) = (1 - g^s) / (1 - g),
+  T(s) = s a + b(s B) for B active rows, the verification's search of n queries costing
+  b(n) = b0 + b1 n (`fit_verify_cost` over the last VERIFY_FIT_CALLS verifications: a
+  batched exact search costs ~2x one query at 8 queries on a CPU, so long rounds are not
+  free), g = (kept + 1) / (n + 2) over the last KNN_WINDOW checks of the process (kept: the
+  position's token stood), s >= 1.
 
 s = argmax over 0..MAX_SPECULATION_STRIDE (knnlm: 1..); until a and b are measured a round
 uses the strategy's default (RALM_DEFAULT_STRIDE, KNNLM_DEFAULT_STRIDE).
@@ -60,6 +64,7 @@ MAX_SPECULATION_STRIDE = 16
 RALM_DEFAULT_STRIDE = 3  # ralmspec's s before OS3 has measurements
 KNNLM_DEFAULT_STRIDE = 4  # speculative knnlm's
 OS3_WINDOW = 16  # ralmspec's acceptance estimate: the row's last OS3_WINDOW checks
+KNN_WINDOW = 256  # speculative knnlm's: the process's last KNN_WINDOW checks (every position is one)
 VERIFY_FIT_CALLS = 64  # b0 + b1 n is fitted to the last VERIFY_FIT_CALLS verification calls
 
 
@@ -196,13 +201,26 @@ class AcceptanceWindow:
         return sum(o == "change" for o in w) / (len(w) + 2)
 
 
-def os3_stride_knnlm(g: float, a: float, b: float, max_s: int = MAX_SPECULATION_STRIDE) -> int:
-    """KNN-LM's OS3: argmax over s in 1..max_s of E(s) / (s a + b), E(s) = (1 - g^s) / (1 - g)
-    (module docstring). # g 0.9, a 1, b 2 -> 6 (rate: s=1 .333, 3 .542, 5 .5850, 6 .5857, 7 .5797)"""
+def os3_rates_knnlm(g: float, a: float, b0: float, b1: float = 0.0, rows: int = 1,
+                    max_s: int = MAX_SPECULATION_STRIDE) -> np.ndarray:
+    """KNN-LM's predicted positions per second E(s) / T(s) for s = 0..max_s (module
+    docstring): a round of s >= 1 speculative steps of `rows` rows is verified by one search
+    of s * rows queries, b(n) = b0 + b1 n; rates[0] is plain KNN-LM's (a real search of
+    `rows` queries at every step)."""
     g = min(max(g, 0.0), 1.0 - 1e-9)
-    s = np.arange(1, max_s + 1)
-    rate = (1 - g ** s) / (1 - g) / (s * a + b)
-    return int(s[int(np.argmax(rate))])
+    s = np.arange(0, max_s + 1, dtype=np.float64)
+    e = (1 - g ** s) / (1 - g)
+    t = s * a + b0 + b1 * s * rows
+    e[0], t[0] = 1.0, a + b0 + b1 * rows
+    return e / np.maximum(t, 1e-30)
+
+
+def os3_stride_knnlm(g: float, a: float, b0: float, b1: float = 0.0, rows: int = 1,
+                     max_s: int = MAX_SPECULATION_STRIDE) -> int:
+    """KNN-LM's OS3: argmax over s in 1..max_s of `os3_rates_knnlm`.
+    # g 0.9, a 1, b 2 -> 6 (rate: s=1 .333, 3 .542, 5 .5850, 6 .5857, 7 .5797);
+    # g 0.9, a 1, b(n) = 1 + n -> 3 (s=1 .333, 2 .380, 3 .387, 4 .382): dearer long rounds."""
+    return 1 + int(np.argmax(os3_rates_knnlm(g, a, b0, b1, rows, max_s)[1:]))
 
 
 # ----------------------------------------------------------------------------- counters
