@@ -360,6 +360,33 @@ def test_speculative_prediction_forced(model, tok, ds, monkeypatch):
     assert st["speculation_accuracy"] == 0.0 and st["rollbacks"] > 0
 
 
+def test_os3_plain_rounds_keep_tokens_and_measure_g(model, tok, ds, monkeypatch):
+    """Where OS3 picks s = 0 (forced here after the first rounds), rows decode by real steps
+    between speculative rounds; the tokens are plain KNN-LM's, and the shadow checks of the
+    plain rounds keep g measured (outcomes noted while nothing is speculated)."""
+    from lookahead_jax.strategies import knnlm as knn_strategy
+
+    kw = dict(logprobs=True, min_new_tokens=2, stop_token_ids=[116, 158])
+    plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), **kw)
+    picks = iter([2, 0, 0, 0, 0, 3] * 100)
+    monkeypatch.setattr(knn_strategy, "os3_stride_knnlm", lambda *a, **k: next(picks))
+    noted = []
+    real_plain_step = KnnSpecRun._plain_step
+
+    def plain_step(self, state, active, shadow):
+        n = len(self.outcomes)
+        real_plain_step(self, state, active, shadow)
+        noted.append((shadow, len(self.outcomes) - n))
+
+    monkeypatch.setattr(KnnSpecRun, "_plain_step", plain_step)
+    spec = run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride="auto"), **kw)
+    assert_same(spec, plain)
+    st = spec.stats["retrieval"]
+    assert st["plain_rounds"] > 0 and st["speculations"] > 0
+    assert any(sh and n > 0 for sh, n in noted)  # shadow checks noted outcomes
+    assert all(n == 0 for sh, n in noted if not sh)
+
+
 def test_speculation_predicts_text_from_the_datastore(model, tok, ds):
     """Decoding the prompts whose continuations are in the datastore: the entries after
     each neighbour are the next neighbours, so most speculations are right."""
@@ -399,6 +426,9 @@ def test_options_are_checked(model, tok, ds):
     # a verification that grows with its queries (b(n) = 1 + n, the same b(1)): shorter rounds
     assert os3_stride(0.9, 1.0, 1.0, 1.0) == 3
     assert os3_stride(0.9, 1.0, 1.0, 1.0, rows=4) < os3_stride(0.9, 1.0, 1.0, 1.0)  # 4 rows: 4 queries a step
+    # plain KNN-LM (s = 0) only where allowed and strictly faster: a cheap search, rare keeps
+    assert os3_stride(0.3, 1.2, 0.2, a0=1.0, min_s=0) == 0 and os3_stride(0.3, 1.2, 0.2, a0=1.0) == 1
+    assert os3_stride(0.9, 1.0, 2.0, a0=1.0, min_s=0) == 6  # a dear search: speculation pays
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -39,12 +39,13 @@ the pick with the true neighbours.
 
 OS3 (`speculation_stride="auto"`, speculation.py's KNN-LM form): a round of s speculative
 steps and one verification resolves E(s) = (1 - g^s) / (1 - g) positions (g: the measured
-chance that a position keeps its token) in s a + b seconds (a: a speculative step, b: a
-verification), and s = argmax_{1..16} E(s) / (s a + b); s = 4 until a and b are measured.
+chance that a position keeps its token, over the last checks) in s a + b(s B) seconds (a: a
+speculative step, b(n) = b0 + b1 n: a verification of n queries, B active rows), and
+s = argmax_{0..16} E(s) / T(s), s = 0 being plain KNN-LM (a real step and search per
+position), taken only when strictly faster; s = 4 until a and b are measured.
 
 Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`; a
-speculative step is `spec_step_fn`: forward, cache search and pick in one jitted call,
-the host waiting only for its tokens). The decode state is edited only through
+speculative step dispatches its three back to back and syncs once, for its tokens). The decode state is edited only through
 decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
 a wrong token's position, then `accept` of the right one), `set_logprob`.
@@ -61,7 +62,7 @@ import numpy as np
 
 from ..core.decode import accept, call_compiled, rollback, set_logprob
 from .base import StrategyBase
-from .speculation import (KNN_WINDOW, KNNLM_DEFAULT_STRIDE, VERIFY_FIT_CALLS, FinalTextStream, SpeculationStats,
+from .speculation import (KNN_WINDOW, KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, VERIFY_FIT_CALLS, FinalTextStream, SpeculationStats,
                           auto_or_int, check_speculation_stride, fit_verify_cost, number_in, os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
@@ -381,6 +382,9 @@ class KnnSpecRun(KnnRun):
         self._pending = [None] * B  # generated ids before the row's first unverified token
         self._stream = FinalTextStream(tokenizer)
         self.outcomes = collections.deque(maxlen=KNN_WINDOW)  # OS3's g: did each check's token stand
+        self.plain_s = 0.0  # seconds of the real steps less their searches (OS3's a0)
+        self.plain_steps = 0
+        self.plain_rounds = 0  # rounds with s = 0
         self.verify_log = collections.deque(maxlen=VERIFY_FIT_CALLS)  # OS3's b(n): (queries, seconds)
 
     def add(self, state, rows, prompt_ids, spans=None) -> list:
@@ -433,7 +437,9 @@ class KnnSpecRun(KnnRun):
             return KNNLM_DEFAULT_STRIDE
         g = (sum(self.outcomes) + 1) / (len(self.outcomes) + 2)
         b0, b1 = fit_verify_cost(self.verify_log)
-        return os3_stride_knnlm(g, self.step_s / self.spec_steps, b0, b1, rows)
+        a = self.step_s / self.spec_steps
+        a0 = self.plain_s / self.plain_steps if self.plain_steps else a
+        return os3_stride_knnlm(g, a, b0, b1, rows, a0=a0, min_s=0)
 
     # ---- steps
     def _spec_step(self, state, active, cand) -> _Step:
@@ -462,6 +468,37 @@ class KnnSpecRun(KnnRun):
         self.stats.spec_calls += 1
         self.spec_steps += 1
         return _Step(h, logits, spec, tok, active.copy(), pos, nids)
+
+    def _plain_step(self, state, active, shadow: bool) -> None:
+        """A real step (forward, search, pick) of the active rows; their true neighbours
+        feed the caches. Timed for OS3: a0 (the step less its search and shadow) and a
+        verification sample (the search of the active rows' queries). shadow: also the pick
+        speculation would have made from each row's cache, noted as a check outcome (kept or
+        not) and otherwise unused."""
+        from ..knnlm.search import cache_search
+
+        t0 = self._clock()
+        pos = state.lengths.copy()
+        h, logits, cache = self._forward(state, active)
+        s0 = self.search_s
+        true = self._search(state, h, need=active)
+        searched = self.search_s - s0
+        self.row_searches += active
+        tok, lp = self._choose(state, h, logits, true, pos)
+        t1 = self._clock()
+        if shadow:
+            spec = self._call(state, "knn_cache", cache_search, self.index.keys, h,
+                              self.engine.arg(self._candidates()), self.index.norms, self.index.n_valid, k=self.k)
+            stok, _ = self._choose(state, h, logits, spec, pos)
+            for b in np.flatnonzero(active):
+                self.outcomes.append(bool(stok[b] == tok[b]))
+        t2 = self._clock()
+        self._accept(state, active, tok, lp, cache)
+        for b in np.flatnonzero(active):
+            self._insert(b, true[b])
+        self.verify_log.append((int(active.sum()), searched))
+        self.plain_s += self._clock() - t0 - searched - (t2 - t1)
+        self.plain_steps += 1
 
     def _verify(self, state, steps: list) -> None:
         """One batched real search over the round's stored hidden states; per row the first
@@ -518,16 +555,22 @@ class KnnSpecRun(KnnRun):
     def step(self, engine, state, drafter=None, rule=None, budget=None) -> None:
         """One turn: the rows that have no token yet (new requests: their caches are empty)
         take a real step; otherwise one round of s speculative steps and its verification,
-        ended early when a row ends (it is verified before it is final)."""
+        ended early when a row ends (it is verified before it is final), or, where OS3
+        picks s = 0, one real step of every active row."""
         state.mark_finished()
         active = state.active
         fresh = active & np.array([not r.ids for r in state.rows])
         if fresh.any():  # a request's first token: a real search
-            true = self._real_step(state, fresh)
-            for b in np.flatnonzero(fresh):
-                self._insert(b, true[b])
+            self._plain_step(state, fresh, shadow=False)
         elif active.any():
             s = self._stride(int(active.sum()))
+            if s == 0:  # plain KNN-LM pays more here (OS3)
+                self.plain_rounds += 1
+                self._plain_step(state, active, shadow=self.plain_rounds % SHADOW_EVERY == 1)
+                self.stats.strides.append(0)
+                state.mark_finished()
+                self._stream.flush(state, self.final_upto)
+                return
             steps, cand = [], None
             while len(steps) < s:
                 active = state.active

@@ -45,9 +45,13 @@ the verification's cost. Two forms:
   b(n) = b0 + b1 n (`fit_verify_cost` over the last VERIFY_FIT_CALLS verifications: a
   batched exact search costs ~2x one query at 8 queries on a CPU, so long rounds are not
   free), g = (kept + 1) / (n + 2) over the last KNN_WINDOW checks of the process (kept: the
-  position's token stood), s >= 1.
+  position's token stood). s = 0 is plain KNN-LM, a real step of a0 seconds plus a search
+  of B queries per position: E(0) = 1, T(0) = a0 + b(B); it is taken only when strictly
+  faster than every s >= 1 (a search too cheap to hide, or speculations that rarely
+  stand). While s = 0, every SHADOW_EVERY-th plain step also makes the pick speculation
+  would have made and notes whether it equals the real one, so g stays measured.
 
-s = argmax over 0..MAX_SPECULATION_STRIDE (knnlm: 1..); until a and b are measured a round
+s = argmax over 0..MAX_SPECULATION_STRIDE; until a and b are measured a round
 uses the strategy's default (RALM_DEFAULT_STRIDE, KNNLM_DEFAULT_STRIDE).
 """
 
@@ -65,6 +69,7 @@ RALM_DEFAULT_STRIDE = 3  # ralmspec's s before OS3 has measurements
 KNNLM_DEFAULT_STRIDE = 4  # speculative knnlm's
 OS3_WINDOW = 16  # ralmspec's acceptance estimate: the row's last OS3_WINDOW checks
 KNN_WINDOW = 256  # speculative knnlm's: the process's last KNN_WINDOW checks (every position is one)
+SHADOW_EVERY = 4  # speculative knnlm at s = 0: a shadow check every SHADOW_EVERY plain steps
 VERIFY_FIT_CALLS = 64  # b0 + b1 n is fitted to the last VERIFY_FIT_CALLS verification calls
 
 
@@ -202,25 +207,31 @@ class AcceptanceWindow:
 
 
 def os3_rates_knnlm(g: float, a: float, b0: float, b1: float = 0.0, rows: int = 1,
-                    max_s: int = MAX_SPECULATION_STRIDE) -> np.ndarray:
+                    max_s: int = MAX_SPECULATION_STRIDE, a0: float = None) -> np.ndarray:
     """KNN-LM's predicted positions per second E(s) / T(s) for s = 0..max_s (module
-    docstring): a round of s >= 1 speculative steps of `rows` rows is verified by one search
-    of s * rows queries, b(n) = b0 + b1 n; rates[0] is plain KNN-LM's (a real search of
-    `rows` queries at every step)."""
+    docstring): a round of s >= 1 speculative steps of `rows` rows (a seconds each) is
+    verified by one search of s * rows queries, b(n) = b0 + b1 n; rates[0] is plain
+    KNN-LM's: a real step (a0 seconds without its search; default a) and a real search of
+    `rows` queries for every position."""
     g = min(max(g, 0.0), 1.0 - 1e-9)
     s = np.arange(0, max_s + 1, dtype=np.float64)
     e = (1 - g ** s) / (1 - g)
     t = s * a + b0 + b1 * s * rows
-    e[0], t[0] = 1.0, a + b0 + b1 * rows
+    e[0], t[0] = 1.0, (a if a0 is None else a0) + b0 + b1 * rows
     return e / np.maximum(t, 1e-30)
 
 
 def os3_stride_knnlm(g: float, a: float, b0: float, b1: float = 0.0, rows: int = 1,
-                     max_s: int = MAX_SPECULATION_STRIDE) -> int:
-    """KNN-LM's OS3: argmax over s in 1..max_s of `os3_rates_knnlm`.
+                     max_s: int = MAX_SPECULATION_STRIDE, a0: float = None, min_s: int = 1) -> int:
+    """KNN-LM's OS3: argmax over s in min_s..max_s of `os3_rates_knnlm`; s = 0 (plain
+    KNN-LM) only where strictly faster than every s >= 1.
     # g 0.9, a 1, b 2 -> 6 (rate: s=1 .333, 3 .542, 5 .5850, 6 .5857, 7 .5797);
-    # g 0.9, a 1, b(n) = 1 + n -> 3 (s=1 .333, 2 .380, 3 .387, 4 .382): dearer long rounds."""
-    return 1 + int(np.argmax(os3_rates_knnlm(g, a, b0, b1, rows, max_s)[1:]))
+    # g 0.9, a 1, b(n) = 1 + n -> 3 (s=1 .333, 2 .380, 3 .387, 4 .382): dearer long rounds;
+    # g 0.3, a 1.2, a0 1, b 0.2, min_s 0 -> 0 (s=0 .833, 1 .714, 2 .500): a cheap search
+    # and speculations that rarely stand: plain KNN-LM."""
+    rates = os3_rates_knnlm(g, a, b0, b1, rows, max_s, a0)
+    best = 1 + int(np.argmax(rates[1:]))
+    return 0 if min_s <= 0 and rates[0] > rates[best] else max(best, min_s)
 
 
 # ----------------------------------------------------------------------------- counters
