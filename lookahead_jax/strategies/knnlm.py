@@ -45,8 +45,8 @@ s = argmax_{0..16} E(s) / T(s), s = 0 being plain KNN-LM (a real step and search
 position), taken only when strictly faster; s = 4 until a and b are measured.
 
 Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`; a
-speculative step dispatches its three back to back and syncs once, for its tokens). The decode state is edited only through
-decode.py's public edits: `accept` (the roots this
+speculative step dispatches its three back to back and syncs once, for its tokens). The
+decode state is edited only through decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
 a wrong token's position, then `accept` of the right one), `set_logprob`.
 """
@@ -62,8 +62,9 @@ import numpy as np
 
 from ..core.decode import accept, call_compiled, rollback, set_logprob
 from .base import StrategyBase
-from .speculation import (KNN_WINDOW, KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, VERIFY_FIT_CALLS, FinalTextStream, SpeculationStats,
-                          auto_or_int, check_speculation_stride, fit_verify_cost, number_in, os3_stride_knnlm)
+from .speculation import (KNN_WINDOW, KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, VERIFY_FIT_CALLS, FinalTextStream,
+                          SpeculationStats, auto_or_int, check_speculation_stride, fit_verify_cost, number_in,
+                          os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
@@ -310,12 +311,12 @@ class KnnRun:
 
     def _choose(self, state, h, logits, ids, pos):
         """(tokens [B], log-probabilities [B]) from (h, logits, neighbour ids) (search.choose)."""
+        import jax
+
         from ..knnlm.search import choose
 
         eng, s = self.engine, self.strat
         opts = state.step_options()
-        import jax
-
         ids = ids if isinstance(ids, jax.Array) else eng.arg(np.asarray(ids, np.int32))  # device ids stay there
         args = (self.index.keys, h, logits, ids, self.index.values, state.seeds,
                 state.rowids, eng.arg(np.asarray(pos, np.int32)))
