@@ -302,6 +302,8 @@ def test_speculative_equals_plain(model, tok, ds, sampling):
         plain = run(model, tok, KNNLM(datastore=ds, knn_k=k), **kw)
         ends |= {r.new_tokens for r in plain.rows if r.finish_reason == "eos"}
         for s in (1, 2, 5, "auto"):
+            if s == "auto":  # OS3 from no measurements: default strides, then its own picks
+                engine_for(model).stores.knnlm_os3.clear()
             spec = run(model, tok, KNNLM(datastore=ds, knn_k=k, speculative=True, speculation_stride=s), **kw)
             assert_same(spec, plain)
             st = spec.stats["retrieval"]
@@ -370,13 +372,15 @@ def test_os3_plain_rounds_keep_tokens_and_measure_g(model, tok, ds, monkeypatch)
     plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), **kw)
     picks = iter([2, 0, 0, 0, 0, 3] * 100)
     monkeypatch.setattr(knn_strategy, "os3_stride_knnlm", lambda *a, **k: next(picks))
+    monkeypatch.setattr(knn_strategy, "KNN_WINDOW", 10 ** 6)  # every outcome stays countable
+    engine_for(model).stores.knnlm_os3.clear()
     noted = []
     real_plain_step = KnnSpecRun._plain_step
 
     def plain_step(self, state, active, shadow):
-        n = len(self.outcomes)
+        n = len(self.m.outcomes)
         real_plain_step(self, state, active, shadow)
-        noted.append((shadow, len(self.outcomes) - n))
+        noted.append((shadow, len(self.m.outcomes) - n))
 
     monkeypatch.setattr(KnnSpecRun, "_plain_step", plain_step)
     spec = run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride="auto"), **kw)
@@ -385,6 +389,32 @@ def test_os3_plain_rounds_keep_tokens_and_measure_g(model, tok, ds, monkeypatch)
     assert st["plain_rounds"] > 0 and st["speculations"] > 0
     assert any(sh and n > 0 for sh, n in noted)  # shadow checks noted outcomes
     assert all(n == 0 for sh, n in noted if not sh)
+
+
+def test_os3_measures_carry_across_calls(model, tok, ds, monkeypatch):
+    """OS3's measurements live on the engine per datastore and settings: a second call
+    consults OS3 from its first round (the first call ran default strides until it had
+    measured a round), and another k starts afresh."""
+    from lookahead_jax.strategies import knnlm as knn_strategy
+
+    engine_for(model).stores.knnlm_os3.clear()
+    consulted = []
+    real = knn_strategy.os3_stride_knnlm
+    monkeypatch.setattr(knn_strategy, "os3_stride_knnlm", lambda *a, **k: consulted.append(1) or real(*a, **k))
+
+    def rounds(out):  # rounds that were not a request's first token
+        return out.stats["retrieval"]["plain_rounds"] + out.stats["retrieval"]["verify_calls"]
+
+    strat = KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride="auto")
+    first = run(model, tok, strat)
+    assert 0 < len(consulted) < rounds(first)
+    consulted.clear()
+    second = run(model, tok, strat)
+    assert second.token_ids == first.token_ids and len(consulted) == rounds(second)
+    assert len(engine_for(model).stores.knnlm_os3) == 1
+    consulted.clear()
+    other = run(model, tok, KNNLM(datastore=ds, knn_k=2, speculative=True, speculation_stride="auto"))
+    assert len(consulted) < rounds(other) and len(engine_for(model).stores.knnlm_os3) == 2
 
 
 def test_speculation_predicts_text_from_the_datastore(model, tok, ds):

@@ -44,8 +44,8 @@ class Stores:
     the trie per branch length (drafts="trie", drafters/trie.py); acceptance statistics per
     drafter geometry (the suffix drafter's: per settings); SpecInfer's draft engines and
     models by name, and the drafts already warned about (strategies/specinfer.py); the
-    KNN-LM index in use, with the datastore identity it was built from
-    (strategies/knnlm.py)."""
+    KNN-LM index in use, with the datastore identity it was built from, and speculative
+    KNN-LM's OS3 measurements per datastore and settings (strategies/knnlm.py)."""
 
     tries: dict = dataclasses.field(default_factory=dict)  # branch_length -> NgramTrie
     acceptance: dict = dataclasses.field(default_factory=dict)  # drafter geometry -> AcceptanceStats
@@ -53,6 +53,7 @@ class Stores:
     draft_models: dict = dataclasses.field(default_factory=dict)  # preset / path -> Model
     draft_size_warned: set = dataclasses.field(default_factory=set)  # ids of drafts warned about
     knnlm_index: Optional[tuple] = None  # (datastore identity, KnnIndex)
+    knnlm_os3: dict = dataclasses.field(default_factory=dict)  # (datastore identity, settings) -> KnnMeasures
     suffix_cache: Optional[object] = None  # drafters/suffix.py: SuffixCache of earlier outputs
 
 

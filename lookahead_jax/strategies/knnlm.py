@@ -204,6 +204,23 @@ def resolve_index(strat: KNNLM, engine):
 
 # ----------------------------------------------------------------------------- runs
 @dataclasses.dataclass
+class KnnMeasures:
+    """What OS3 has measured of speculative KNN-LM with one datastore and settings, kept on
+    the engine (`Stores.knnlm_os3`) so that a call starts from the last call's figures
+    instead of the default stride: the last KNN_WINDOW check outcomes (g), the last
+    VERIFY_FIT_CALLS (queries, seconds) of verifications and real searches (b(n)), and the
+    seconds of speculative steps (a) and of real steps less their searches (a0)."""
+
+    outcomes: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=KNN_WINDOW))
+    verify_log: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=VERIFY_FIT_CALLS))
+    step_s: float = 0.0
+    spec_steps: int = 0
+    plain_s: float = 0.0
+    plain_steps: int = 0
+
+
+@dataclasses.dataclass
 class _Step:
     """One speculative step of a round (device arrays stay on the device)."""
 
@@ -378,15 +395,12 @@ class KnnSpecRun(KnnRun):
         self.stats = SpeculationStats(B)
         self.row_kept = np.zeros(B, np.int64)  # checks whose token stood
         self.kept = 0  # of the requests that have left
-        self.step_s = 0.0  # seconds of the speculative steps (OS3's a)
-        self.spec_steps = 0
         self._pending = [None] * B  # generated ids before the row's first unverified token
         self._stream = FinalTextStream(tokenizer)
-        self.outcomes = collections.deque(maxlen=KNN_WINDOW)  # OS3's g: did each check's token stand
-        self.plain_s = 0.0  # seconds of the real steps less their searches (OS3's a0)
-        self.plain_steps = 0
-        self.plain_rounds = 0  # rounds with s = 0
-        self.verify_log = collections.deque(maxlen=VERIFY_FIT_CALLS)  # OS3's b(n): (queries, seconds)
+        s = self.strat  # OS3's measurements: kept on the engine across calls
+        key = (engine.stores.knnlm_index[0], self.k, s.knn_lambda, s.knn_temperature, s.knn_cache_next)
+        self.m = engine.stores.knnlm_os3.setdefault(key, KnnMeasures())
+        self.plain_rounds = 0  # rounds with s = 0 (this call)
 
     def add(self, state, rows, prompt_ids, spans=None) -> list:
         out = super().add(state, rows, prompt_ids, spans)
@@ -434,12 +448,13 @@ class KnnSpecRun(KnnRun):
         s = self.strat.speculation_stride
         if s != "auto":
             return int(s)
-        if not self.verify_log or not self.spec_steps:
+        m = self.m
+        if not m.verify_log or not m.spec_steps:
             return KNNLM_DEFAULT_STRIDE
-        g = (sum(self.outcomes) + 1) / (len(self.outcomes) + 2)
-        b0, b1 = fit_verify_cost(self.verify_log)
-        a = self.step_s / self.spec_steps
-        a0 = self.plain_s / self.plain_steps if self.plain_steps else a
+        g = (sum(m.outcomes) + 1) / (len(m.outcomes) + 2)
+        b0, b1 = fit_verify_cost(m.verify_log)
+        a = m.step_s / m.spec_steps
+        a0 = m.plain_s / m.plain_steps if m.plain_steps else a
         return os3_stride_knnlm(g, a, b0, b1, rows, a0=a0, min_s=0)
 
     # ---- steps
@@ -464,10 +479,10 @@ class KnnSpecRun(KnnRun):
         self._accept(state, active, tok, lp, cache)
         self.stats.speculations += active
         dt = self._clock() - t0
-        self.step_s += dt
+        self.m.step_s += dt
         self.stats.spec_s += dt  # the cache search is not timed apart (no sync): the step's time
         self.stats.spec_calls += 1
-        self.spec_steps += 1
+        self.m.spec_steps += 1
         return _Step(h, logits, spec, tok, active.copy(), pos, nids)
 
     def _plain_step(self, state, active, shadow: bool) -> None:
@@ -492,14 +507,14 @@ class KnnSpecRun(KnnRun):
                               self.engine.arg(self._candidates()), self.index.norms, self.index.n_valid, k=self.k)
             stok, _ = self._choose(state, h, logits, spec, pos)
             for b in np.flatnonzero(active):
-                self.outcomes.append(bool(stok[b] == tok[b]))
+                self.m.outcomes.append(bool(stok[b] == tok[b]))
         t2 = self._clock()
         self._accept(state, active, tok, lp, cache)
         for b in np.flatnonzero(active):
             self._insert(b, true[b])
-        self.verify_log.append((int(active.sum()), searched))
-        self.plain_s += self._clock() - t0 - searched - (t2 - t1)
-        self.plain_steps += 1
+        self.m.verify_log.append((int(active.sum()), searched))
+        self.m.plain_s += self._clock() - t0 - searched - (t2 - t1)
+        self.m.plain_steps += 1
 
     def _verify(self, state, steps: list) -> None:
         """One batched real search over the round's stored hidden states; per row the first
@@ -531,14 +546,14 @@ class KnnSpecRun(KnnRun):
                 if np.array_equal(spec[t, b], true[t, b]):
                     st_.hits[b] += 1
                     self.row_kept[b] += 1
-                    self.outcomes.append(True)
+                    self.m.outcomes.append(True)
                 else:
                     fix.append(b)
             if not fix:
                 continue
             tok, lp = self._choose(state, st.h, st.logits, true[t], st.pos)
             for b in fix:
-                self.outcomes.append(bool(tok[b] == st.tok[b]))
+                self.m.outcomes.append(bool(tok[b] == st.tok[b]))
                 if tok[b] == st.tok[b]:  # other neighbours, the same token: later positions stand
                     self.row_kept[b] += 1
                     set_logprob(state, b, st.nids[b], lp[b])
@@ -551,7 +566,7 @@ class KnnSpecRun(KnnRun):
         state.mark_finished()
         dt = self._clock() - t0
         st_.verify_s += dt
-        self.verify_log.append((int(need.sum()), dt))
+        self.m.verify_log.append((int(need.sum()), dt))
 
     def step(self, engine, state, drafter=None, rule=None, budget=None) -> None:
         """One turn: the rows that have no token yet (new requests: their caches are empty)
