@@ -401,6 +401,7 @@ class KnnSpecRun(KnnRun):
         key = (engine.stores.knnlm_index[0], self.k, s.knn_lambda, s.knn_temperature, s.knn_cache_next)
         self.m = engine.stores.knnlm_os3.setdefault(key, KnnMeasures())
         self.plain_rounds = 0  # rounds with s = 0 (this call)
+        self._plain_hold = 0  # real steps left before OS3 is asked again (s = 0 chosen)
 
     def add(self, state, rows, prompt_ids, spans=None) -> list:
         out = super().add(state, rows, prompt_ids, spans)
@@ -579,10 +580,14 @@ class KnnSpecRun(KnnRun):
         if fresh.any():  # a request's first token: a real search
             self._plain_step(state, fresh, shadow=False)
         elif active.any():
-            s = self._stride(int(active.sum()))
-            if s == 0:  # plain KNN-LM pays more here (OS3)
+            s = 0 if self._plain_hold else self._stride(int(active.sum()))
+            if s == 0:  # plain KNN-LM pays more here (OS3): SHADOW_EVERY real steps, then ask again
+                if not self._plain_hold:
+                    self._plain_hold = SHADOW_EVERY
+                shadow = self._plain_hold == SHADOW_EVERY  # the first of them checks in the shadow
+                self._plain_hold -= 1
                 self.plain_rounds += 1
-                self._plain_step(state, active, shadow=self.plain_rounds % SHADOW_EVERY == 1)
+                self._plain_step(state, active, shadow=shadow)
                 self.stats.strides.append(0)
                 state.mark_finished()
                 self._stream.flush(state, self.final_upto)

@@ -48,8 +48,10 @@ the verification's cost. Two forms:
   position's token stood). s = 0 is plain KNN-LM, a real step of a0 seconds plus a search
   of B queries per position: E(0) = 1, T(0) = a0 + b(B); it is taken only when strictly
   faster than every s >= 1 (a search too cheap to hide, or speculations that rarely
-  stand). While s = 0, every SHADOW_EVERY-th plain step also makes the pick speculation
-  would have made and notes whether it equals the real one, so g stays measured.
+  stand). s = 0 holds for SHADOW_EVERY real steps, the first of which also makes the pick
+  speculation would have made and notes whether it equals the real one (g stays
+  measured); then OS3 is asked again (its cost and the shadow's, ~1 ms each where a step
+  is ~30 ms, are paid once per SHADOW_EVERY steps).
 
 s = argmax over 0..MAX_SPECULATION_STRIDE; until a and b are measured a round
 uses the strategy's default (RALM_DEFAULT_STRIDE, KNNLM_DEFAULT_STRIDE).
@@ -69,7 +71,7 @@ RALM_DEFAULT_STRIDE = 3  # ralmspec's s before OS3 has measurements
 KNNLM_DEFAULT_STRIDE = 4  # speculative knnlm's
 OS3_WINDOW = 16  # ralmspec's acceptance estimate: the row's last OS3_WINDOW checks
 KNN_WINDOW = 256  # speculative knnlm's: the process's last KNN_WINDOW checks (every position is one)
-SHADOW_EVERY = 4  # speculative knnlm at s = 0: a shadow check every SHADOW_EVERY plain steps
+SHADOW_EVERY = 16  # speculative knnlm at s = 0: OS3 asked, and a shadow check, every SHADOW_EVERY real steps
 VERIFY_FIT_CALLS = 64  # b0 + b1 n is fitted to the last VERIFY_FIT_CALLS verification calls
 
 
