@@ -459,6 +459,8 @@ def test_options_are_checked(model, tok, ds):
     # plain KNN-LM (s = 0) only where allowed and strictly faster: a cheap search, rare keeps
     assert os3_stride(0.3, 1.2, 0.2, a0=1.0, min_s=0) == 0 and os3_stride(0.3, 1.2, 0.2, a0=1.0) == 1
     assert os3_stride(0.9, 1.0, 2.0, a0=1.0, min_s=0) == 6  # a dear search: speculation pays
+    assert os3_stride(0.9, 1.0, 0.15, a0=1.0, min_s=0) == 0  # a near tie (s = 2 1.6% ahead): plain
+    assert os3_stride(0.95, 1.0, 0.2, a0=1.0, min_s=0) >= 2  # 6% ahead: speculate
 
 
 # ----------------------------------------------------------------------------- CLI

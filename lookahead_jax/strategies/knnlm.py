@@ -42,7 +42,7 @@ steps and one verification resolves E(s) = (1 - g^s) / (1 - g) positions (g: the
 chance that a position keeps its token, over the last checks) in s a + b(s B) seconds (a: a
 speculative step, b(n) = b0 + b1 n: a verification of n queries, B active rows), and
 s = argmax_{0..16} E(s) / T(s), s = 0 being plain KNN-LM (a real step and search per
-position), taken only when strictly faster; s = 4 until a and b are measured.
+position), taken unless a stride is predicted 5% faster; s = 4 until a and b are measured.
 
 Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`; a
 speculative step dispatches its three back to back and syncs once, for its tokens). The

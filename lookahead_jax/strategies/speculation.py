@@ -46,8 +46,8 @@ the verification's cost. Two forms:
   batched exact search costs ~2x one query at 8 queries on a CPU, so long rounds are not
   free), g = (kept + 1) / (n + 2) over the last KNN_WINDOW checks of the process (kept: the
   position's token stood). s = 0 is plain KNN-LM, a real step of a0 seconds plus a search
-  of B queries per position: E(0) = 1, T(0) = a0 + b(B); it is taken only when strictly
-  faster than every s >= 1 (a search too cheap to hide, or speculations that rarely
+  of B queries per position: E(0) = 1, T(0) = a0 + b(B); it is taken unless a stride is
+  predicted KNN_SPEC_MARGIN (5%) faster (a search too cheap to hide, or speculations that rarely
   stand). s = 0 holds for SHADOW_EVERY real steps, the first of which also makes the pick
   speculation would have made and notes whether it equals the real one (g stays
   measured); then OS3 is asked again (its cost and the shadow's, ~1 ms each where a step
@@ -71,6 +71,7 @@ RALM_DEFAULT_STRIDE = 3  # ralmspec's s before OS3 has measurements
 KNNLM_DEFAULT_STRIDE = 4  # speculative knnlm's
 OS3_WINDOW = 16  # ralmspec's acceptance estimate: the row's last OS3_WINDOW checks
 KNN_WINDOW = 256  # speculative knnlm's: the process's last KNN_WINDOW checks (every position is one)
+KNN_SPEC_MARGIN = 1.05  # speculative knnlm speculates only where predicted >= 5% faster than plain
 SHADOW_EVERY = 16  # speculative knnlm at s = 0: OS3 asked, and a shadow check, every SHADOW_EVERY real steps
 VERIFY_FIT_CALLS = 64  # b0 + b1 n is fitted to the last VERIFY_FIT_CALLS verification calls
 
@@ -225,15 +226,16 @@ def os3_rates_knnlm(g: float, a: float, b0: float, b1: float = 0.0, rows: int = 
 
 def os3_stride_knnlm(g: float, a: float, b0: float, b1: float = 0.0, rows: int = 1,
                      max_s: int = MAX_SPECULATION_STRIDE, a0: float = None, min_s: int = 1) -> int:
-    """KNN-LM's OS3: argmax over s in min_s..max_s of `os3_rates_knnlm`; s = 0 (plain
-    KNN-LM) only where strictly faster than every s >= 1.
+    """KNN-LM's OS3: argmax over s in min_s..max_s of `os3_rates_knnlm`; with min_s = 0,
+    s = 0 (plain KNN-LM) unless a stride is predicted KNN_SPEC_MARGIN faster (speculation's
+    costs the model leaves out, re-picks and cache upkeep, are a few percent).
     # g 0.9, a 1, b 2 -> 6 (rate: s=1 .333, 3 .542, 5 .5850, 6 .5857, 7 .5797);
     # g 0.9, a 1, b(n) = 1 + n -> 3 (s=1 .333, 2 .380, 3 .387, 4 .382): dearer long rounds;
     # g 0.3, a 1.2, a0 1, b 0.2, min_s 0 -> 0 (s=0 .833, 1 .714, 2 .500): a cheap search
     # and speculations that rarely stand: plain KNN-LM."""
     rates = os3_rates_knnlm(g, a, b0, b1, rows, max_s, a0)
     best = 1 + int(np.argmax(rates[1:]))
-    return 0 if min_s <= 0 and rates[0] > rates[best] else max(best, min_s)
+    return 0 if min_s <= 0 and rates[0] * KNN_SPEC_MARGIN > rates[best] else max(best, min_s)
 
 
 # ----------------------------------------------------------------------------- counters
