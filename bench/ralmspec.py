@@ -335,6 +335,9 @@ def main(argv=None):
     ap.add_argument("--knn-gold", type=int, default=32,
                     help="the gold passages of the first N questions are in it (default 32)")
     ap.add_argument("--knn-stride", default="auto", help="knnlm-spec's speculation_stride (default auto)")
+    ap.add_argument("--knn-cache-next", type=int, default=None,
+                    help="knnlm-spec's knn_cache_next: entries after each neighbour kept in its cache (default: the "
+                         "strategy's)")
     ap.add_argument("--retrieval-latency", type=float, default=0.0, metavar="MS",
                     help="SIMULATION: every full-index call of bm25/dense/hnsw takes MS ms longer (a "
                          "stand-in for a large or remote index; results are labelled; default 0)")
@@ -450,7 +453,9 @@ def main(argv=None):
             kw = dict(datastore=str(path), corpus=str(sub), knn_search=KNN[g])
             groups[g] = {"knnlm": dict(strategy=lj.KNNLM(**kw)),
                          "knnlm-spec": dict(strategy=lj.KNNLM(**kw, speculative=True,
-                                                              speculation_stride=a.knn_stride))}
+                                                              speculation_stride=a.knn_stride,
+                                                              **({} if a.knn_cache_next is None else
+                                                                 dict(knn_cache_next=a.knn_cache_next))))}
     if not a.no_greedy:
         groups["none"] = {"greedy": dict()}
     baseline = {g: ("ralm" if g in RAG else "knnlm" if g in KNN else None) for g in groups}

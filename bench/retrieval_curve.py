@@ -8,9 +8,10 @@ checked against the baseline). Per retriever group of a run, the x value is what
 full-index query cost its baseline (RaLM: retrieval seconds / full-index queries; KNN-LM:
 search seconds / searches), simulated latency included, and y is each speculative method's
 wall-clock speedup over that baseline (`speedup` in the run's JSON). Runs whose outputs
-differed from the baseline are marked. Writes JSON (the points, each with its source file)
+differed from the baseline are marked; each point names the CPU of its run (the inputs
+may come from different hosts: the legend says which). Writes JSON (the points, each with its source file)
 and a PNG (log x) next to it: where speculation pays, and where it cannot (retrieval a
-small share of the time: the ceiling is 1 / (1 - retrieval share)).
+small share of the time: the ceiling, marked x per run, is 1 / (1 - retrieval share)).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def points(path: Path) -> list:
                             baseline_retrieval_share=round(share, 4), ceiling=round(1 / max(1 - share, 1e-9), 3),
                             speedup=m["speedup"], identical=m.get("identical_to_baseline"),
                             simulated_latency_ms=r.get("simulated_retrieval_latency_ms"),
-                            questions=r.get("questions"), source=path.name))
+                            questions=r.get("questions"), source=path.name,
+                            host=(r.get("host") or {}).get("cpu_model")))
     return out
 
 
@@ -72,17 +74,21 @@ def plot(pts: list, path: str) -> None:
     for (group, method), ps in sorted(series.items()):
         ps = sorted(ps, key=lambda p: p["retrieval_ms_per_query"])
         xs = [p["retrieval_ms_per_query"] for p in ps]
-        ax.plot(xs, [p["speedup"] for p in ps], "o-", label=f"{group}: {method}")
+        hosts = sorted({str(p.get("host")) for p in ps})
+        ax.plot(xs, [p["speedup"] for p in ps], "o-", label=f"{group}: {method} ({', '.join(hosts)})")
         for p in ps:
             if not all_identical(p["identical"]):
                 ax.annotate("outputs differ", (p["retrieval_ms_per_query"], p["speedup"]), fontsize=7)
     ceil = sorted({(p["retrieval_ms_per_query"], p["ceiling"]) for p in pts})
-    ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k:", label="ceiling 1 / (1 - retrieval share)")
+    ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "kx", ls="none",  # per run and group: not a curve
+            label="ceiling 1 / (1 - retrieval share)")
     ax.axhline(1.0, color="grey", ls="--", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("one full-index retrieval of the baseline, ms (simulated latency included)")
     ax.set_ylabel("speedup over the baseline (same tokens)")
-    ax.set_title(f"speculative retrieval: speedup vs retrieval cost\n{host_line()}", fontsize=9)
+    hosts = sorted({str(p.get("host")) for p in pts})
+    where = f"measured on {', '.join(hosts)} (2 cores each)" if len(hosts) > 1 else host_line()
+    ax.set_title(f"speculative retrieval: speedup vs retrieval cost\n{where}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
