@@ -28,6 +28,7 @@ from lookahead_jax.core.engine import engine_for
 from lookahead_jax import KNNLM
 from lookahead_jax.knnlm import DatastoreNotBuilt, StaleDatastore, build_datastore, load_datastore
 from lookahead_jax.knnlm import search as S
+from lookahead_jax.strategies import speculation
 from lookahead_jax.strategies.knnlm import KnnSpecRun
 from lookahead_jax.strategies.speculation import os3_stride_knnlm as os3_stride
 from lookahead_jax.models import hidden_states, init_cache, logits_from_hidden
@@ -372,7 +373,7 @@ def test_os3_plain_rounds_keep_tokens_and_measure_g(model, tok, ds, monkeypatch)
     plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), **kw)
     picks = iter([2, 0, 0, 0, 0, 3] * 100)
     monkeypatch.setattr(knn_strategy, "os3_stride_knnlm", lambda *a, **k: next(picks))
-    monkeypatch.setattr(knn_strategy, "KNN_WINDOW", 10 ** 6)  # every outcome stays countable
+    monkeypatch.setattr(speculation, "KNN_WINDOW", 10 ** 6)  # every outcome stays countable
     engine_for(model).stores.knnlm_os3.clear()
     noted = []
     real_plain_step = KnnSpecRun._plain_step

@@ -281,8 +281,9 @@ def test_min_new_tokens_and_logprobs_are_exact_under_speculation(model, greedy):
             out = generate(model, tok, batch, min_new_tokens=min_new, **kw, **strat)
             assert out.token_ids == want.token_ids, (strat["strategy"], min_new)
             assert out.stats["forward_steps"] < want.stats["forward_steps"]  # drafts were accepted
-            for a, b in zip(out.rows, want.rows):
-                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+            for a, b in zip(out.rows, want.rows):  # the same up to the float rounding of the verify
+                # block's shapes against one-token steps (~2e-6 relative seen on an AVX-512 host)
+                np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
     # sampling: the ban and the logprobs are the same under lookahead's verification
     skw = dict(kw, temperature=1.0, seed=5, min_new_tokens=20)
     ref = generate(model, tok, batch, **skw)

@@ -62,9 +62,8 @@ import numpy as np
 
 from ..core.decode import accept, call_compiled, rollback, set_logprob
 from .base import StrategyBase
-from .speculation import (KNN_WINDOW, KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, VERIFY_FIT_CALLS, FinalTextStream,
-                          SpeculationStats, auto_or_int, check_speculation_stride, fit_verify_cost, number_in,
-                          os3_stride_knnlm)
+from .speculation import (KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, FinalTextStream, KnnMeasures, SpeculationStats,
+                          auto_or_int, check_speculation_stride, number_in, os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
@@ -203,23 +202,6 @@ def resolve_index(strat: KNNLM, engine):
 
 
 # ----------------------------------------------------------------------------- runs
-@dataclasses.dataclass
-class KnnMeasures:
-    """What OS3 has measured of speculative KNN-LM with one datastore and settings, kept on
-    the engine (`Stores.knnlm_os3`) so that a call starts from the last call's figures
-    instead of the default stride: the last KNN_WINDOW check outcomes (g), the last
-    VERIFY_FIT_CALLS (queries, seconds) of verifications and real searches (b(n)), and the
-    seconds of speculative steps (a) and of real steps less their searches (a0)."""
-
-    outcomes: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=KNN_WINDOW))
-    verify_log: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=VERIFY_FIT_CALLS))
-    step_s: float = 0.0
-    spec_steps: int = 0
-    plain_s: float = 0.0
-    plain_steps: int = 0
-
-
 @dataclasses.dataclass
 class _Step:
     """One speculative step of a round (device arrays stay on the device)."""
@@ -449,14 +431,7 @@ class KnnSpecRun(KnnRun):
         s = self.strat.speculation_stride
         if s != "auto":
             return int(s)
-        m = self.m
-        if not m.verify_log or not m.spec_steps:
-            return KNNLM_DEFAULT_STRIDE
-        g = (sum(m.outcomes) + 1) / (len(m.outcomes) + 2)
-        b0, b1 = fit_verify_cost(m.verify_log)
-        a = m.step_s / m.spec_steps
-        a0 = m.plain_s / m.plain_steps if m.plain_steps else a
-        return os3_stride_knnlm(g, a, b0, b1, rows, a0=a0, min_s=0)
+        return self.m.stride(rows, os3_stride_knnlm)
 
     # ---- steps
     def _spec_step(self, state, active, cand) -> _Step:

@@ -176,6 +176,35 @@ def fit_verify_cost(calls) -> tuple:
     return float(b0), float(b1)
 
 
+@dataclasses.dataclass
+class KnnMeasures:
+    """What OS3 has measured of speculative KNN-LM with one datastore and settings, kept on
+    the engine (`Stores.knnlm_os3`) so that a call starts from the last call's figures
+    instead of the default stride: the last KNN_WINDOW check outcomes (g), the last
+    VERIFY_FIT_CALLS (queries, seconds) of verifications and real searches (b(n)), and the
+    seconds of speculative steps (a) and of real steps less their searches (a0)."""
+
+    outcomes: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=KNN_WINDOW))
+    verify_log: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=VERIFY_FIT_CALLS))
+    step_s: float = 0.0
+    spec_steps: int = 0
+    plain_s: float = 0.0
+    plain_steps: int = 0
+
+    def stride(self, rows: int, choose=None) -> int:
+        """OS3's s for a round of `rows` active rows (0..MAX_SPECULATION_STRIDE), or the
+        default stride until a speculative step and a verification were measured. `choose`:
+        the rule (os3_stride_knnlm; the strategy passes its module's name for it)."""
+        if not self.verify_log or not self.spec_steps:
+            return KNNLM_DEFAULT_STRIDE
+        g = (sum(self.outcomes) + 1) / (len(self.outcomes) + 2)
+        b0, b1 = fit_verify_cost(self.verify_log)
+        a = self.step_s / self.spec_steps
+        a0 = self.plain_s / self.plain_steps if self.plain_steps else a
+        return (choose or os3_stride_knnlm)(g, a, b0, b1, rows, a0=a0, min_s=0)
+
+
 class AcceptanceWindow:
     """Per row, the outcomes of its last `size` checks: "keep" (the lookup kept the passage
     and was right: the round goes on), "change" (the lookup named another passage: verified
