@@ -332,14 +332,16 @@ class KnnRun:
         accept(state, rows, tok[rows], lp[rows], cache=cache)
 
     def _real_step(self, state, active):
-        """A step with a real search for every active row: returns its true ids [B,k]."""
+        """A step with a real search for every active row: returns (its true ids [B,k], and
+        for a look at what else could have been picked: h, logits, the roots' positions,
+        the tokens picked)."""
         pos = state.lengths.copy()
         h, logits, cache = self._forward(state, active)
         ids = self._search(state, h, need=active)
         self.row_searches += active
         tok, lp = self._choose(state, h, logits, ids, pos)
         self._accept(state, active, tok, lp, cache)
-        return ids
+        return ids, h, logits, pos, tok
 
     # ---- the loop
     def step(self, engine, state, drafter=None, rule=None, budget=None) -> None:
@@ -469,23 +471,17 @@ class KnnSpecRun(KnnRun):
         not) and otherwise unused."""
         from ..knnlm.search import cache_search
 
-        t0 = self._clock()
-        pos = state.lengths.copy()
-        h, logits, cache = self._forward(state, active)
-        s0 = self.search_s
-        true = self._search(state, h, need=active)
+        t0, s0 = self._clock(), self.search_s
+        true, h, logits, pos, tok = self._real_step(state, active)
         searched = self.search_s - s0
-        self.row_searches += active
-        tok, lp = self._choose(state, h, logits, true, pos)
         t1 = self._clock()
-        if shadow:
+        if shadow:  # reads h and logits only (the step donated the cache, not these)
             spec = self._call(state, "knn_cache", cache_search, self.index.keys, h,
                               self.engine.arg(self._candidates()), self.index.norms, self.index.n_valid, k=self.k)
             stok, _ = self._choose(state, h, logits, spec, pos)
             for b in np.flatnonzero(active):
                 self.m.outcomes.append(bool(stok[b] == tok[b]))
         t2 = self._clock()
-        self._accept(state, active, tok, lp, cache)
         for b in np.flatnonzero(active):
             self._insert(b, true[b])
         self.m.verify_log.append((int(active.sum()), searched))
