@@ -37,6 +37,8 @@ methods compared share the drift):
     knnlm        KNN-LM (k=32, lambda=0.25): a real search every token; before and after
                  the other, mean: the baseline
     knnlm-spec   speculative=True (RaLMSpec for KNN-LM), speculation_stride --knn-stride
+    knnlm-spec-ivf   the same with knn_speculate="ivf": an approximate faiss IVF index's
+                 candidates beside the cache (--knn-speculate picks the rows: cache ivf)
   none:
     greedy       plain greedy decoding without retrieval (a reference, one run)
 
@@ -113,7 +115,7 @@ PAPER = {"bm25": "1.31-1.77x", "dense": "1.75-2.39x (exact)", "hnsw": "1.04-1.39
 SUMS = ("time_s", "wall_s", "compile_s", "retrieval_s", "verify_s", "speculation_s", "forward_steps", "new_tokens",
         "full_index_queries", "retrieval_calls", "speculations", "speculation_checks", "speculation_hits",
         "tokens_kept", "rollbacks", "rollback_tokens", "reprefills", "passage_changes", "reprefill_tokens",
-        "reused_tokens", "verify_wait_s", "verify_wait_end_s", "blocking_verify_s")
+        "reused_tokens", "ivf_s", "verify_wait_s", "verify_wait_end_s", "blocking_verify_s")
 ASYNC = ("verify_wait_s", "verify_wait_end_s", "blocking_verify_s")  # +async: the retrieval time not hidden
 
 
@@ -235,6 +237,8 @@ def run(lj, model, tok, x, a, retriever=None, **kw) -> tuple:
                                       "speculation_hits", "rollbacks", "rollback_tokens", "mean_speculation_stride")})
         if "tokens_kept" in k:  # knnlm: checked positions whose token stood
             rec["tokens_kept"] = k["tokens_kept"]
+        if "ivf_s" in k:  # knnlm-spec-ivf: host time in the IVF index (inside the speculative steps)
+            rec["ivf_s"] = k["ivf_s"]
         rec.update({x: k[x] for x in ASYNC if x in k})
     return out, rec
 
@@ -274,6 +278,8 @@ def summarize(recs: list, base: list = None) -> dict:
         m.update({x: round(tot[x], 3) for x in ASYNC if any(x in r for r in recs)})
         if any("tokens_kept" in r for r in recs):
             m["tokens_kept_fraction"] = round(tot["tokens_kept"] / checks, 4) if checks else None
+        if any("ivf_s" in r for r in recs):
+            m["ivf_s"] = round(tot["ivf_s"], 3)
     if base is not None:
         bt = sum(r["time_s"] for r in base)
         br = sum(r.get("retrieval_s", 0) for r in base)
@@ -338,6 +344,11 @@ def main(argv=None):
     ap.add_argument("--knn-cache-next", type=int, default=None,
                     help="knnlm-spec's knn_cache_next: entries after each neighbour kept in its cache (default: the "
                          "strategy's)")
+    ap.add_argument("--knn-speculate", nargs="+", default=["cache", "ivf"], choices=["cache", "ivf"],
+                    help="knnlm-spec rows: cache (RaLMSpec's cache: knnlm-spec) and/or ivf (plus IVF "
+                         "candidates: knnlm-spec-ivf); default both")
+    ap.add_argument("--knn-nprobe", type=int, default=None, help="knnlm-spec-ivf's knn_nprobe (default: the "
+                    "strategy's)")
     ap.add_argument("--retrieval-latency", type=float, default=0.0, metavar="MS",
                     help="SIMULATION: every full-index call of bm25/dense/hnsw takes MS ms longer (a "
                          "stand-in for a large or remote index; results are labelled; default 0)")
@@ -451,11 +462,14 @@ def main(argv=None):
             print(f"note: questions past the first {a.knn_gold} have no gold passage in the KNN-LM datastore")
         for g in knn:
             kw = dict(datastore=str(path), corpus=str(sub), knn_search=KNN[g])
-            groups[g] = {"knnlm": dict(strategy=lj.KNNLM(**kw)),
-                         "knnlm-spec": dict(strategy=lj.KNNLM(**kw, speculative=True,
-                                                              speculation_stride=a.knn_stride,
-                                                              **({} if a.knn_cache_next is None else
-                                                                 dict(knn_cache_next=a.knn_cache_next))))}
+            spec = dict(kw, speculative=True, speculation_stride=a.knn_stride,
+                        **({} if a.knn_cache_next is None else dict(knn_cache_next=a.knn_cache_next)))
+            groups[g] = {"knnlm": dict(strategy=lj.KNNLM(**kw))}
+            if "cache" in a.knn_speculate:
+                groups[g]["knnlm-spec"] = dict(strategy=lj.KNNLM(**spec))
+            if "ivf" in a.knn_speculate:
+                groups[g]["knnlm-spec-ivf"] = dict(strategy=lj.KNNLM(
+                    **spec, knn_speculate="ivf", **({} if a.knn_nprobe is None else dict(knn_nprobe=a.knn_nprobe))))
     if not a.no_greedy:
         groups["none"] = {"greedy": dict()}
     baseline = {g: ("ralm" if g in RAG else "knnlm" if g in KNN else None) for g in groups}

@@ -8,7 +8,8 @@ fallback, the subset and cache searches, faiss flat == exact. The distribution: 
 computed in numpy. Decoding: lambda = 0 gives plain decoding's tokens; speculative ==
 plain KNN-LM token for token and log-probability for log-probability (greedy and sampling,
 batch 6, strides 1/2/5/auto, rows ending mid-batch, min_new_tokens, a cache that predicts
-every neighbour list and one that predicts none, exact and faiss search); the CLI.
+every neighbour list and one that predicts none, exact and faiss search, IVF candidates
+beside the cache); the CLI.
 The corpus: each prompt followed by the model's own continuation (text the decoding meets
 again: speculation succeeds) plus shuffled words of it."""
 
@@ -363,6 +364,50 @@ def test_speculative_prediction_forced(model, tok, ds, monkeypatch):
     assert st["speculation_accuracy"] == 0.0 and st["rollbacks"] > 0
 
 
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.9, seed=3)])
+def test_ivf_speculation_equals_plain(model, tok, ds, monkeypatch, sampling):
+    """knn_speculate="ivf": the IVF index's candidates join the cache's. With caches that
+    hold no real neighbour list (alone: every speculation wrong, as above), the IVF
+    candidates, every list probed, make speculation right; tokens and log-probabilities
+    stay plain KNN-LM's (batch 6, rows ending mid-batch)."""
+    pytest.importorskip("faiss")
+    kw = dict(logprobs=True, stop_token_ids=[116, 158], **sampling)
+    plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), **kw)
+    far = np.full((1, 64), -1, np.int32)
+    far[0, :8] = np.arange(8)
+    monkeypatch.setattr(KnnSpecRun, "_candidates", lambda self: np.tile(far, (len(self.cache), 1)))
+    for s in (1, 3):
+        spec = run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride=s,
+                                     knn_speculate="ivf", knn_nprobe=4096), **kw)
+        assert_same(spec, plain)
+        st = spec.stats["retrieval"]
+        assert st["speculate"] == "ivf" and st["ivf_s"] > 0 and st["speculation_checks"] > 20
+        assert st["speculation_accuracy"] >= 0.9, st
+    assert (ds.path / "ivf.faiss").exists()
+
+
+def test_ivf_index_and_candidates(ds):
+    """The IVF index: about 2 sqrt(n) lists (at most n / 64), saved and read back; its
+    candidates join a cache's without repeating an id, inactive rows get none."""
+    pytest.importorskip("faiss")
+    from lookahead_jax.knnlm.datastore import build_ivf, ivf_lists
+
+    assert ivf_lists(1_000_000) == 2048 and ivf_lists(600) == 9 and ivf_lists(10) == 1
+    index = S.KnnIndex(ds)
+    built = build_ivf(ds)
+    assert built.ntotal == ds.size and built.nlist == ivf_lists(ds.size)
+    assert (ds.path / "ivf.faiss").exists() and build_ivf(ds, save=False).ntotal == ds.size
+    h = np.asarray(ds.keys[[5, 40, 90]], np.float32)
+    base = np.full((3, 16), -1, np.int32)
+    base[0, :4] = [5, 6, 7, 8]
+    cand = index.with_ivf(base, h, np.array([True, False, True]), k=4, nprobe=64)
+    assert cand.shape == (3, 16 + 16) and (cand[:, :16] == base).all()
+    assert (cand[1, 16:] == -1).all() and 5 in cand[0] and 90 in cand[2, 16:]
+    for row in cand:
+        ids = row[row >= 0]
+        assert len(ids) == len(set(ids.tolist()))
+
+
 def test_os3_plain_rounds_keep_tokens_and_measure_g(model, tok, ds, monkeypatch):
     """Where OS3 picks s = 0 (forced here after the first rounds), rows decode by real steps
     between speculative rounds; the tokens are plain KNN-LM's, and the shadow checks of the
@@ -450,6 +495,8 @@ def test_streaming_sends_only_verified_text(model, tok, ds):
 def test_options_are_checked(model, tok, ds):
     for bad, msg in ((dict(knn_k=0), "knn_k"), (dict(knn_lambda=1.5), "knn_lambda"),
                      (dict(knn_temperature=0), "knn_temperature"), (dict(knn_search="ivf"), "knn_search"),
+                     (dict(speculative=True, knn_speculate="all"), "knn_speculate"),
+                     (dict(speculative=True, knn_nprobe=0), "knn_nprobe"),
                      (dict(speculation_stride=0), "speculation_stride"), (dict(datastore=3), "datastore")):
         with pytest.raises(ValueError, match=msg):
             run(model, tok, "knnlm", **bad)

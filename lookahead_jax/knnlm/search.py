@@ -32,6 +32,7 @@ Every search returns the top-k of its candidates under that rule:
   the candidates and the shortlist (verification checks it anyway).
 * faiss (`faiss_candidates`, host): IndexHNSWFlat ("hnsw", approximate) or IndexFlatL2
   ("flat", exact brute force on the host) proposes 2k + 8 ids; `subset_search` ranks them.
+  `ivf_candidates` (an IVF index with 8-bit codes) proposes ids to speculation only.
   A faiss search of one query does not depend on the other queries of the call.
 
 The model step (`forward_fn`) forwards each row's root over the whole cache (attention
@@ -304,11 +305,16 @@ class KnnIndex:
     # ---- faiss (host)
     def faiss_index(self, kind: str):
         if kind not in self._faiss:
-            import faiss
+            try:
+                import faiss
+            except ImportError as e:
+                raise ImportError("knn_search=hnsw|flat and knn_speculate=ivf need faiss: pip install faiss-cpu "
+                                  "(or the project's `retrieval` extra)") from e
+            from .datastore import build_hnsw, build_ivf
 
-            from .datastore import build_hnsw
-
-            if kind == "hnsw":
+            if kind == "ivf":
+                self._faiss[kind] = build_ivf(self.datastore, progress=self.size >= 100_000)
+            elif kind == "hnsw":
                 if not (self.datastore.path / "hnsw.faiss").exists():
                     logging.getLogger("lookahead_jax").warning(
                         "building the faiss HNSW index over %d keys (once: saved in %s; `python -m "
@@ -319,7 +325,7 @@ class KnnIndex:
                 index.add(np.ascontiguousarray(self.datastore.keys, np.float32))
                 self._faiss[kind] = index
             else:
-                raise ValueError(f"unknown faiss index {kind!r}: hnsw or flat")
+                raise ValueError(f"unknown faiss index {kind!r}: hnsw, flat or ivf")
         return self._faiss[kind]
 
     def faiss_candidates(self, h: np.ndarray, kind: str, k: int, ef_search: int = 128) -> np.ndarray:
@@ -332,3 +338,56 @@ class KnnIndex:
         out = np.full((len(h), 2 * k + 8), -1, np.int32)
         out[:, :fetch] = found
         return out
+
+    def ivf_candidates(self, h: np.ndarray, k: int, nprobe: int) -> np.ndarray:
+        """Candidate ids [Q, 2k+8] int32 (-1 = none) for queries h [Q,D] from the IVF index's
+        nprobe nearest lists, by its 8-bit approximate distances (speculation only)."""
+        index = self.faiss_index("ivf")
+        index.nprobe = min(int(nprobe), index.nlist)
+        fetch = min(self.size, 2 * k + 8)
+        _, found = index.search(np.ascontiguousarray(h, np.float32), fetch)
+        out = np.full((len(h), 2 * k + 8), -1, np.int32)
+        out[:, :fetch] = found
+        return out
+
+    def with_ivf(self, base: np.ndarray, h, active, k: int, nprobe: int) -> np.ndarray:
+        """Candidates [B, M + 2k+8]: base [B,M] (ids, -1 = none), then the `ivf_candidates`
+        of the active rows' queries h [B,D] (waits for h) less those already in the row's
+        base, so that a row's candidates stay distinct."""
+        rows = np.flatnonzero(active)
+        extra = np.full((len(base), 2 * k + 8), -1, np.int32)
+        if len(rows):
+            extra[rows] = self.ivf_candidates(np.asarray(h)[rows], k, nprobe)
+            for b in rows:
+                extra[b][np.isin(extra[b], base[b])] = -1
+        return np.concatenate([base, extra], axis=1)
+
+
+def engine_index(engine, datastore, corpus) -> KnnIndex:
+    """The KnnIndex of a datastore (a directory, a `Datastore` or None: the model's default,
+    checked against `corpus` when given), kept by the engine (one: the last used)."""
+    from pathlib import Path
+
+    from .datastore import Datastore, StaleDatastore, mismatch, build_command, load_datastore, model_identity
+
+    if engine.mesh is not None:
+        raise ValueError("strategy 'knnlm' runs on one device for now: drop the mesh")
+    ds = datastore
+    if isinstance(ds, Datastore):
+        from ..retrieval.corpus import load_corpus
+
+        corpus = load_corpus(corpus) if corpus is not None else None
+        why = mismatch(ds.meta, model_identity(engine.model), corpus)
+        if why:
+            cmd = build_command(engine.model, corpus, ds.path)
+            raise StaleDatastore(f"the KNN-LM datastore at {ds.path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
+    else:
+        ds = load_datastore(engine.model, corpus, ds)
+    key = (str(Path(ds.path).resolve()), ds.meta.get("created"), ds.size)
+    hit = engine.stores.knnlm_index
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    engine.stores.knnlm_index = None  # the old index goes before the new one is built
+    index = KnnIndex(ds)
+    engine.stores.knnlm_index = (key, index)
+    return index

@@ -22,7 +22,9 @@ and decodes on from the new token; if it gives the same token, the later positio
 and are checked in turn. Every verified position's true neighbours feed the cache. The
 first token of every row is picked with a real search (the caches start empty); a row that
 ends (EOS, stop, length) with unverified positions is verified at once, and revived if a
-token changes.
+token changes. knn_speculate="ivf" adds to a step's candidates the 2k + 8 that an
+approximate faiss IVF index over the whole datastore proposes (search.py): where the text
+leaves the cached passages, that keeps speculation right (1M entries: 99.7% of tokens kept).
 
 Why the outputs are plain KNN-LM's, token for token. Induction over a row's positions:
 if its tokens up to position p are plain's, its cache slots 0..p-1 hold the K/V plain
@@ -66,6 +68,7 @@ from .speculation import (KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, FinalTextStream, K
                           auto_or_int, check_speculation_stride, number_in, os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
+SPECULATE = ("cache", "ivf")
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
 
 
@@ -86,7 +89,11 @@ class KNNLM(StrategyBase):
         approximate) or "flat" (faiss brute force on the host).
     speculative: RaLMSpec's speculative retrieval: the same tokens, fewer real searches.
     speculation_stride: speculative steps per verification, 1..16 or "auto" (OS3).
-    knn_cache_next: n, the entries after each retrieved neighbour kept in the speculation cache."""
+    knn_cache_next: n, the entries after each retrieved neighbour kept in the speculation cache.
+    knn_speculate: what a speculative step ranks: "cache" (RaLMSpec's: the cache above) or
+        "ivf" (the cache plus 2k + 8 candidates from an approximate faiss IVF index over the
+        whole datastore, built once into it; the same tokens, fewer rollbacks).
+    knn_nprobe: the IVF lists searched per speculative query (knn_speculate="ivf")."""
 
     datastore: object = None
     corpus: object = None
@@ -97,6 +104,8 @@ class KNNLM(StrategyBase):
     speculative: bool = False
     speculation_stride: object = KNNLM_DEFAULT_STRIDE
     knn_cache_next: int = 8
+    knn_speculate: str = "cache"
+    knn_nprobe: int = 32
 
     name = "knnlm"
     supports_penalties = False  # its tokens come from the kNN mixture (`choose`), unpenalized
@@ -104,7 +113,7 @@ class KNNLM(StrategyBase):
     help = ("KNN-LM: the model's next-token distribution mixed with its nearest datastore entries' "
             "(--speculative: the same tokens with speculative, batch-verified searches)")
     cli_names = {}
-    choices = {"knn_search": SEARCHES}
+    choices = {"knn_search": SEARCHES, "knn_speculate": SPECULATE}
     parsers = {"datastore": str, "corpus": str, "speculation_stride": auto_or_int}
     metavars = {"datastore": "DIR", "corpus": "JSONL", "speculative": "true|false",
                 "speculation_stride": "N|auto"}
@@ -118,6 +127,9 @@ class KNNLM(StrategyBase):
         "speculative": "speculative KNN-LM: the same tokens, searches speculated from a cache and "
                        "verified in batches",
         "knn_cache_next": "entries after each retrieved neighbour kept in the speculation cache (default 8)",
+        "knn_speculate": "what speculation ranks: cache (RaLMSpec's cache of the entries after earlier "
+                         "neighbours) or ivf (the cache plus an approximate IVF index's candidates)",
+        "knn_nprobe": "IVF lists searched per speculative query (default 32)",
     }
 
     def __post_init__(self):
@@ -129,7 +141,9 @@ class KNNLM(StrategyBase):
 
     def unused_options(self, greedy: bool) -> dict:
         """{field: why} for fields this configuration does not use (the CLI warns when given)."""
-        return {} if self.speculative else {"speculation_stride": "without --speculative"}
+        if not self.speculative:
+            return {f: "without --speculative" for f in ("speculation_stride", "knn_speculate", "knn_nprobe")}
+        return {} if self.knn_speculate == "ivf" else {"knn_nprobe": "without knn_speculate=ivf"}
 
     def validate(self) -> None:
         from ..retrieval.corpus import Corpus
@@ -149,6 +163,9 @@ class KNNLM(StrategyBase):
             raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
         check_speculation_stride(self.speculation_stride)
         number_in("knn_cache_next", self.knn_cache_next, 1, 1024)
+        if self.knn_speculate not in SPECULATE:
+            raise ValueError(f"knn_speculate must be one of {', '.join(SPECULATE)}, got {self.knn_speculate!r}")
+        number_in("knn_nprobe", self.knn_nprobe, 1, 1 << 16)
 
     # ---- the strategy protocol (generate.py): no drafter, plain verification
     def drafter(self, engine):
@@ -169,36 +186,6 @@ class KNNLM(StrategyBase):
         if engine is None:
             raise ValueError("strategy 'knnlm' needs the engine (generate and Slots pass it)")
         return (KnnSpecRun if self.speculative else KnnRun)(self, tokenizer, n_rows, engine)
-
-
-# ----------------------------------------------------------------------------- datastore
-def resolve_index(strat: KNNLM, engine):
-    """The strategy's datastore on the device (`search.KnnIndex`), kept by the engine (one:
-    the last used)."""
-    from ..knnlm.datastore import Datastore, StaleDatastore, mismatch, build_command, load_datastore, model_identity
-    from ..knnlm.search import KnnIndex
-
-    if engine.mesh is not None:
-        raise ValueError("strategy 'knnlm' runs on one device for now: drop the mesh")
-    ds = strat.datastore
-    if isinstance(ds, Datastore):
-        from ..retrieval.corpus import load_corpus
-
-        corpus = load_corpus(strat.corpus) if strat.corpus is not None else None
-        why = mismatch(ds.meta, model_identity(engine.model), corpus)
-        if why:
-            cmd = build_command(engine.model, corpus, ds.path)
-            raise StaleDatastore(f"the KNN-LM datastore at {ds.path} is stale: {why}. Rebuild it with:\n  {cmd}", cmd)
-    else:
-        ds = load_datastore(engine.model, strat.corpus, ds)
-    key = (str(Path(ds.path).resolve()), ds.meta.get("created"), ds.size)
-    hit = engine.stores.knnlm_index
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    engine.stores.knnlm_index = None  # the old index goes before the new one is built
-    index = KnnIndex(ds)
-    engine.stores.knnlm_index = (key, index)
-    return index
 
 
 # ----------------------------------------------------------------------------- runs
@@ -227,7 +214,9 @@ class KnnRun:
 
     def __init__(self, strat: KNNLM, tokenizer, n_rows: int, engine):
         self.strat, self.tok, self.engine = strat, tokenizer, engine
-        self.index = resolve_index(strat, engine)
+        from ..knnlm.search import engine_index
+
+        self.index = engine_index(engine, strat.datastore, strat.corpus)
         self.k = min(strat.knn_k, self.index.size)
         self.row_searches = np.zeros(int(n_rows), np.int64)  # real-search queries per row
         self.searches = 0  # of the requests that have left
@@ -382,10 +371,14 @@ class KnnSpecRun(KnnRun):
         self._pending = [None] * B  # generated ids before the row's first unverified token
         self._stream = FinalTextStream(tokenizer)
         s = self.strat  # OS3's measurements: kept on the engine across calls
-        key = (engine.stores.knnlm_index[0], self.k, s.knn_lambda, s.knn_temperature, s.knn_cache_next)
+        key = (engine.stores.knnlm_index[0], self.k, s.knn_lambda, s.knn_temperature, s.knn_cache_next,
+               s.knn_speculate, s.knn_nprobe)
         self.m = engine.stores.knnlm_os3.setdefault(key, KnnMeasures())
         self.plain_rounds = 0  # rounds with s = 0 (this call)
         self._plain_hold = 0  # real steps left before OS3 is asked again (s = 0 chosen)
+        self.ivf_s = 0.0  # host time in the IVF index (knn_speculate="ivf")
+        if strat.knn_speculate == "ivf":
+            self.index.faiss_index("ivf")  # built (or read) now, not inside a timed step
 
     def add(self, state, rows, prompt_ids, spans=None) -> list:
         out = super().add(state, rows, prompt_ids, spans)
@@ -428,6 +421,19 @@ class KnnSpecRun(KnnRun):
             out[b, :len(ids)] = ids
         return out
 
+    def _spec_cands(self, h, active, base: np.ndarray, dev=None):
+        """What a speculative pick ranks, on the device: the caches' ids `base` [B,M] (`dev`:
+        already there), with knn_speculate="ivf" followed by the IVF index's 2k + 8
+        candidates for the active rows' hidden states h (this waits for h), those already
+        in the row's cache dropped (the candidates of a row are distinct)."""
+        if self.strat.knn_speculate != "ivf":
+            return self.engine.arg(base) if dev is None else dev
+        h = np.asarray(h)  # waits for the forward: timed as the step's, not the IVF's
+        t0 = time.perf_counter()
+        cand = self.index.with_ivf(base, h, active, self.k, self.strat.knn_nprobe)
+        self.ivf_s += time.perf_counter() - t0
+        return self.engine.arg(cand)
+
     # ---- OS3
     def _stride(self, rows: int) -> int:
         s = self.strat.speculation_stride
@@ -436,7 +442,7 @@ class KnnSpecRun(KnnRun):
         return self.m.stride(rows, os3_stride_knnlm)
 
     # ---- steps
-    def _spec_step(self, state, active, cand) -> _Step:
+    def _spec_step(self, state, active, base, dev) -> _Step:
         """One speculative step of every active row: forward, cache search and pick are
         dispatched back to back and the host waits once, for the tokens (the separate
         jitted calls are kept: one program holding all three rounded the pick's
@@ -448,6 +454,7 @@ class KnnSpecRun(KnnRun):
         pos = state.lengths.copy()
         nids = [len(r.ids) for r in state.rows]
         h, logits, cache = self._forward(state, active, wait=False)
+        cand = self._spec_cands(h, active, base, dev)
         spec = self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
                           self.index.n_valid, k=self.k)
         tok, lp = self._choose(state, h, logits, spec, pos)
@@ -477,7 +484,8 @@ class KnnSpecRun(KnnRun):
         t1 = self._clock()
         if shadow:  # reads h and logits only (the step donated the cache, not these)
             spec = self._call(state, "knn_cache", cache_search, self.index.keys, h,
-                              self.engine.arg(self._candidates()), self.index.norms, self.index.n_valid, k=self.k)
+                              self._spec_cands(h, active, self._candidates()), self.index.norms,
+                              self.index.n_valid, k=self.k)
             stok, _ = self._choose(state, h, logits, spec, pos)
             for b in np.flatnonzero(active):
                 self.m.outcomes.append(bool(stok[b] == tok[b]))
@@ -563,14 +571,15 @@ class KnnSpecRun(KnnRun):
                 state.mark_finished()
                 self._stream.flush(state, self.final_upto)
                 return
-            steps, cand = [], None
+            steps, base, dev = [], None, None
             while len(steps) < s:
                 active = state.active
                 if not active.any():
                     break
-                if cand is None:
-                    cand = self.engine.arg(self._candidates())
-                steps.append(self._spec_step(state, active, cand))
+                if base is None:
+                    base = self._candidates()
+                    dev = None if self.strat.knn_speculate == "ivf" else self.engine.arg(base)
+                steps.append(self._spec_step(state, active, base, dev))
                 if (active & ~state.active).any():  # a row ended: verify it before it is final
                     break
             self.stats.strides.append(s)
@@ -583,5 +592,8 @@ class KnnSpecRun(KnnRun):
 
     def summary(self) -> dict:
         out = super().summary()
-        out["retrieval"].update(self.stats.summary(), tokens_kept=self.kept + int(self.row_kept.sum()))
+        out["retrieval"].update(self.stats.summary(), tokens_kept=self.kept + int(self.row_kept.sum()),
+                                speculate=self.strat.knn_speculate)
+        if self.strat.knn_speculate == "ivf":
+            out["retrieval"].update(ivf_s=round(self.ivf_s, 4), nprobe=self.strat.knn_nprobe)
         return out
