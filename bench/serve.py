@@ -68,8 +68,10 @@ def start_server(args, strategy: str, batch: int, model, tok):
     opts = ()
     if strategy == "lookahead" and args.decoding_length:
         opts = (("decoding_length", args.decoding_length),)
-    elif strategy == "specinfer":
-        opts = (("draft_model", args.draft),)
+    elif strategy.startswith("specinfer"):  # specinfer-auto / specinfer-fixed: that budget
+        budget = strategy.partition("-")[2]
+        opts = (("draft_model", args.draft),) + ((("budget", budget),) if budget else ())
+        strategy = "specinfer"
     cfg = ServeConfig(model=args.model, strategy=strategy, strategy_options=opts, max_batch=batch,
                       max_len=args.max_len, max_waiting=100000, logprobs=False)
     # each run starts cold (its warm-up prompts seed it), not with what the last run wrote: the
@@ -192,7 +194,9 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--strategies", nargs="+", default=["greedy", "lookahead"])
+    ap.add_argument("--strategies", nargs="+", default=["greedy", "lookahead"],
+                    help="greedy lookahead specinfer specinfer-auto specinfer-fixed (SpecInfer's budget: the "
+                         "default, auto or fixed)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16, 32])
     ap.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once")
     ap.add_argument("--requests", type=int, default=32, help="measured requests per level")
@@ -211,7 +215,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = ap.parse_args(argv)
-    if "specinfer" in args.strategies and not args.draft:
+    if any(s.startswith("specinfer") for s in args.strategies) and not args.draft:
         ap.error("--strategies specinfer needs --draft NAME_OR_PATH (same tokenizer as --model), "
                  "e.g. --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b")
 
@@ -228,7 +232,7 @@ def main(argv=None) -> None:
     prompts = repo_prompts()
     random.Random(args.seed).shuffle(prompts)
     warm, measured = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
-    result = dict(model=args.model, draft=args.draft if "specinfer" in args.strategies else None, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
+    result = dict(model=args.model, draft=args.draft if any(s.startswith("specinfer") for s in args.strategies) else None, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
                   repeats=args.repeats, server_warmup=args.server_warmup, decoding_length=args.decoding_length or "auto",
                   host_line=host_line(), runs={st: {} for st in args.strategies}, reps={st: {} for st in args.strategies})
     print(host_line())

@@ -59,7 +59,8 @@ STRATEGIES = {
     "greedy": lambda model: (None, None),
     "lookahead": lambda model: (Lookahead(decoding_length=7), None),
     "sampling": lambda model: (Lookahead(decoding_length=7), SP),
-    "specinfer": lambda model: (SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2)), None),
+    "specinfer": lambda model: (SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2),
+                                                   budget="fixed"), None),
 }
 
 

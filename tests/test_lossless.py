@@ -275,7 +275,8 @@ def test_min_new_tokens_and_logprobs_are_exact_under_speculation(model, greedy):
     np.testing.assert_allclose(m1.logprobs, teacher_forced_logprobs(model, m1.prompt_token_ids, m1.token_ids),
                                rtol=0, atol=2e-4)  # the model's own log-probabilities (no ban)
     fast = [dict(strategy="lookahead", decoding_length=16, references=REFS[:4]),
-            dict(strategy="specinfer", draft_model=model, draft_weights="float32", expansion=(2, 2, 1))]
+            dict(strategy="specinfer", draft_model=model, draft_weights="float32", expansion=(2, 2, 1),
+                 budget="fixed")]
     for strat in fast:
         for min_new, want in ((0, plain), (20, low)):
             out = generate(model, tok, batch, min_new_tokens=min_new, **kw, **strat)

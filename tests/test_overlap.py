@@ -52,7 +52,7 @@ def test_specinfer_overlap_eos_mid_batch_and_stop(model, greedy):
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE)
     ref = generate(model, tok, TEXTS[:4], **kw)
     assert "eos" in [r.finish_reason for r in ref.rows] and len({len(t) for t in ref.token_ids}) > 1
-    for strat in (dict(strategy="specinfer", draft_model=draft), dict(strategy="lookahead")):
+    for strat in (dict(strategy="specinfer", draft_model=draft, budget="fixed"), dict(strategy="lookahead")):
         out = generate(model, tok, TEXTS[:4], overlap=True, **strat, **kw)
         assert out.token_ids == ref.token_ids
         assert [r.finish_reason for r in out.rows] == [r.finish_reason for r in ref.rows]

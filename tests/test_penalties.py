@@ -186,7 +186,7 @@ def test_forced_partial_and_zero_acceptance(model, tok, plain, cut):
 def test_specinfer_greedy_equals_greedy(model, tok, plain):
     for name, pen in (("rep", REP), ("all", ALL)):
         out = generate(model, tok, TEXTS, max_new_tokens=MAX_NEW, max_cache_len=CACHE, strategy="specinfer",
-                         draft_model=model, draft_weights="float32", expansion=(2, 2, 1), **pen)
+                         draft_model=model, draft_weights="float32", expansion=(2, 2, 1), budget="fixed", **pen)
         assert out.token_ids == plain[name], name
         assert drafts_accepted(out)
 
@@ -200,7 +200,7 @@ def test_sampling_equals_plain_sampling(model, tok):
     la = generate(model, tok, TEXTS, strategy="lookahead", decoding_length=16, references=REFS, **kw, **ALL)
     assert la.token_ids == ref and drafts_accepted(la)
     si = generate(model, tok, TEXTS, strategy="specinfer", draft_model=model, draft_weights="float32",
-                    sampler="invariant", expansion=(2, 2, 1), **kw, **ALL)
+                    sampler="invariant", expansion=(2, 2, 1), budget="fixed", **kw, **ALL)
     assert si.token_ids == ref and drafts_accepted(si)
 
 

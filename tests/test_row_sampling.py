@@ -158,12 +158,13 @@ def test_values_never_recompile(model, tok, ids):
 @pytest.mark.slow
 def test_specinfer_mixed_batch_equals_alone(model, tok, ids):
     draft = tiny_model("llama", seed=2)
-    strat = SpecInfer(draft_model=draft, expansion=(1, 1, 2))
+    strat = SpecInfer(draft_model=draft, expansion=(1, 1, 2), budget="fixed")
     slots = Slots(engine_for(model), tok, 2, CACHE, strat, eos_ids=tok.eos_token_ids)
     order = [1, 0, 3, 4]
     got = drive(slots, ids, order, every=3)
     for i in order:
-        assert got[i] == alone(model, tok, i, strategy="specinfer", draft_model=draft, expansion=(1, 1, 2)), \
+        assert got[i] == alone(model, tok, i, strategy="specinfer", draft_model=draft, expansion=(1, 1, 2),
+                                    budget="fixed"), \
             f"prompt {i}: {MIX[i]}"
 
 

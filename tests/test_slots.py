@@ -113,7 +113,7 @@ def test_sampling_inserted_mid_decode_equals_alone(model, tok, ids):
 @pytest.mark.slow
 def test_specinfer_inserted_mid_decode_equals_alone(model, tok, ids):
     draft = tiny_model("llama", seed=2)
-    strat = SpecInfer(draft_model=draft, expansion=(1, 1, 2))
+    strat = SpecInfer(draft_model=draft, expansion=(1, 1, 2), budget="fixed")
     slots = Slots(engine_for(model), tok, 2, CACHE, strat)
     got = drive(slots, ids, [2, 5, 1], strategy=strat)
     for i in (2, 5, 1):

@@ -96,7 +96,7 @@ def test_specinfer_greedy_equals_greedy(model, tok, greedy, drafts, draft, batch
     # run the default bf16 draft weights
     weights = "float32" if draft == "same" else "bfloat16"
     ids, steps = run(model, tok, batch, strategy=SpecInfer(draft_model=drafts[draft], expansion=expansion,
-                                                           draft_weights=weights))
+                                                           draft_weights=weights, budget="fixed"))
     assert ids == greedy
     n_tokens = sum(len(x) for x in ids)
     if draft == "same":  # every draft accepted: the full depth (+ the bonus) per step
@@ -115,7 +115,8 @@ def test_bf16_draft_weights(model, tok, greedy, drafts):
 
     target = engine_for(model)
     before = jax.tree.leaves(drafts["same"].params)
-    ids, steps = run(model, tok, 4, strategy=SpecInfer(draft_model=drafts["same"], expansion=(1, 1, 1, 1)))
+    ids, steps = run(model, tok, 4, strategy=SpecInfer(draft_model=drafts["same"], expansion=(1, 1, 1, 1),
+                                                       budget="fixed"))  # every step drafts
     assert ids == greedy
     assert steps < sum(len(x) for x in ids) / 2.5  # 5 tokens per step when every draft is accepted
     eng = draft_engine(target, drafts["same"], "bfloat16")
@@ -145,7 +146,8 @@ def test_bf16_draft_by_name_is_packed_as_it_loads(model, tok, greedy, drafts, tm
     assert jax.tree.structure(by_name.params) == jax.tree.structure(ref.params)
     for a, b in zip(jax.tree.leaves(by_name.params), jax.tree.leaves(ref.params)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
-    ids, _ = run(model, tok, 4, strategy=SpecInfer(draft_model=str(tmp_path / "d"), expansion=(1, 1, 1, 1)))
+    ids, _ = run(model, tok, 4, strategy=SpecInfer(draft_model=str(tmp_path / "d"), expansion=(1, 1, 1, 1),
+                                                  budget="fixed"))
     assert ids == greedy
 
 
@@ -156,15 +158,74 @@ def test_specinfer_eos_mid_batch_and_stop(model, greedy, drafts):
     ref = generate(model, tok, TEXTS[:4], **kw)
     assert "eos" in [r.finish_reason for r in ref.rows] and len({len(t) for t in ref.token_ids}) > 1
     for d in ("same", "close"):
-        out = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], **kw)
+        out = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], budget="fixed", **kw)
         assert out.token_ids == ref.token_ids
         assert [r.finish_reason for r in out.rows] == [r.finish_reason for r in ref.rows]
     tok = ByteTokenizer()
     stop = tok.decode(greedy[4])[12:14]
     ref = generate(model, tok, TEXTS[4:8], stop=[stop], **kw)
-    out = generate(model, tok, TEXTS[4:8], stop=[stop], strategy="specinfer", draft_model=drafts["close"], **kw)
+    out = generate(model, tok, TEXTS[4:8], stop=[stop], strategy="specinfer", draft_model=drafts["close"],
+                   budget="fixed", **kw)
     assert ref.rows[0].finish_reason == "stop"
     assert out.token_ids == ref.token_ids and out.texts == ref.texts
+
+
+def test_draft_budget_chooses_by_measured_rates():
+    """DraftBudget (budget="auto"): it drafts while a B is unmeasured, decodes plainly once
+    to time v_0, then drafts iff E / (d + v_T) beats 1 / v_0 by the margin; a plain choice
+    holds HOLD steps, the last of which drafts again."""
+    from lookahead_jax.strategies.specinfer import DraftBudget
+
+    b = DraftBudget(4)
+    assert b.choose(2)  # nothing measured
+    b.times.update({(2, "d"): 0.04, (2, "vT"): 0.06})
+    b.gains.append(3.0)
+    assert not b.choose(2)  # v_0 unknown: one plain step times it
+    b.times[2, "v0"] = 0.05  # 3 tokens per 0.10 s against 1 per 0.05 s: drafting pays
+    assert b.choose(2)
+    b.times[2, "v0"] = 0.034  # 3 / 0.10 = 30 tok/s against 29.4 (x 1.03 = 30.3): plain
+    assert not b.choose(2)
+    assert [b.choose(2) for _ in range(DraftBudget.HOLD)] == [False] * (DraftBudget.HOLD - 1) + [True]
+    assert b.choose(4)  # another batch size: measured apart
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "invariant"])
+def test_auto_budget_switching_keeps_tokens(model, tok, greedy, drafts, monkeypatch, sampler):
+    """Steps that draft and steps that do not, alternated in runs of 1-5 (the draft cache
+    then catches up on up to 5 tokens it missed, more than a step's catch-up: its prefill
+    path), give plain decoding's tokens: greedy (batch 4, EOS mid-batch) and the
+    drafter-invariant sampler (plain sampling's tokens for the seed)."""
+    from lookahead_jax.strategies.specinfer import DraftBudget
+
+    pattern = [True, False, True, True, False, False, False, False, False, True, False, False]
+    calls = []
+    monkeypatch.setattr(DraftBudget, "choose", lambda self, B: calls.append(B) or pattern[len(calls) % len(pattern)])
+    kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE)
+    if sampler == "invariant":
+        kw.update(temperature=0.8, top_k=20, seed=7)
+    t = ByteTokenizer()
+    t.eos_token_ids = {greedy[1][10]}
+    ref = generate(model, t, TEXTS[:4], **kw)
+    out = generate(model, t, TEXTS[:4], strategy="specinfer", draft_model=drafts["close"], expansion=(1, 1, 2, 1),
+                   budget="auto", **(dict(sampler="invariant") if sampler == "invariant" else {}), **kw)
+    assert out.token_ids == ref.token_ids
+    assert [r.finish_reason for r in out.rows] == [r.finish_reason for r in ref.rows]
+    st = out.stats["draft_budget"]
+    assert st["drafted_steps"] > 3 and st["plain_steps"] > 3 and len(calls) == st["drafted_steps"] + st["plain_steps"]
+    assert sum(r.forward_steps for r in out.rows) < sum(r.forward_steps for r in ref.rows)  # drafts accepted
+
+
+def test_auto_budget_end_to_end_is_greedy(model, tok, greedy, drafts):
+    """budget="auto", unpatched, with the target as its own draft (a draft step costs ~4
+    plain steps here): greedy's tokens, and the choice is in the stats."""
+    ids, _ = run(model, tok, 4, strategy=SpecInfer(draft_model=drafts["same"], draft_weights="float32",
+                                                   budget="auto"))
+    assert ids == greedy
+    out = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts["same"], max_new_tokens=MAX_NEW,
+                   max_cache_len=CACHE, budget="auto")
+    st = out.stats["draft_budget"]
+    assert st["drafted_steps"] >= 1 and st["drafted_steps"] + st["plain_steps"] == out.stats["forward_steps"] - 1
+    print(st)  # the first forward step is the prefill
 
 
 def test_model_drafter_rollback(model, tok, greedy, drafts):
@@ -193,7 +254,7 @@ def test_draft_model_merged_with_the_trie_equals_greedy(model, tok, greedy, draf
     """A draft model's tree + lookahead's trie nodes, merged: still plain greedy; with a
     useless draft model the trie still drafts (fewer forwards than tokens)."""
     ids, steps = run(model, tok, batch, strategy=SpecInfer(draft_model=drafts[draft], expansion=(1, 1, 2, 1),
-                                                           lookahead_nodes=8))
+                                                           lookahead_nodes=8, budget="fixed"))
     assert ids == greedy
     if draft == "random":
         assert steps < sum(len(x) for x in ids) * 0.95
@@ -207,7 +268,8 @@ def test_invariant_sampling_equals_plain_sampling(model, tok, drafts, temperatur
               max_cache_len=CACHE)
     ref = generate(model, tok, TEXTS[:4], **kw).token_ids
     for d in ("same", "random"):
-        out = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], sampler="invariant", **kw)
+        out = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts[d], sampler="invariant",
+                       budget="fixed", **kw)  # every step drafts
         ids, steps = out.token_ids, sum(r.forward_steps for r in out.rows)
         assert ids == ref
         if d == "same":  # the target's own noise: its first child is the target's sample
@@ -389,7 +451,7 @@ def test_specinfer_sampling_distribution_end_to_end(small, temperature, top_k, t
     accepted = []
     for first in range(0, n, rows):
         out = generate(target, tok, [prompt] * rows, max_new_tokens=2, strategy="specinfer",
-                         draft_model=draft, expansion=(2, 2), temperature=temperature, top_k=top_k,
+                         draft_model=draft, expansion=(2, 2), budget="fixed", temperature=temperature, top_k=top_k,
                          top_p=top_p, seed=11, first_index=first, ignore_eos=True, max_cache_len=16)
         ids = np.array(out.token_ids)
         counts += np.bincount(ids[:, 0] * SMALL_V + ids[:, 1], minlength=SMALL_V ** 2)

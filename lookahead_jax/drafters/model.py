@@ -228,6 +228,7 @@ class ModelDrafter:
         self.cache = None
         self.draft_s = 0.0  # host wall time inside propose (the draft's forwards included)
         self.steps = 0
+        self._proposed = False  # this step verifies a tree of ours (`update` commits its path)
         self.compile_s = 0.0  # the draft's compilations in this request
 
     # ------------------------------------------------------------------ protocol
@@ -285,9 +286,13 @@ class ModelDrafter:
                        for b, live in enumerate(active))
         self.draft_s += time.perf_counter() - t0 - (e.compiled.compile_s - c0)
         self.steps += 1
+        self._proposed = True
         return DraftBatch(drafts, probs=q if self.mode == "mss" else None)
 
     def update(self, state, step) -> None:
+        if not self._proposed:  # a step without this drafter's tree (the budget's
+            return  # choice): the commit pending from the last tree stays, the next propose catches up
+        self._proposed = False
         D = len(self.expansion)
         for b in range(state.batch):
             n_acc = int(step.n_emit[b]) - 1
@@ -334,11 +339,19 @@ class ModelDrafter:
         n_new = np.maximum(np.asarray(upto, np.int64) - self.dlen, 0).astype(np.int32)
         if not n_new.any():
             return
-        P = prompt_bucket(int(n_new.max()), S)
-        block = np.zeros((B, P), np.int32)
-        for b in np.flatnonzero(n_new):
-            block[b, :n_new[b]] = state.context(b)[int(self.dlen[b]):int(upto[b])]
-        window = P if not self.dlen.any() else window_for(int((self.dlen + n_new).max()), S)
-        _, self.cache = self.engine.extend(self.cache, block, n_new, self.seeds, self.rowids,
-                                           sampling=SamplingParams(), window=window)
+        rows = np.flatnonzero(n_new)  # only these rows are forwarded (a new request: its own row)
+        whole = len(rows) == B
+        n = n_new if whole else n_new[rows]
+        P = prompt_bucket(int(n.max()), S)
+        block = np.zeros((len(n), P), np.int32)
+        for i, b in enumerate(range(B) if whole else rows):
+            block[i, :n[i]] = state.context(b)[int(self.dlen[b]):int(upto[b])]
+        start = self.dlen if whole else self.dlen[rows]
+        window = P if not start.any() else window_for(int((self.dlen + n_new)[rows].max()), S)
+        if whole:
+            seeds, rowids, kw = self.seeds, self.rowids, {}
+        else:
+            seeds, rowids, kw = np.asarray(self.seeds)[rows], np.asarray(self.rowids)[rows], {"sel": rows}
+        _, self.cache = self.engine.extend(self.cache, block, n, seeds, rowids, sampling=SamplingParams(),
+                                           window=window, **kw)
         self.base = self.base + n_new

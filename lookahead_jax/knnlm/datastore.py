@@ -22,8 +22,8 @@ Layout of a datastore directory:
     hnsw.faiss   optional faiss IndexHNSWFlat (L2) over the keys (`build --hnsw`, or made
                  at first use of knn_search="hnsw")
     ivf.faiss    optional faiss IVF index with int8 codes (L2) over the keys, made at first
-                 use of knn_speculate="ivf" (speculation's candidates only: ~20 s, N x D bytes
-                 at 1M entries)
+                 use of knn_speculate="ivf" (speculation's candidates only: 13 s and N x D
+                 bytes at 1M entries)
 
 Default location: `<LOOKAHEAD_JAX_CACHE or ~/.cache/lookahead_jax>/knnlm/<model>-<fp12>/
 <corpus sha16>/`, one datastore per (model, corpus); `--out DIR` / `path=` put it anywhere.
