@@ -446,7 +446,10 @@ def test_os3_measures_carry_across_calls(model, tok, ds, monkeypatch):
     engine_for(model).stores.knnlm_os3.clear()
     consulted = []
     real = knn_strategy.os3_stride_knnlm
-    monkeypatch.setattr(knn_strategy, "os3_stride_knnlm", lambda *a, **k: consulted.append(1) or real(*a, **k))
+    # s >= 1: a plain (s = 0) choice holds 16 rounds without asking OS3, and whether OS3 picks
+    # it on this tiny store depends on the host's timing (s = 0 has its own test above)
+    monkeypatch.setattr(knn_strategy, "os3_stride_knnlm",
+                        lambda *a, **k: consulted.append(1) or max(1, real(*a, **k)))
 
     def rounds(out):  # rounds that were not a request's first token
         return out.stats["retrieval"]["plain_rounds"] + out.stats["retrieval"]["verify_calls"]

@@ -535,28 +535,39 @@ HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 128
 
 
-def build_hnsw(ds: Datastore, progress: bool = False, save: bool = True):
-    """The faiss IndexHNSWFlat (L2, M=32, efConstruction=128) over the keys, read from
-    `hnsw.faiss` when there (and matching), else built (and saved into the datastore)."""
+def _faiss_index(ds: Datastore, name: str, make, step: int, progress: bool, save: bool):
+    """The faiss index `name` over the keys: read from the datastore when there (and of the
+    same size and dimension), else `make()` (an empty index, trained if it needs it) filled
+    in chunks of `step` keys, with a progress bar, and saved atomically into the datastore."""
     import faiss
     from tqdm.auto import tqdm
 
-    f = ds.path / "hnsw.faiss"
+    f = ds.path / name
     if f.exists():
         index = faiss.read_index(str(f))
         if index.ntotal == ds.size and index.d == ds.dim:
             return index
-    index = faiss.IndexHNSWFlat(ds.dim, HNSW_M)
-    index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
-    step = 8192
-    for s in tqdm(range(0, ds.size, step), desc="faiss hnsw", unit="chunk", disable=not progress):
+    index = make()
+    for s in tqdm(range(0, ds.size, step), desc=f"faiss {f.stem}", unit="chunk", disable=not progress):
         index.add(np.ascontiguousarray(ds.keys[s:s + step], np.float32))
     if save:
-        tmp = f.with_name(f".hnsw.faiss.tmp-{os.getpid()}")
+        tmp = f.with_name(f".{name}.tmp-{os.getpid()}")
         faiss.write_index(index, str(tmp))
         os.replace(tmp, f)
     return index
 
+
+def build_hnsw(ds: Datastore, progress: bool = False, save: bool = True):
+    """The faiss IndexHNSWFlat (L2, M=32, efConstruction=128) over the keys, read from
+    `hnsw.faiss` when there (and matching), else built (and saved into the datastore)."""
+    import faiss
+
+    def make():
+        index = faiss.IndexHNSWFlat(ds.dim, HNSW_M)
+        index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+        return index
+
+    return _faiss_index(ds, "hnsw.faiss", make, 8192, progress, save)
 
 def ivf_lists(n: int) -> int:
     """Inverted lists of the IVF index over n keys: about 2 sqrt(n) (a power of two: 2,048
@@ -571,23 +582,14 @@ def build_ivf(ds: Datastore, progress: bool = False, save: bool = True):
     list, a fixed sample) and saved into the datastore. It proposes candidates for
     speculation only: its approximate distances never decide a token."""
     import faiss
-    from tqdm.auto import tqdm
 
-    f = ds.path / "ivf.faiss"
-    if f.exists():
-        index = faiss.read_index(str(f))
-        if index.ntotal == ds.size and index.d == ds.dim:
-            return index
-    nlist = ivf_lists(ds.size)
-    train = np.sort(np.random.default_rng(0).choice(ds.size, min(ds.size, 64 * nlist), replace=False))
-    index = faiss.IndexIVFScalarQuantizer(faiss.IndexFlatL2(ds.dim), ds.dim, nlist,
-                                          faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_L2)
-    index.train(np.asarray(ds.keys[train], np.float32))
-    step = 65536
-    for s in tqdm(range(0, ds.size, step), desc="faiss ivf", unit="chunk", disable=not progress):
-        index.add(np.ascontiguousarray(ds.keys[s:s + step], np.float32))
-    if save:
-        tmp = f.with_name(f".ivf.faiss.tmp-{os.getpid()}")
-        faiss.write_index(index, str(tmp))
-        os.replace(tmp, f)
-    return index
+    def make():
+        nlist = ivf_lists(ds.size)
+        train = np.sort(np.random.default_rng(0).choice(ds.size, min(ds.size, 64 * nlist), replace=False))
+        index = faiss.IndexIVFScalarQuantizer(faiss.IndexFlatL2(ds.dim), ds.dim, nlist,
+                                              faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_L2)
+        index.train(np.asarray(ds.keys[train], np.float32))
+        return index
+
+    return _faiss_index(ds, "ivf.faiss", make, 65536, progress, save)
+
