@@ -174,8 +174,10 @@ class DraftBudget:
     plain decoding holds HOLD steps, then one drafted step measures E again. Switching
     back costs the draft a catch-up forward of the tokens it missed: that step's d is
     not a sample (it would price every drafted step at the switch's cost).
-    Only which steps draft changes, never what a step accepts: the tokens are plain
-    decoding's (greedy), the distribution the target's (sampling)."""
+    A step's gain is read at the next step's `propose_nodes` (the state then holds what it
+    accepted, also when decode.step defers `score` under overlap), over the rows that still
+    hold the same request. Only which steps draft changes, never what a step accepts: the
+    tokens are plain decoding's (greedy), the distribution the target's (sampling)."""
 
     MARGIN, HOLD, ALPHA = 0.03, 16, 0.3
     calibrate_s = 0.0
@@ -187,7 +189,7 @@ class DraftBudget:
         self.gains = collections.deque(maxlen=64)  # tokens per row of the drafted steps
         self.hold = 0
         self.drafted = self.plain = 0
-        self._step = None  # (B, drafted, {row: tokens before}, t0, compile_s0)
+        self._step = None  # (B, drafted, {row: (its Row, tokens before)}, t0, compile_s0)
         self._last_drafted = True
 
     def _avg(self, key, x: float) -> None:
@@ -210,10 +212,25 @@ class DraftBudget:
         self.hold = self.HOLD
         return False
 
+    def _close(self, state) -> None:
+        """The last step's gain per row, now that the state holds what it accepted."""
+        if self._step is None:
+            return
+        _, draft, before, _, _ = self._step
+        self._step, self._last_drafted = None, draft
+        gained = [len(state.rows[b].ids) - n for b, (row, n) in before.items() if state.rows[b] is row]
+        if draft and gained:
+            self.gains.append(sum(gained) / len(gained))
+
     def propose_nodes(self, state) -> int:
+        self._close(state)
         active = np.flatnonzero(state.active)
         draft = self.choose(len(active))
-        self._step = (len(active), draft, {int(b): len(state.rows[b].ids) for b in active},
+        if draft:
+            self.drafted += 1
+        else:
+            self.plain += 1
+        self._step = (len(active), draft, {int(b): (state.rows[b], len(state.rows[b].ids)) for b in active},
                       time.perf_counter(), state.compile_s)
         return self.max_nodes if draft else 0
 
@@ -229,15 +246,7 @@ class DraftBudget:
             self._avg((self._step[0], "vT" if T else "v0"), seconds)
 
     def score(self, state) -> None:
-        if self._step is None:
-            return
-        B, draft, before, _, _ = self._step
-        self._step, self._last_drafted = None, draft
-        if draft:
-            self.drafted += 1
-            self.gains.append(sum(len(state.rows[b].ids) - n for b, n in before.items()) / max(len(before), 1))
-        else:
-            self.plain += 1
+        pass  # read at the next propose_nodes (`_close`)
 
     def summary(self) -> dict:
         return {"draft_budget": dict(drafted_steps=self.drafted, plain_steps=self.plain,
