@@ -32,7 +32,7 @@ Every search returns the top-k of its candidates under that rule:
   the candidates and the shortlist (verification checks it anyway).
 * faiss (`faiss_candidates`, host): IndexHNSWFlat ("hnsw", approximate) or IndexFlatL2
   ("flat", exact brute force on the host) proposes 2k + 8 ids; `subset_search` ranks them.
-  `ivf_candidates` (an IVF index with 8-bit codes) proposes ids to speculation only.
+  "ivf" (an IVF index with 8-bit codes) proposes ids to speculation only.
   A faiss search of one query does not depend on the other queries of the call.
 
 The model step (`forward_fn`) forwards each row's root over the whole cache (attention
@@ -328,36 +328,29 @@ class KnnIndex:
                 raise ValueError(f"unknown faiss index {kind!r}: hnsw, flat or ivf")
         return self._faiss[kind]
 
-    def faiss_candidates(self, h: np.ndarray, kind: str, k: int, ef_search: int = 128) -> np.ndarray:
-        """Candidate ids [Q, 2k+8] int32 (-1 = none) from faiss for queries h [Q,D]."""
+    def faiss_candidates(self, h: np.ndarray, kind: str, k: int, ef_search: int = 128, nprobe: int = 32) -> np.ndarray:
+        """Candidate ids [Q, 2k+8] int32 (-1 = none) from faiss for queries h [Q,D]: kind
+        "hnsw" (efSearch >= ef_search), "flat", or "ivf" (the nprobe nearest lists, by the
+        index's 8-bit approximate distances: speculation only)."""
         index = self.faiss_index(kind)
         fetch = min(self.size, 2 * k + 8)
         if kind == "hnsw":
             index.hnsw.efSearch = max(ef_search, fetch)
-        _, found = index.search(np.ascontiguousarray(h, np.float32), fetch)
-        out = np.full((len(h), 2 * k + 8), -1, np.int32)
-        out[:, :fetch] = found
-        return out
-
-    def ivf_candidates(self, h: np.ndarray, k: int, nprobe: int) -> np.ndarray:
-        """Candidate ids [Q, 2k+8] int32 (-1 = none) for queries h [Q,D] from the IVF index's
-        nprobe nearest lists, by its 8-bit approximate distances (speculation only)."""
-        index = self.faiss_index("ivf")
-        index.nprobe = min(int(nprobe), index.nlist)
-        fetch = min(self.size, 2 * k + 8)
+        elif kind == "ivf":
+            index.nprobe = min(int(nprobe), index.nlist)
         _, found = index.search(np.ascontiguousarray(h, np.float32), fetch)
         out = np.full((len(h), 2 * k + 8), -1, np.int32)
         out[:, :fetch] = found
         return out
 
     def with_ivf(self, base: np.ndarray, h, active, k: int, nprobe: int) -> np.ndarray:
-        """Candidates [B, M + 2k+8]: base [B,M] (ids, -1 = none), then the `ivf_candidates`
-        of the active rows' queries h [B,D] (waits for h) less those already in the row's
-        base, so that a row's candidates stay distinct."""
+        """Candidates [B, M + 2k+8]: base [B,M] (ids, -1 = none), then the IVF index's
+        `faiss_candidates` of the active rows' queries h [B,D] (a host array) less those
+        already in the row's base, so that a row's candidates stay distinct."""
         rows = np.flatnonzero(active)
         extra = np.full((len(base), 2 * k + 8), -1, np.int32)
         if len(rows):
-            extra[rows] = self.ivf_candidates(np.asarray(h)[rows], k, nprobe)
+            extra[rows] = self.faiss_candidates(h[rows], "ivf", k, nprobe=nprobe)
             for b in rows:
                 extra[b][np.isin(extra[b], base[b])] = -1
         return np.concatenate([base, extra], axis=1)
