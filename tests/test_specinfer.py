@@ -171,22 +171,62 @@ def test_specinfer_eos_mid_batch_and_stop(model, greedy, drafts):
 
 
 def test_draft_budget_chooses_by_measured_rates():
-    """DraftBudget (budget="auto"): it drafts while a B is unmeasured, decodes plainly once
-    to time v_0, then drafts iff E / (d + v_T) beats 1 / v_0 by the margin; a plain choice
-    holds HOLD steps, the last of which drafts again."""
+    """DraftBudget (budget="auto"): it drafts until the draft's cost and the gain are
+    measured, then drafts iff 1 + a > (1 + margin)(rho + delta) in plain steps of the
+    batch; a plain choice holds HOLD steps, the last of which drafts again, and the hold
+    doubles (up to MAX_HOLD) while the probes keep choosing plain; a drafted choice resets
+    it. delta is measured as d x rho / v_T on drafted steps that are not a switch's
+    catch-up; rho blends the prior with the observed t(T) / t(0)."""
+    from lookahead_jax.core.budget import forward_cost
     from lookahead_jax.strategies.specinfer import DraftBudget
 
-    b = DraftBudget(4)
-    assert b.choose(2)  # nothing measured
-    b.times.update({(2, "d"): 0.04, (2, "vT"): 0.06})
-    b.gains.append(3.0)
-    assert not b.choose(2)  # v_0 unknown: one plain step times it
-    b.times[2, "v0"] = 0.05  # 3 tokens per 0.10 s against 1 per 0.05 s: drafting pays
-    assert b.choose(2)
-    b.times[2, "v0"] = 0.034  # 3 / 0.10 = 30 tok/s against 29.4 (x 1.03 = 30.3): plain
-    assert not b.choose(2)
-    assert [b.choose(2) for _ in range(DraftBudget.HOLD)] == [False] * (DraftBudget.HOLD - 1) + [True]
-    assert b.choose(4)  # another batch size: measured apart
+    b = DraftBudget(4, prior=2.0)
+    assert b.T == 4 and b.rho() == 2.0
+    assert b.choose()  # nothing measured
+    b.delta = 1.0
+    assert b.choose()  # no gain measured yet
+    b.gains.append(2.2)  # 3.2 tokens per step against 1.03 x 3.0 = 3.09: drafting pays
+    assert b.choose()
+    b.gains[0] = 2.05  # 3.05 < 3.09: plain, held
+    assert not b.choose()
+    H = DraftBudget.HOLD
+    assert [b.choose() for _ in range(H)] == [False] * (H - 1) + [True]  # the probe
+    assert not b.choose() and b.hold == 2 * H  # the probe still says plain: twice as long
+    for _ in range(2 * H):
+        b.choose()
+    b.gains[0] = 3.0
+    assert b.choose() and b.next_hold == H  # drafting pays again: the hold starts over
+    # delta from a drafted step: the draft took d = 0.05 s, the verify v_T = 0.1 s at rho 2
+    b2 = DraftBudget(4, prior=2.0)
+    b2._draft_s = 0.05
+    b2.record(4, 64, 0.1)
+    assert b2.delta == pytest.approx(1.0)
+    b2.record(4, 64, 0.1)  # no draft time (a switch's catch-up): not a sample
+    assert b2.delta == pytest.approx(1.0)
+    # observed ratios (a plain step's time at the window, then the tree's) move rho
+    for _ in range(12):
+        b2.record(0, 64, 0.05)
+        b2.record(4, 64, 0.05 * 3.0)
+    assert 2.0 < b2.rho() < 3.0
+    assert DraftBudget(4).prior == pytest.approx(forward_cost("cpu", 5))
+
+
+def test_draft_budget_prior_grows_with_the_batch(model, tok, drafts):
+    """SpecInfer(budget="auto").setup prices the tree for the whole batch: the verify block
+    of B x (1 + T) rows against B rows, so a fuller batch pays more for the same tree."""
+    from lookahead_jax.strategies.specinfer import DraftBudget
+
+    engine = engine_for(model)
+    strat = SpecInfer(draft_model=drafts["close"], budget="auto")
+    drafter = strat.drafter(engine)
+    priors = []
+    for B in (1, 8):
+        st = D.prefill(engine, encode_prompts(tok, (TEXTS * 2)[:B], chat=False), tok, max_len=CACHE,
+                       max_new_tokens=4)
+        _, _, budget = strat.setup(engine, st, drafter)
+        assert isinstance(budget, DraftBudget)
+        priors.append(budget.prior)
+    assert 1 < priors[0] < priors[1]
 
 
 @pytest.mark.parametrize("sampler", ["greedy", "invariant"])
@@ -199,7 +239,7 @@ def test_auto_budget_switching_keeps_tokens(model, tok, greedy, drafts, monkeypa
 
     pattern = [True, False, True, True, False, False, False, False, False, True, False, False]
     calls = []
-    monkeypatch.setattr(DraftBudget, "choose", lambda self, B: calls.append(B) or pattern[len(calls) % len(pattern)])
+    monkeypatch.setattr(DraftBudget, "choose", lambda self: calls.append(1) or pattern[len(calls) % len(pattern)])
     kw = dict(max_new_tokens=MAX_NEW, max_cache_len=CACHE)
     if sampler == "invariant":
         kw.update(temperature=0.8, top_k=20, seed=7)

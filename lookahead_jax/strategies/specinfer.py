@@ -13,7 +13,7 @@ import numpy as np
 
 from ..core import tree as tree_lib
 from ..core.acceptance import SpecSampling, TokenMatch
-from ..core.budget import FixedBudget
+from ..core.budget import FixedBudget, StepTimes, forward_cost
 from ..core.tree import buckets_up_to
 from ..drafters.model import SAMPLERS
 from .base import StrategyBase
@@ -54,10 +54,11 @@ class SpecInfer(StrategyBase):
         draft exactly as loaded. Where the CPU kernels do not run (GPU/TPU, a mesh) the
         draft runs as loaded: load it in bf16 there.
     budget: "fixed" (default): every step drafts the tree; "auto": a step drafts only where
-        drafting is measured faster than plain decoding at the step's number of active rows
-        (`DraftBudget`). Measured through the server (Qwen2.5-Coder 0.5B -> 1.5B, 4
-        concurrent requests, 2-core CPU): fixed 1.01x greedy, auto 0.82x (its switches
-        cost catch-up forwards and exploration), so auto is opt-in."""
+        the tokens a drafted step gains pay for its cost in plain steps of this batch
+        (`DraftBudget`: the verify block's prior cost for B rows, the draft's measured cost,
+        the measured gain). Qwen2.5-Coder 0.5B -> 1.5B, `generate`, 2-core CPU, 32 tokens:
+        at batch 1 it drafted every step (fixed 2.0x greedy); at batch 8, where fixed ran
+        0.85x greedy, it decoded plainly after 3 drafted steps."""
 
     draft_model: object = None
     expansion: tuple = (1, 1, 1, 1)
@@ -82,8 +83,8 @@ class SpecInfer(StrategyBase):
                    "with the same --seed)",
         "draft_weights": "storage of the draft's weights on CPU: bfloat16 (default; half the bytes per draft "
                          "forward, f32 arithmetic, same output) or float32",
-        "budget": "fixed (default): every step drafts; auto: a step drafts only where that is measured "
-                  "faster than plain decoding at the step's batch (DraftBudget; measured slower so far)",
+        "budget": "fixed (default): every step drafts; auto: a step drafts only where its measured gain "
+                  "pays for the draft and the tree at this batch size (plain decoding in full batches)",
     }
 
     def __post_init__(self):
@@ -158,100 +159,119 @@ class SpecInfer(StrategyBase):
         # requests may join greedy ones on Slots
         mss = self.sampler == "mss" and not self.lookahead_nodes
         rule = SpecSampling(state.sampling) if mss else TokenMatch(state.sampling)
-        budget = DraftBudget(drafter.max_nodes) if self.budget == "auto" else FixedBudget(drafter.max_nodes)
-        return drafter, rule, budget
+        if self.budget != "auto":
+            return drafter, rule, FixedBudget(drafter.max_nodes)
+        B, S = state.batch, state.max_len
+        T = tree_lib.bucket_for(drafter.max_nodes, buckets_up_to(drafter.max_nodes))
+        prior = forward_cost(engine.platform, B * (1 + T)) / forward_cost(engine.platform, B)
+        times = engine.step_times.setdefault((rule, B, S), StepTimes())
+        return drafter, rule, DraftBudget(drafter.max_nodes, prior, times)
 
 
 class DraftBudget:
     """SpecInfer's budget under `budget="auto"` (opt-in): each step drafts the whole tree
-    or nothing, whichever gives more tokens per second at the step's number of active rows
-    B. With E the mean tokens a row gains per drafted step (over the last 64 such steps),
-    d(B) the draft model's time for a step, v_T(B) the target's verify time with the tree
-    and v_0(B) without: draft iff E / (d + v_T) > (1 + MARGIN) / v_0 (the draft and the
-    tree are paid for every row, so on a CPU, where a batch of B rows verifying trees is
-    compute-bound, plain decoding wins as B grows). Times are moving averages per B;
-    a B not yet seen drafts once and decodes plainly once to measure both; a choice of
-    plain decoding holds HOLD steps, then one drafted step measures E again. Switching
-    back costs the draft a catch-up forward of the tokens it missed: that step's d is
-    not a sample (it would price every drafted step at the switch's cost).
+    (T nodes) or nothing, whichever is predicted to give more tokens per second. Every
+    step computes all B rows of the batch, busy or not, so its cost does not depend on how
+    many rows are active; in units of a plain step at this batch:
+    - rho = t(T) / t(0), the target's verify block with the tree: the platform's prior for
+      B x (1 + T) rows against B rows (`budget.forward_cost`), blended with the ratios
+      observed on real steps (`budget.StepTimes`, shared per engine and batch shape);
+    - delta = d / t(0), the draft model's step: measured on drafted steps as d x rho / v_T
+      (d and v_T from the same step, so the host's drift cancels), a moving average;
+    - a: the mean tokens a row gains per drafted step beyond the one plain decoding gives
+      (the last 64 drafted steps, rows that kept their request).
+    Draft iff 1 + a > (1 + MARGIN)(rho + delta): at 1 slot on a CPU a chain of 4 costs
+    ~1.2 plain steps of the target, at 8 slots ~3 (a fuller block is compute-bound), so a
+    server with many slots stops drafting unless its drafts are long. Until delta and a
+    are measured it drafts. A plain choice holds HOLD steps, then one drafted step measures
+    a again (only a can change: the costs are the batch's); while probes keep choosing
+    plain the hold doubles, up to MAX_HOLD. A probe after plain steps pays the draft's
+    catch-up forward of the tokens it missed, which is not a sample of delta.
     A step's gain is read at the next step's `propose_nodes` (the state then holds what it
-    accepted, also when decode.step defers `score` under overlap), over the rows that still
-    hold the same request. Only which steps draft changes, never what a step accepts: the
-    tokens are plain decoding's (greedy), the distribution the target's (sampling)."""
+    accepted, also when decode.step defers `score` under overlap). Only which steps draft
+    changes, never what a step accepts: the tokens are plain decoding's (greedy), the
+    distribution the target's (sampling)."""
 
-    MARGIN, HOLD, ALPHA = 0.03, 16, 0.3
+    MARGIN, HOLD, MAX_HOLD, ALPHA, COST_PRIOR = 0.03, 16, 64, 0.3, 4.0
     calibrate_s = 0.0
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, prior: float = None, times: StepTimes = None):
         self.buckets = buckets_up_to(limit)
         self.max_nodes = limit
-        self.times = {}  # (B, "d" | "v0" | "vT") -> moving average seconds
-        self.gains = collections.deque(maxlen=64)  # tokens per row of the drafted steps
-        self.hold = 0
+        self.T = tree_lib.bucket_for(limit, self.buckets)
+        self.prior = forward_cost("cpu", 1 + self.T) if prior is None else prior  # rho before observations
+        self.times = times if times is not None else StepTimes()
+        self.delta = None  # moving average of the draft's step / a plain step
+        self.gains = collections.deque(maxlen=64)  # extra tokens per row of the drafted steps
+        self.hold, self.next_hold = 0, self.HOLD
         self.drafted = self.plain = 0
-        self._step = None  # (B, drafted, {row: (its Row, tokens before)}, t0, compile_s0)
+        self._step = None  # (drafted, {row: (its Row, tokens before)}, t0, compile_s0)
+        self._draft_s = None  # the draft's seconds in this step (None: not a sample)
         self._last_drafted = True
 
-    def _avg(self, key, x: float) -> None:
-        old = self.times.get(key)
-        self.times[key] = x if old is None else old + self.ALPHA * (x - old)
+    def rho(self) -> float:
+        obs, n = self.times.ratio(self.T)
+        return self.prior if not n else (n * obs + self.COST_PRIOR * self.prior) / (n + self.COST_PRIOR)
 
-    def choose(self, B: int) -> bool:
-        """Draft this step (at B active rows)?"""
-        t = self.times
-        if (B, "d") not in t or (B, "vT") not in t or not self.gains:
+    def choose(self) -> bool:
+        """Draft this step?"""
+        if self.delta is None or not self.gains:
             return True
-        if (B, "v0") not in t:
-            return False
         if self.hold:
             self.hold -= 1
             return self.hold == 0  # the last held step measures the drafts again
-        E = sum(self.gains) / len(self.gains)
-        if E * t[B, "v0"] > (1 + self.MARGIN) * (t[B, "d"] + t[B, "vT"]):
+        a = sum(self.gains) / len(self.gains)
+        if 1 + a > (1 + self.MARGIN) * (self.rho() + self.delta):
+            self.next_hold = self.HOLD
             return True
-        self.hold = self.HOLD
+        self.hold, self.next_hold = self.next_hold, min(2 * self.next_hold, self.MAX_HOLD)
         return False
 
     def _close(self, state) -> None:
         """The last step's gain per row, now that the state holds what it accepted."""
         if self._step is None:
             return
-        _, draft, before, _, _ = self._step
+        draft, before, _, _ = self._step
         self._step, self._last_drafted = None, draft
         gained = [len(state.rows[b].ids) - n for b, (row, n) in before.items() if state.rows[b] is row]
         if draft and gained:
-            self.gains.append(sum(gained) / len(gained))
+            self.gains.append(sum(gained) / len(gained) - 1)
 
     def propose_nodes(self, state) -> int:
         self._close(state)
         active = np.flatnonzero(state.active)
-        draft = self.choose(len(active))
+        draft = self.choose()
         if draft:
             self.drafted += 1
         else:
             self.plain += 1
-        self._step = (len(active), draft, {int(b): (state.rows[b], len(state.rows[b].ids)) for b in active},
+        self._step = (draft, {int(b): (state.rows[b], len(state.rows[b].ids)) for b in active},
                       time.perf_counter(), state.compile_s)
+        self._draft_s = None
         return self.max_nodes if draft else 0
 
     def plan(self, drafts, state) -> int:
-        if self._step is not None and self._step[1]:  # the draft's time, its compilation left out
-            B, _, _, t0, c0 = self._step
-            if self._last_drafted or (B, "d") not in self.times:  # not a switch's catch-up
-                self._avg((B, "d"), time.perf_counter() - t0 - (state.compile_s - c0))
+        if self._step is not None and self._step[0] and self._last_drafted:  # not a switch's catch-up
+            _, _, t0, c0 = self._step  # the draft's time, its compilation left out
+            self._draft_s = time.perf_counter() - t0 - (state.compile_s - c0)
         return self.max_nodes
 
     def record(self, T: int, window: int, seconds: float) -> None:
-        if self._step is not None:
-            self._avg((self._step[0], "vT" if T else "v0"), seconds)
+        self.times.record(T, window, seconds)
+        if T and self._draft_s is not None and seconds > 0:
+            x = self._draft_s * self.rho() / seconds
+            self.delta = x if self.delta is None else self.delta + self.ALPHA * (x - self.delta)
+        self._draft_s = None
 
     def score(self, state) -> None:
         pass  # read at the next propose_nodes (`_close`)
 
     def summary(self) -> dict:
-        return {"draft_budget": dict(drafted_steps=self.drafted, plain_steps=self.plain,
-                                     mean_tokens_per_drafted_step=round(sum(self.gains) / len(self.gains), 3)
-                                     if self.gains else None)}
+        return {"draft_budget": dict(
+            drafted_steps=self.drafted, plain_steps=self.plain,
+            mean_tokens_per_drafted_step=round(1 + sum(self.gains) / len(self.gains), 3) if self.gains else None,
+            verify_cost_ratio=round(self.rho(), 3),
+            draft_cost_ratio=None if self.delta is None else round(self.delta, 3))}
 
 
 def draft_engine(engine, draft_model, weights: str = "bfloat16"):
