@@ -120,6 +120,28 @@ def test_specinfer_inserted_mid_decode_equals_alone(model, tok, ids):
         assert got[i] == alone(model, tok, i), f"prompt {i}"
 
 
+@pytest.mark.parametrize("pattern", ["plain", "mixed"])
+def test_specinfer_inserts_catch_the_draft_up_lazily(model, tok, ids, monkeypatch, pattern):
+    """A request inserted into SpecInfer's slots is forwarded through the draft model only
+    by the first step that drafts (`ModelDrafter.propose`): with an auto budget that keeps
+    decoding plainly, no prompt runs through the draft at all (its cache stays empty); with
+    drafted and plain steps mixed, the catch-up happens at the drafted ones. Same tokens as
+    alone."""
+    from lookahead_jax.strategies.specinfer import DraftBudget
+
+    calls = []
+    seq = [False] if pattern == "plain" else [True, False, False, True, False]
+    monkeypatch.setattr(DraftBudget, "choose", lambda self: calls.append(1) or seq[len(calls) % len(seq)])
+    strat = SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2), budget="auto")
+    slots = Slots(engine_for(model), tok, 2, CACHE, strat)
+    got = drive(slots, ids, [2, 5, 1], strategy=strat)
+    for i in (2, 5, 1):
+        assert got[i] == alone(model, tok, i), f"prompt {i}"
+    # the first drafted step of each choose() pattern forwards what the draft lacks
+    assert (slots.drafter.catch_up_s == 0.0) == (pattern == "plain")
+    assert (int(slots.drafter.dlen.max()) == 0) == (pattern == "plain")
+
+
 def test_greedy_and_lookahead_share_a_batch(model, tok, ids):
     strat = Lookahead(decoding_length=7)
     slots = Slots(engine_for(model), tok, 3, CACHE, strat)

@@ -14,6 +14,9 @@ One jitted call per decode step (`draft_tree_step`) does, for every row at once:
 2. catch up: forward the (at most 2) context tokens the draft cache lacks: the root,
    and the accepted node of the deepest level when it was accepted (that level is never
    forwarded: nothing is drawn from it);
+   (a row further behind, e.g. a prompt not yet forwarded: the draft forwards context only
+   when a step drafts, so a budget that decodes plainly costs it nothing, is caught up
+   first by a prefill-like forward of what it lacks, `_catch_up`);
 3. for each level d: draw w_d children of every node of level d - 1 from the draft's
    distribution there, then forward the new level (positions length + d, written after the
    committed slots at the node's block slot, a tree mask over its ancestors) to get the
@@ -230,19 +233,14 @@ class ModelDrafter:
         self.steps = 0
         self._proposed = False  # this step verifies a tree of ours (`update` commits its path)
         self.compile_s = 0.0  # the draft's compilations in this request
+        self.catch_up_s = 0.0  # host seconds of `propose` spent forwarding context the draft missed
 
     # ------------------------------------------------------------------ protocol
     def begin(self, state, references=None, rows=None) -> None:
         if rows is not None and self.cache is not None:  # new requests on these rows only
             self.seeds, self.rowids = state.seeds, state.rowids  # the state's, with the rows' seeds
-            self.rollback(rows, 0)
-            c0 = self.engine.compiled.compile_s
-            upto = self.dlen.copy()
-            upto[list(rows)] = np.asarray(state.lengths)[list(rows)]
-            self._catch_up(state, upto)  # their prompts, all but the root
-            state.compile_s += self.engine.compiled.compile_s - c0
-            self.compile_s += self.engine.compiled.compile_s - c0
-            return
+            self.rollback(rows, 0)  # their prompts are forwarded by the first step that drafts
+            return  # (`propose`): none while a budget keeps decoding plainly
         B, S = state.batch, state.max_len
         self.seeds, self.rowids = state.seeds, state.rowids
         self.cache = self.engine.init_cache(B, S)
@@ -250,17 +248,20 @@ class ModelDrafter:
         self.commit_src = np.zeros((B, len(self.expansion)), np.int32)
         self.commit_n = np.zeros(B, np.int32)
         self.draft_s, self.steps = 0.0, 0
-        c0 = self.engine.compiled.compile_s
-        self._catch_up(state, np.asarray(state.lengths))  # the prompts, all but the root
-        self.compile_s = self.engine.compiled.compile_s - c0
+        self.compile_s = self.catch_up_s = 0.0  # the prompts: forwarded by the first step that drafts
 
     def propose(self, state, budget: int) -> DraftBatch:
-        t0 = time.perf_counter()
+        t0, c_start, u_start = time.perf_counter(), self.engine.compiled.compile_s, self.catch_up_s
         B, S = state.batch, state.max_len
         L = np.asarray(state.lengths)
         active = state.active
-        if (active & (L + 1 - self.dlen > CATCH_UP)).any():  # after a rollback: a longer prefill first
-            self._catch_up(state, np.where(active, L, self.dlen))
+        if (active & (L + 1 - self.dlen > CATCH_UP)).any():  # a new request, plain steps or a rollback
+            t1, c1 = time.perf_counter(), self.engine.compiled.compile_s
+            self._catch_up(state, np.where(active, L, self.dlen))  # behind: a prefill of what it missed
+            c2 = self.engine.compiled.compile_s
+            state.compile_s += c2 - c1  # compilation is not decode time
+            self.compile_s += c2 - c1
+            self.catch_up_s += time.perf_counter() - t1 - (c2 - c1)
         catch = np.zeros((B, CATCH_UP), np.int32)
         n_catch = np.zeros(B, np.int32)
         for b in np.flatnonzero(active):
@@ -284,7 +285,7 @@ class ModelDrafter:
         n = min(budget, self.max_nodes)
         drafts = tuple(Draft(tokens[b, :n].tolist(), self.parents[:n]) if live and n else EMPTY
                        for b, live in enumerate(active))
-        self.draft_s += time.perf_counter() - t0 - (e.compiled.compile_s - c0)
+        self.draft_s += time.perf_counter() - t0 - (e.compiled.compile_s - c_start) - (self.catch_up_s - u_start)
         self.steps += 1
         self._proposed = True
         return DraftBatch(drafts, probs=q if self.mode == "mss" else None)
@@ -319,7 +320,8 @@ class ModelDrafter:
     def summary(self) -> dict:
         """For the call's stats: the draft's time per step (its forwards included)."""
         return dict(draft_s=self.draft_s, draft_ms_per_step=1e3 * self.draft_s / max(self.steps, 1),
-                    draft_compile_s=self.compile_s, expansion=list(self.expansion), sampler=self.mode)
+                    draft_catch_up_s=self.catch_up_s, draft_compile_s=self.compile_s,
+                    expansion=list(self.expansion), sampler=self.mode)
 
     # ------------------------------------------------------------------ helpers
     @property

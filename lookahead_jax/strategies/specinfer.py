@@ -165,7 +165,10 @@ class SpecInfer(StrategyBase):
         T = tree_lib.bucket_for(drafter.max_nodes, buckets_up_to(drafter.max_nodes))
         prior = forward_cost(engine.platform, B * (1 + T)) / forward_cost(engine.platform, B)
         times = engine.step_times.setdefault((rule, B, S), StepTimes())
-        return drafter, rule, DraftBudget(drafter.max_nodes, prior, times)
+        from ..drafters.model import ModelDrafter
+
+        model = next(d for d in getattr(drafter, "drafters", (drafter,)) if isinstance(d, ModelDrafter))
+        return drafter, rule, DraftBudget(drafter.max_nodes, prior, times, lambda: model.catch_up_s)
 
 
 class DraftBudget:
@@ -186,7 +189,8 @@ class DraftBudget:
     are measured it drafts. A plain choice holds HOLD steps, then one drafted step measures
     a again (only a can change: the costs are the batch's); while probes keep choosing
     plain the hold doubles, up to MAX_HOLD. A probe after plain steps pays the draft's
-    catch-up forward of the tokens it missed, which is not a sample of delta.
+    catch-up forward of the tokens it missed (so does a new request's first drafted step:
+    its prompt), which `catch_up()` (the drafter's seconds of it) keeps out of delta.
     A step's gain is read at the next step's `propose_nodes` (the state then holds what it
     accepted, also when decode.step defers `score` under overlap). Only which steps draft
     changes, never what a step accepts: the tokens are plain decoding's (greedy), the
@@ -195,7 +199,7 @@ class DraftBudget:
     MARGIN, HOLD, MAX_HOLD, ALPHA, COST_PRIOR = 0.03, 16, 64, 0.3, 4.0
     calibrate_s = 0.0
 
-    def __init__(self, limit: int, prior: float = None, times: StepTimes = None):
+    def __init__(self, limit: int, prior: float = None, times: StepTimes = None, catch_up=None):
         self.buckets = buckets_up_to(limit)
         self.max_nodes = limit
         self.T = tree_lib.bucket_for(limit, self.buckets)
@@ -205,9 +209,9 @@ class DraftBudget:
         self.gains = collections.deque(maxlen=64)  # extra tokens per row of the drafted steps
         self.hold, self.next_hold = 0, self.HOLD
         self.drafted = self.plain = 0
-        self._step = None  # (drafted, {row: (its Row, tokens before)}, t0, compile_s0)
+        self.catch_up = catch_up if catch_up is not None else (lambda: 0.0)
+        self._step = None  # (drafted, {row: (its Row, tokens before)}, t0, compile_s0, catch_up0)
         self._draft_s = None  # the draft's seconds in this step (None: not a sample)
-        self._last_drafted = True
 
     def rho(self) -> float:
         obs, n = self.times.ratio(self.T)
@@ -231,8 +235,8 @@ class DraftBudget:
         """The last step's gain per row, now that the state holds what it accepted."""
         if self._step is None:
             return
-        draft, before, _, _ = self._step
-        self._step, self._last_drafted = None, draft
+        draft, before = self._step[:2]
+        self._step = None
         gained = [len(state.rows[b].ids) - n for b, (row, n) in before.items() if state.rows[b] is row]
         if draft and gained:
             self.gains.append(sum(gained) / len(gained) - 1)
@@ -246,14 +250,14 @@ class DraftBudget:
         else:
             self.plain += 1
         self._step = (draft, {int(b): (state.rows[b], len(state.rows[b].ids)) for b in active},
-                      time.perf_counter(), state.compile_s)
+                      time.perf_counter(), state.compile_s, self.catch_up())
         self._draft_s = None
         return self.max_nodes if draft else 0
 
     def plan(self, drafts, state) -> int:
-        if self._step is not None and self._step[0] and self._last_drafted:  # not a switch's catch-up
-            _, _, t0, c0 = self._step  # the draft's time, its compilation left out
-            self._draft_s = time.perf_counter() - t0 - (state.compile_s - c0)
+        if self._step is not None and self._step[0]:  # the draft's time: compilation and catch-up left out
+            _, _, t0, c0, u0 = self._step
+            self._draft_s = time.perf_counter() - t0 - (state.compile_s - c0) - (self.catch_up() - u0)
         return self.max_nodes
 
     def record(self, T: int, window: int, seconds: float) -> None:
