@@ -132,9 +132,20 @@ def test_specinfer_inserts_catch_the_draft_up_lazily(model, tok, ids, monkeypatc
     calls = []
     seq = [False] if pattern == "plain" else [True, False, False, True, False]
     monkeypatch.setattr(DraftBudget, "choose", lambda self: calls.append(1) or seq[len(calls) % len(seq)])
+    from lookahead_jax.drafters.model import CATCH_UP, ModelDrafter
+
+    lags, catch_up = [], ModelDrafter._catch_up
+
+    def spy(self, state, upto):  # the rows a catch-up forwards, and how far behind each was
+        lags.append([int(u - d) for u, d in zip(upto, self.dlen) if u > d])
+        return catch_up(self, state, upto)
+
+    monkeypatch.setattr(ModelDrafter, "_catch_up", spy)
     strat = SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2), budget="auto")
     slots = Slots(engine_for(model), tok, 2, CACHE, strat)
     got = drive(slots, ids, [2, 5, 1], strategy=strat)
+    # only rows further behind than a step's own catch-up are forwarded apart (a new prompt)
+    assert all(n >= CATCH_UP for row in lags for n in row) and (pattern == "plain") == (not lags)
     for i in (2, 5, 1):
         assert got[i] == alone(model, tok, i), f"prompt {i}"
     # the first drafted step of each choose() pattern forwards what the draft lacks

@@ -255,9 +255,10 @@ class ModelDrafter:
         B, S = state.batch, state.max_len
         L = np.asarray(state.lengths)
         active = state.active
-        if (active & (L + 1 - self.dlen > CATCH_UP)).any():  # a new request, plain steps or a rollback
+        behind = active & (L + 1 - self.dlen > CATCH_UP)  # a new request, plain steps or a rollback
+        if behind.any():  # those rows only (the others catch up inside the step): a prefill of what they missed
             t1, c1 = time.perf_counter(), self.engine.compiled.compile_s
-            self._catch_up(state, np.where(active, L, self.dlen))  # behind: a prefill of what it missed
+            self._catch_up(state, np.where(behind, L, self.dlen))
             c2 = self.engine.compiled.compile_s
             state.compile_s += c2 - c1  # compilation is not decode time
             self.compile_s += c2 - c1
