@@ -117,10 +117,13 @@ def own_word_passages(model, tok, prompts, n: int, new_tokens: int) -> list:
 
 def pin_verify_costs(monkeypatch, ratio):
     """Lookahead auto's starting costs t(T)/t(0) = ratio(T), and no real step corrects them
-    (whatever this host's load makes real steps measure)."""
+    (whatever this host's load makes real steps measure, in this test or an earlier one on
+    the same engine)."""
     from lookahead_jax.core import budget as budget_lib
     from lookahead_jax.strategies import lookahead as lookahead_strategy
 
     monkeypatch.setattr(lookahead_strategy, "prior_costs",
                         lambda platform, buckets, batch=1: {b: ratio(b) for b in buckets})
     monkeypatch.setattr(budget_lib.StepTimes, "record", lambda self, T, window, seconds: None)
+    # nor do ratios that earlier tests' real steps left in the engine's shared StepTimes
+    monkeypatch.setattr(budget_lib.StepTimes, "ratio", lambda self, T: (None, 0))

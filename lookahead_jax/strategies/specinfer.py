@@ -164,7 +164,9 @@ class SpecInfer(StrategyBase):
         B, S = state.batch, state.max_len
         T = tree_lib.bucket_for(drafter.max_nodes, buckets_up_to(drafter.max_nodes))
         prior = forward_cost(engine.platform, B * (1 + T)) / forward_cost(engine.platform, B)
-        times = engine.step_times.setdefault((rule, B, S), StepTimes())
+        # its own (not lookahead's: its tree sizes and drafts differ, and each budget reads
+        # the observed ratios of the T it verifies)
+        times = engine.step_times.setdefault(("specinfer", rule, B, S), StepTimes())
         from ..drafters.model import ModelDrafter
 
         model = next(d for d in getattr(drafter, "drafters", (drafter,)) if isinstance(d, ModelDrafter))
