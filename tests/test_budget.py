@@ -281,8 +281,12 @@ def test_prior_costs_start_auto_without_calibration():
     assert cpu[63] > 2 * gpu[63] and gpu[15] / gpu[1] < 1.1
     b = AutoBudget(BUCKETS, cpu)
     assert b.choose(["unseen"]) == 0  # no evidence yet: plain decoding
-    with pytest.raises(ValueError, match="no prior cost"):
-        prior_costs("cpu", (0, 5))
+    # any tree size has a prior (a draft chain of 4 is T = 4, not a bucket): the forward's
+    from lookahead_jax.core.budget import forward_cost
+
+    assert prior_costs("cpu", (0, 4), batch=8)[4] == pytest.approx(forward_cost("cpu", 40) / forward_cost("cpu", 8))
+    with pytest.raises(ValueError, match="integers >= 0"):
+        prior_costs("cpu", (0, -1))
 
 
 def test_prior_costs_grow_with_the_batch():

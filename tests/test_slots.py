@@ -153,6 +153,82 @@ def test_specinfer_inserts_catch_the_draft_up_lazily(model, tok, ids, monkeypatc
     assert (int(slots.drafter.dlen.max()) == 0) == (pattern == "plain")
 
 
+def test_specinfer_probes_draft_only_rows_that_lag_little(model, tok, ids, monkeypatch):
+    """A probe of the auto budget (its first drafted steps, and one after a plain hold)
+    drafts only the rows whose draft context lags by at most PROBE_LAG tokens, or the one
+    that lags least, so it never forwards every slot's prompt through the draft; the gain
+    it reads is that of the rows it drafted. Same tokens as alone."""
+    from lookahead_jax.strategies.specinfer import DraftBudget
+
+    monkeypatch.setattr(DraftBudget, "PROBE_LAG", 0)
+    seq = [True, False, False, True, True]  # a probe, plain, plain, a probe, a drafted step
+
+    def choose(self):
+        k = self.drafted + self.plain
+        self.probing = k % len(seq) in (0, 3)
+        return seq[k % len(seq)]
+
+    monkeypatch.setattr(DraftBudget, "choose", choose)
+    lags, drafted, catch_up = [], [], ModelDrafter._catch_up
+    propose = ModelDrafter.propose
+
+    def spy(self, state, upto):
+        lags.append([int(u - d) for u, d in zip(upto, self.dlen) if u > d])
+        return catch_up(self, state, upto)
+
+    def spy_propose(self, state, budget):
+        probe, n = self.probe_lag is not None, len(lags)
+        out = propose(self, state, budget)
+        drafted.append((probe, int(state.active.sum()), int(self.drafted.sum()),
+                        sum(len(d.tokens) > 0 for d in out.drafts), sum(len(r) for r in lags[n:])))
+        return out
+
+    monkeypatch.setattr(ModelDrafter, "_catch_up", spy)
+    monkeypatch.setattr(ModelDrafter, "propose", spy_propose)
+    strat = SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2), budget="auto")
+    slots = Slots(engine_for(model), tok, 2, CACHE, strat)
+    got = drive(slots, ids, [2, 5, 1, 3], strategy=strat)
+    for i in (2, 5, 1, 3):
+        assert got[i] == alone(model, tok, i), f"prompt {i}"
+    probes = [d for d in drafted if d[0]]
+    full = [d for d in drafted if not d[0]]
+    assert probes and full
+    # a probe drafts (and catches up) fewer rows than are active whenever two rows lag
+    assert any(n_draft < n_active for _, n_active, n_draft, _, _ in probes)
+    assert all(n_draft >= 1 and n_drafts == n_draft for _, _, n_draft, n_drafts, _ in probes)
+    assert all(n_draft == n_active for _, n_active, n_draft, _, _ in full)
+    # a step's catch-up forwards only rows it drafts (a probe's skipped rows stay behind)
+    assert all(n_fwd <= n_draft for _, _, n_draft, _, n_fwd in drafted)
+
+
+def test_draft_budget_measures_outlive_the_batch(model, tok):
+    """The auto budget's measurements (the draft's cost, the gains) are kept per engine,
+    draft, rule and batch shape: the next generate call of the same shape starts from
+    them (no probe), another batch size does not."""
+    from lookahead_jax.strategies.specinfer import DraftBudget
+
+    engine = engine_for(model)
+    strat = SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2), budget="auto")
+    drafter = strat.drafter(engine)
+
+    from lookahead_jax.core import decode as D
+    from lookahead_jax.prompts import encode_prompts
+
+    def setup(B):
+        st = D.prefill(engine, encode_prompts(tok, TEXTS[:B], chat=False), tok, max_len=CACHE, max_new_tokens=4)
+        return strat.setup(engine, st, drafter)[2]
+
+    a = setup(2)
+    assert isinstance(a, DraftBudget) and a.delta is None and a.choose() and a.probing
+    a.delta = 0.5
+    a.gains.extend([0.1, 0.2])  # 1.15 tokens per drafted step against 1.03 (rho + 0.5): plain
+    b = setup(2)
+    assert b.measures is a.measures and b.delta == 0.5 and list(b.gains) == [0.1, 0.2]
+    assert not b.choose() and not b.probing  # measured: plain from the first step, held
+    c = setup(1)
+    assert c.measures is not a.measures and c.delta is None
+
+
 def test_greedy_and_lookahead_share_a_batch(model, tok, ids):
     strat = Lookahead(decoding_length=7)
     slots = Slots(engine_for(model), tok, 3, CACHE, strat)

@@ -44,6 +44,7 @@ accepted tokens per unit of step time, plain decoding at T = 0 included).
 from __future__ import annotations
 
 import collections
+import numbers
 from typing import Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 from .acceptance import TokenMatch
@@ -265,15 +266,15 @@ def forward_cost(platform: str, rows: int) -> float:
 
 def prior_costs(platform: str, buckets: Sequence[int], batch: int = 1) -> dict:
     """{T: t(T)/t(0)} for `platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu": as gpu), the
-    buckets asked and a verify block of `batch` rows (every row of the cache is computed,
+    tree sizes asked (any T >= 0, not only the buckets) and a verify block of `batch` rows (every row of the cache is computed,
     busy or not): forward_cost(batch x (1 + T)) / forward_cost(batch). A tree is dearer
     in a fuller batch: on the CPU a 15-node tree costs 1.95 plain steps at batch 1 and
     ~8.5 at batch 8, where plain rows already make the block compute-bound; so `auto`
     drafts less as the batch fills, down to none.
     # prior_costs("cpu", (0, 1, 15), batch=8) -> {0: 1.0, 1: 1.47, 15: 8.5}"""
-    unknown = [b for b in buckets if b not in BUCKETS]
-    if unknown:
-        raise ValueError(f"no prior cost for buckets {unknown} (tree buckets: {BUCKETS})")
+    bad = [b for b in buckets if not isinstance(b, numbers.Integral) or b < 0]
+    if bad:
+        raise ValueError(f"tree sizes must be integers >= 0, got {bad}")
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive integer, got {batch!r}")
     base = forward_cost(platform, batch)
@@ -324,6 +325,12 @@ class StepTimes:
         s = sorted(q)
         n = len(s)
         return (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2), n
+
+    def blended(self, T: int, prior: float, weight: float) -> float:
+        """t(T) / t(0): `prior` blended with the observed median, n samples weighted
+        n : `weight` (the prior alone before any sample)."""
+        obs, n = self.ratio(T)
+        return prior if not n else (n * obs + weight * prior) / (n + weight)
 
 
 class AutoBudget:
@@ -387,9 +394,7 @@ class AutoBudget:
         for b in self.buckets:
             r = self.cost[b] / c0
             if b and self.buckets[0] == 0:  # observed ratios are to plain steps
-                obs, n = self.times.ratio(b)
-                if n:
-                    r = (n * obs + self.cost_prior * r) / (n + self.cost_prior)
+                r = self.times.blended(b, r, self.cost_prior)
             floor = max(floor, r)
             out[b] = floor
         return out

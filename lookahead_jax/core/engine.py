@@ -43,7 +43,7 @@ class Stores:
     in one place): lookahead's suffix drafter's cache of earlier outputs (drafters/suffix.py);
     the trie per branch length (drafts="trie", drafters/trie.py); acceptance statistics per
     drafter geometry (the suffix drafter's: per settings); SpecInfer's draft engines and
-    models by name, and the drafts already warned about (strategies/specinfer.py); the
+    models by name, the drafts already warned about, and its auto budget's measurements (strategies/specinfer.py); the
     KNN-LM index in use, with the datastore identity it was built from, and speculative
     KNN-LM's OS3 measurements per datastore and settings (strategies/knnlm.py)."""
 
@@ -52,6 +52,7 @@ class Stores:
     draft_engines: dict = dataclasses.field(default_factory=dict)  # (draft, weights, no mesh) -> Engine
     draft_models: dict = dataclasses.field(default_factory=dict)  # preset / path -> Model
     draft_size_warned: set = dataclasses.field(default_factory=set)  # ids of drafts warned about
+    draft_budgets: dict = dataclasses.field(default_factory=dict)  # (draft engine, rule, B, S, T) -> DraftMeasures
     knnlm_index: Optional[tuple] = None  # (datastore identity, KnnIndex)
     knnlm_os3: dict = dataclasses.field(default_factory=dict)  # (datastore identity, settings) -> KnnMeasures
     suffix_cache: Optional[object] = None  # drafters/suffix.py: SuffixCache of earlier outputs

@@ -234,6 +234,11 @@ class ModelDrafter:
         self._proposed = False  # this step verifies a tree of ours (`update` commits its path)
         self.compile_s = 0.0  # the draft's compilations in this request
         self.catch_up_s = 0.0  # host seconds of `propose` spent forwarding context the draft missed
+        # set by a budget for one step (a probe): active rows whose draft context lags by more
+        # than this many tokens get no draft (the one that lags least always does), so the
+        # step's catch-up stays small; None: every active row drafts
+        self.probe_lag = None
+        self.drafted = np.zeros(0, bool)  # the rows the last propose drafted for
 
     # ------------------------------------------------------------------ protocol
     def begin(self, state, references=None, rows=None) -> None:
@@ -255,6 +260,12 @@ class ModelDrafter:
         B, S = state.batch, state.max_len
         L = np.asarray(state.lengths)
         active = state.active
+        if self.probe_lag is not None and active.any():  # a probe: the rows that lag little
+            lag = np.where(active, L + 1 - self.dlen, np.iinfo(np.int64).max)
+            active = active & (lag <= CATCH_UP + self.probe_lag)
+            active[int(np.argmin(lag))] = True
+        self.probe_lag = None
+        self.drafted = active
         behind = active & (L + 1 - self.dlen > CATCH_UP)  # a new request, plain steps or a rollback
         if behind.any():  # those rows only (the others catch up inside the step): a prefill of what they missed
             t1, c1 = time.perf_counter(), self.engine.compiled.compile_s

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..core import tree as tree_lib
 from ..core.acceptance import SpecSampling, TokenMatch
-from ..core.budget import FixedBudget, StepTimes, forward_cost
+from ..core.budget import FixedBudget, StepTimes, prior_costs
 from ..core.tree import buckets_up_to
 from ..drafters.model import SAMPLERS
 from .base import StrategyBase
@@ -163,14 +163,28 @@ class SpecInfer(StrategyBase):
             return drafter, rule, FixedBudget(drafter.max_nodes)
         B, S = state.batch, state.max_len
         T = tree_lib.bucket_for(drafter.max_nodes, buckets_up_to(drafter.max_nodes))
-        prior = forward_cost(engine.platform, B * (1 + T)) / forward_cost(engine.platform, B)
+        prior = prior_costs(engine.platform, (T,), batch=B)[T]
         # its own (not lookahead's: its tree sizes and drafts differ, and each budget reads
         # the observed ratios of the T it verifies)
         times = engine.step_times.setdefault(("specinfer", rule, B, S), StepTimes())
         from ..drafters.model import ModelDrafter
 
         model = next(d for d in getattr(drafter, "drafters", (drafter,)) if isinstance(d, ModelDrafter))
-        return drafter, rule, DraftBudget(drafter.max_nodes, prior, times, lambda: model.catch_up_s)
+        # what earlier batches of this engine measured (the draft's cost, the gains): a new
+        # batch (a generate call, the server's slots rebuilt) starts from it, not from probes
+        measures = engine.stores.draft_budgets.setdefault((id(model.engine), rule, B, S, T), DraftMeasures())
+        return drafter, rule, DraftBudget(drafter.max_nodes, prior, times, model, measures)
+
+
+class DraftMeasures:
+    """What a `DraftBudget` has measured, kept per engine, draft, rule and batch shape
+    (`Stores.draft_budgets`) so that the next batch of the same shape starts from it:
+    delta (the draft's step in plain steps of the target, a moving average) and the
+    extra tokens per row of the last drafted steps."""
+
+    def __init__(self):
+        self.delta = None
+        self.gains = collections.deque(maxlen=64)
 
 
 class DraftBudget:
@@ -179,7 +193,7 @@ class DraftBudget:
     step computes all B rows of the batch, busy or not, so its cost does not depend on how
     many rows are active; in units of a plain step at this batch:
     - rho = t(T) / t(0), the target's verify block with the tree: the platform's prior for
-      B x (1 + T) rows against B rows (`budget.forward_cost`), blended with the ratios
+      B x (1 + T) rows against B rows (`budget.prior_costs`), blended with the ratios
       observed on real steps (`budget.StepTimes`, shared per engine and batch shape);
     - delta = d / t(0), the draft model's step: measured on drafted steps as d x rho / v_T
       (d and v_T from the same step, so the host's drift cancels), a moving average;
@@ -194,40 +208,64 @@ class DraftBudget:
     context since the last drafted step goes through the draft first: at 8 slots of
     Qwen2.5-Coder 1.5B two probes cost ~13% of a 60-step run). A probe after plain steps pays the draft's
     catch-up forward of the tokens it missed (so does a new request's first drafted step:
-    its prompt), which `catch_up()` (the drafter's seconds of it) keeps out of delta.
+    its prompt), which the drafter's `catch_up_s` keeps out of delta. So a probe (and
+    every drafted step before the first measurements) drafts only the rows whose draft
+    context lags by at most PROBE_LAG tokens, or the one that lags least
+    (`ModelDrafter.probe_lag`): at 8 slots a probe then costs one row's catch-up, not
+    eight prompts (~7 s of Qwen2.5-Coder 0.5B), and its gain is read on the drafted rows.
+    delta and the gains outlive the batch (`DraftMeasures`): a new batch of the same
+    shape starts from them instead of probing.
     A step's gain is read at the next step's `propose_nodes` (the state then holds what it
     accepted, also when decode.step defers `score` under overlap). Only which steps draft
     changes, never what a step accepts: the tokens are plain decoding's (greedy), the
     distribution the target's (sampling)."""
 
-    MARGIN, HOLD, MAX_HOLD, ALPHA, COST_PRIOR = 0.03, 16, 1024, 0.3, 4.0
+    MARGIN, HOLD, MAX_HOLD, ALPHA, COST_PRIOR, PROBE_LAG = 0.03, 16, 1024, 0.3, 4.0, 64
     calibrate_s = 0.0
 
-    def __init__(self, limit: int, prior: float = None, times: StepTimes = None, catch_up=None):
+    def __init__(self, limit: int, prior: float = None, times: StepTimes = None, drafter=None,
+                 measures: DraftMeasures = None):
         self.buckets = buckets_up_to(limit)
         self.max_nodes = limit
         self.T = tree_lib.bucket_for(limit, self.buckets)
-        self.prior = forward_cost("cpu", 1 + self.T) if prior is None else prior  # rho before observations
+        self.prior = prior_costs("cpu", (self.T,))[self.T] if prior is None else prior  # rho before observations
         self.times = times if times is not None else StepTimes()
-        self.delta = None  # moving average of the draft's step / a plain step
-        self.gains = collections.deque(maxlen=64)  # extra tokens per row of the drafted steps
+        self.measures = measures if measures is not None else DraftMeasures()
         self.hold, self.next_hold = 0, self.HOLD
+        self.probing = False  # this step's draft is a probe (set by choose)
         self.drafted = self.plain = 0
-        self.catch_up = catch_up if catch_up is not None else (lambda: 0.0)
+        self.drafter = drafter  # the ModelDrafter (its catch_up_s, probe_lag, drafted rows), if any
         self._step = None  # (drafted, {row: (its Row, tokens before)}, t0, compile_s0, catch_up0)
         self._draft_s = None  # the draft's seconds in this step (None: not a sample)
 
+    @property
+    def delta(self):  # the draft's step / a plain step (moving average); None: not measured
+        return self.measures.delta
+
+    @delta.setter
+    def delta(self, value):
+        self.measures.delta = value
+
+    @property
+    def gains(self):  # extra tokens per row of the last drafted steps
+        return self.measures.gains
+
+    def catch_up(self) -> float:
+        return 0.0 if self.drafter is None else self.drafter.catch_up_s
+
     def rho(self) -> float:
-        obs, n = self.times.ratio(self.T)
-        return self.prior if not n else (n * obs + self.COST_PRIOR * self.prior) / (n + self.COST_PRIOR)
+        return self.times.blended(self.T, self.prior, self.COST_PRIOR)
 
     def choose(self) -> bool:
-        """Draft this step?"""
+        """Draft this step? (`probing`: whether that draft is a probe)"""
+        self.probing = False
         if self.delta is None or not self.gains:
+            self.probing = True
             return True
         if self.hold:
             self.hold -= 1
-            return self.hold == 0  # the last held step measures the drafts again
+            self.probing = self.hold == 0
+            return self.probing  # the last held step measures the drafts again
         a = sum(self.gains) / len(self.gains)
         if 1 + a > (1 + self.MARGIN) * (self.rho() + self.delta):
             self.next_hold = self.HOLD
@@ -241,7 +279,9 @@ class DraftBudget:
             return
         draft, before = self._step[:2]
         self._step = None
-        gained = [len(state.rows[b].ids) - n for b, (row, n) in before.items() if state.rows[b] is row]
+        rows = self.drafter.drafted if draft and self.drafter is not None else None  # a probe: its rows
+        gained = [len(state.rows[b].ids) - n for b, (row, n) in before.items()
+                  if state.rows[b] is row and (rows is None or rows[b])]
         if draft and gained:
             self.gains.append(sum(gained) / len(gained) - 1)
 
@@ -249,6 +289,8 @@ class DraftBudget:
         self._close(state)
         active = np.flatnonzero(state.active)
         draft = self.choose()
+        if self.drafter is not None:
+            self.drafter.probe_lag = self.PROBE_LAG if draft and self.probing else None
         if draft:
             self.drafted += 1
         else:
