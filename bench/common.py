@@ -172,7 +172,8 @@ def oracle_line(o: dict) -> str:
 
 def cold_stores(model) -> None:
     """Forget what the model's engine keeps across requests for drafting (the trie, the
-    suffix drafter's cache of earlier outputs, acceptance statistics), so a run on prompts
+    suffix drafter's cache of earlier outputs, acceptance statistics, SpecInfer's measured
+    gains), so a run on prompts
     an earlier run already answered drafts from nothing but its own warm-up. A drafter
     takes the engine's cache when it is made: call this before making the server / calling
     generate."""
@@ -182,6 +183,7 @@ def cold_stores(model) -> None:
     stores.tries.clear()
     stores.suffix_cache = None
     stores.acceptance.clear()
+    stores.draft_budgets.clear()  # SpecInfer's auto budget: gains measured on earlier runs' prompts
 
 
 def model_gguf(model: str) -> Path:
