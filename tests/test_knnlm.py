@@ -15,6 +15,7 @@ again: speculation succeeds) plus shuffled words of it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import jax
@@ -384,6 +385,37 @@ def test_ivf_speculation_equals_plain(model, tok, ds, monkeypatch, sampling):
         assert st["speculate"] == "ivf" and st["ivf_s"] > 0 and st["speculation_checks"] > 20
         assert st["speculation_accuracy"] >= 0.9, st
     assert (ds.path / "ivf.faiss").exists()
+
+
+def test_speculate_auto_picks_ivf_only_for_large_stores(model, tok, ds, monkeypatch):
+    """knn_speculate="auto" (the default) ranks the cache alone on a small datastore and
+    adds the IVF index's candidates from IVF_AUTO_MIN entries, where faiss is installed
+    (without faiss: the cache); the run reports what it used."""
+    import builtins
+
+    from lookahead_jax.strategies import knnlm as K
+
+    assert KNNLM().knn_speculate == "auto"
+    assert K.resolve_speculate("auto", K.IVF_AUTO_MIN - 1) == "cache"
+    assert K.resolve_speculate("cache", 10 ** 9) == "cache" and K.resolve_speculate("ivf", 10) == "ivf"
+    out = run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride=2))
+    assert out.stats["retrieval"]["speculate"] == "cache" and "ivf_s" not in out.stats["retrieval"]
+    real_import = builtins.__import__
+
+    def no_faiss(name, *a, **kw):
+        if name == "faiss":
+            raise ImportError("no faiss here")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_faiss)
+    assert K.resolve_speculate("auto", K.IVF_AUTO_MIN) == "cache"
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    if importlib.util.find_spec("faiss") is None:
+        return
+    assert K.resolve_speculate("auto", K.IVF_AUTO_MIN) == "ivf"
+    monkeypatch.setattr(K, "IVF_AUTO_MIN", ds.size)  # this datastore counts as large
+    out = run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride=2))
+    assert out.stats["retrieval"]["speculate"] == "ivf" and out.stats["retrieval"]["ivf_s"] > 0
 
 
 def test_ivf_index_and_candidates(ds):
