@@ -280,7 +280,9 @@ class DraftBudget:
             return
         draft, before = self._step[:2]
         self._step = None
-        rows = self.drafter.drafted if draft and self.drafter is not None else None  # a probe: its rows
+        rows = None  # the rows the step drafted for (a probe: not every active row)
+        if draft and self.drafter is not None and len(self.drafter.drafted) == state.batch:
+            rows = self.drafter.drafted
         gained = [len(state.rows[b].ids) - n for b, (row, n) in before.items()
                   if state.rows[b] is row and (rows is None or rows[b])]
         if draft and gained:
