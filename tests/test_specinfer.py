@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 
 import jax
@@ -180,22 +181,28 @@ def test_draft_budget_chooses_by_measured_rates():
     from lookahead_jax.core.budget import forward_cost
     from lookahead_jax.strategies.specinfer import DraftBudget
 
-    b = DraftBudget(4, prior=2.0)
-    assert b.T == 4 and b.rho() == 2.0
-    assert b.choose()  # nothing measured
-    b.delta = 1.0
-    assert b.choose()  # no gain measured yet
-    b.gains.append(2.2)  # 3.2 tokens per step against 1.03 x 3.0 = 3.09: drafting pays
-    assert b.choose()
-    b.gains[0] = 2.05  # 3.05 < 3.09: plain, held
+    b = DraftBudget(4, prior=1.1)
+    assert b.T == 4 and b.rho() == 1.1
+    assert b.choose() and b.probing  # nothing measured: a probe
+    b.delta = 0.1
+    assert b.choose() and b.probing  # no gain measured yet
+    b.gains.append(0.3)  # 1.3 tokens per step against 1.03 x 1.2 = 1.236: drafting pays
+    assert b.choose() and not b.probing
+    b.gains[0] = 0.2  # 1.2 < 1.236: plain, held (a probe costs 0.2 plain steps: / 2% = 10 < HOLD)
     assert not b.choose()
     H = DraftBudget.HOLD
     assert [b.choose() for _ in range(H)] == [False] * (H - 1) + [True]  # the probe
+    assert b.probing
     assert not b.choose() and b.hold == 2 * H  # the probe still says plain: twice as long
     for _ in range(2 * H):
         b.choose()
-    b.gains[0] = 3.0
+    b.gains[0] = 0.3
     assert b.choose() and b.next_hold == H  # drafting pays again: the hold starts over
+    # a dear probe (rho 4 + delta 1.5 - 1 = 4.5 plain steps) waits 4.5 / PROBE_SHARE steps
+    dear = DraftBudget(4, prior=4.0)
+    dear.delta = 1.5
+    dear.gains.append(3.0)  # 4 tokens per step against 1.03 x 5.5: plain
+    assert not dear.choose() and dear.hold == math.ceil(4.5 / DraftBudget.PROBE_SHARE)
     # delta from a drafted step: the draft took d = 0.05 s, the verify v_T = 0.1 s at rho 2
     b2 = DraftBudget(4, prior=2.0)
     b2._draft_s = 0.05

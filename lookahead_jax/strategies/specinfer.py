@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import time
 
 import numpy as np
@@ -205,7 +206,9 @@ class DraftBudget:
     server with many slots stops drafting unless its drafts are long. Until delta and a
     are measured it drafts. A plain choice holds HOLD steps, then one drafted step measures
     a again (only a can change: the costs are the batch's); while probes keep choosing
-    plain the hold doubles, up to MAX_HOLD: a probe is dear in a full batch (every row's
+    plain the hold doubles, up to MAX_HOLD, and it is never shorter than a probe's cost
+    over PROBE_SHARE (a probe costs ~rho + delta - 1 plain steps: at 16 slots of
+    Qwen2.5-Coder 1.5B ~5, so ~250 steps between probes, <= 2% of the time): a probe is dear in a full batch (every row's
     context since the last drafted step goes through the draft first: at 8 slots of
     Qwen2.5-Coder 1.5B two probes cost ~13% of a 60-step run). A probe after plain steps pays the draft's
     catch-up forward of the tokens it missed (so does a new request's first drafted step:
@@ -221,7 +224,7 @@ class DraftBudget:
     changes, never what a step accepts: the tokens are plain decoding's (greedy), the
     distribution the target's (sampling)."""
 
-    MARGIN, HOLD, MAX_HOLD, ALPHA, COST_PRIOR, PROBE_LAG = 0.03, 16, 1024, 0.3, 4.0, 64
+    MARGIN, HOLD, MAX_HOLD, ALPHA, COST_PRIOR, PROBE_LAG, PROBE_SHARE = 0.03, 16, 1024, 0.3, 4.0, 64, 0.02
     calibrate_s = 0.0
 
     def __init__(self, limit: int, prior: float = None, times: StepTimes = None, drafter=None,
@@ -271,7 +274,11 @@ class DraftBudget:
         if 1 + a > (1 + self.MARGIN) * (self.rho() + self.delta):
             self.next_hold = self.HOLD
             return True
-        self.hold, self.next_hold = self.next_hold, min(2 * self.next_hold, self.MAX_HOLD)
+        # a probe costs ~rho + delta - 1 plain steps (the whole block verifies its one row's
+        # tree): hold long enough that probes stay under PROBE_SHARE of the steps
+        floor = math.ceil((self.rho() + self.delta - 1) / self.PROBE_SHARE)
+        self.hold = min(max(self.next_hold, floor), self.MAX_HOLD)
+        self.next_hold = min(2 * self.next_hold, self.MAX_HOLD)
         return False
 
     def _close(self, state) -> None:
