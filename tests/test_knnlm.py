@@ -393,7 +393,7 @@ def test_speculate_auto_picks_ivf_only_for_large_stores(model, tok, ds, monkeypa
     (without faiss: the cache); the run reports what it used."""
     import builtins
 
-    from lookahead_jax.strategies import knnlm as K
+    from lookahead_jax.knnlm import search as K
 
     assert KNNLM().knn_speculate == "auto"
     assert K.resolve_speculate("auto", K.IVF_AUTO_MIN - 1) == "cache"

@@ -63,31 +63,13 @@ from pathlib import Path
 import numpy as np
 
 from ..core.decode import accept, call_compiled, rollback, set_logprob
+from ..knnlm.search import resolve_speculate
 from .base import StrategyBase
 from .speculation import (KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, FinalTextStream, KnnMeasures, SpeculationStats,
                           auto_or_int, check_speculation_stride, number_in, os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
 SPECULATE = ("auto", "cache", "ivf")
-# knn_speculate="auto": "ivf" from this many datastore entries (where faiss is installed),
-# else "cache". Measured on the shared wiki passages with SmolLM2-135M (speculative KNN-LM
-# over plain KNN-LM, the same tokens): 34.6K entries cache 0.98x, ivf 0.98x (a search is
-# cheap: nothing to win); 1.02M entries cache 1.15-1.20x, ivf 1.75-1.86x.
-IVF_AUTO_MIN = 500_000
-
-
-def resolve_speculate(kind: str, size: int) -> str:
-    """What knn_speculate=`kind` ranks over a datastore of `size` entries: "auto" is "ivf"
-    from IVF_AUTO_MIN entries when faiss imports, else "cache"; the others as given."""
-    if kind != "auto":
-        return kind
-    if size < IVF_AUTO_MIN:
-        return "cache"
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        return "cache"
-    return "ivf"
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
 
 
@@ -274,10 +256,9 @@ class KnnRun:
 
     def _forward(self, state, active, wait: bool = True):
         """Forward every row's root: (h [B,D], logits [B,V], the new cache, its length
-        advanced for the active rows). The step donates `state.cache`: its new cache goes
-        to `accept` (`_accept`) with the tokens picked; nothing reads the state's cache
-        in between. wait: block until h is ready (so that a search timer that follows
-        times the search, not this forward)."""
+        advanced for the active rows). The step donates `state.cache`: its new cache goes to
+        `accept` (`_accept`) with the tokens picked; nothing reads the state's cache in
+        between. wait: block until h is ready (a search timer that follows times the search)."""
         from ..knnlm.search import forward_fn
 
         eng = self.engine
@@ -459,9 +440,7 @@ class KnnSpecRun(KnnRun):
     # ---- OS3
     def _stride(self, rows: int) -> int:
         s = self.strat.speculation_stride
-        if s != "auto":
-            return int(s)
-        return self.m.stride(rows, os3_stride_knnlm)
+        return int(s) if s != "auto" else self.m.stride(rows, os3_stride_knnlm)
 
     # ---- steps
     def _spec_step(self, state, active, base, dev) -> _Step:
