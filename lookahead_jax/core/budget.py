@@ -266,8 +266,9 @@ def forward_cost(platform: str, rows: int) -> float:
 
 def prior_costs(platform: str, buckets: Sequence[int], batch: int = 1) -> dict:
     """{T: t(T)/t(0)} for `platform` ("cpu", "gpu"/"cuda"/"rocm", "tpu": as gpu), the
-    tree sizes asked (any T >= 0, not only the buckets) and a verify block of `batch` rows (every row of the cache is computed,
-    busy or not): forward_cost(batch x (1 + T)) / forward_cost(batch). A tree is dearer
+    tree sizes asked (any T >= 0, not only the buckets) and a verify block of `batch` rows
+    (every row of the cache is computed, busy or not): forward_cost(batch x (1 + T)) /
+    forward_cost(batch). A tree is dearer
     in a fuller batch: on the CPU a 15-node tree costs 1.95 plain steps at batch 1 and
     ~8.5 at batch 8, where plain rows already make the block compute-bound; so `auto`
     drafts less as the batch fills, down to none.

@@ -43,7 +43,8 @@ class Stores:
     in one place): lookahead's suffix drafter's cache of earlier outputs (drafters/suffix.py);
     the trie per branch length (drafts="trie", drafters/trie.py); acceptance statistics per
     drafter geometry (the suffix drafter's: per settings); SpecInfer's draft engines and
-    models by name, the drafts already warned about, and its auto budget's measurements (strategies/specinfer.py); the
+    models by name, the drafts already warned about, and its auto budget's measurements
+    (strategies/specinfer.py); the
     KNN-LM index in use, with the datastore identity it was built from, and speculative
     KNN-LM's OS3 measurements per datastore and settings (strategies/knnlm.py)."""
 

@@ -204,21 +204,19 @@ class DraftBudget:
     Draft iff 1 + a > (1 + MARGIN)(rho + delta): at 1 slot on a CPU a chain of 4 costs
     ~1.2 plain steps of the target, at 8 slots ~3 (a fuller block is compute-bound), so a
     server with many slots stops drafting unless its drafts are long. Until delta and a
-    are measured it drafts. A plain choice holds HOLD steps, then one drafted step measures
-    a again (only a can change: the costs are the batch's); while probes keep choosing
-    plain the hold doubles, up to MAX_HOLD, and it is never shorter than a probe's cost
-    over PROBE_SHARE (a probe costs ~rho + delta - 1 plain steps: at 16 slots of
-    Qwen2.5-Coder 1.5B ~5, so ~250 steps between probes, <= 2% of the time): a probe is dear in a full batch (every row's
-    context since the last drafted step goes through the draft first: at 8 slots of
-    Qwen2.5-Coder 1.5B two probes cost ~13% of a 60-step run). A probe after plain steps pays the draft's
-    catch-up forward of the tokens it missed (so does a new request's first drafted step:
-    its prompt), which the drafter's `catch_up_s` keeps out of delta. So a probe (and
+    are measured it drafts. A plain choice holds HOLD steps, then one drafted step (a
+    probe) measures a again (only a can change: the costs are the batch's); while probes
+    keep choosing plain the hold doubles, up to MAX_HOLD. A probe after plain steps pays
+    the draft's catch-up forward of what it missed (so does a new request's first drafted
+    step: its prompt; the drafter's `catch_up_s` keeps it out of delta), so a probe (and
     every drafted step before the first measurements) drafts only the rows whose draft
     context lags by at most PROBE_LAG tokens, or the one that lags least
-    (`ModelDrafter.probe_lag`): at 8 slots a probe then costs one row's catch-up, not
-    eight prompts (~7 s of Qwen2.5-Coder 0.5B), and its gain is read on the drafted rows.
-    delta and the gains outlive the batch (`DraftMeasures`): a new batch of the same
-    shape starts from them instead of probing.
+    (`ModelDrafter.probe_lag`): one row's catch-up, not every slot's prompt (~7 s at 8
+    slots of Qwen2.5-Coder 0.5B), and its gain is read on the rows it drafted. It still
+    verifies the whole block (~rho + delta - 1 plain steps: ~5 at 16 slots of Qwen2.5-Coder
+    1.5B), so a hold is never shorter than that cost over PROBE_SHARE (probes <= 2% of the
+    steps). delta and the gains outlive the batch (`DraftMeasures`): a new batch of the
+    same shape starts from them instead of probing.
     A step's gain is read at the next step's `propose_nodes` (the state then holds what it
     accepted, also when decode.step defers `score` under overlap). Only which steps draft
     changes, never what a step accepts: the tokens are plain decoding's (greedy), the
