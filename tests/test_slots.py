@@ -225,6 +225,8 @@ def test_draft_budget_measures_outlive_the_batch(model, tok):
     b = setup(2)
     assert b.measures is a.measures and b.delta == 0.5 and list(b.gains) == [0.1, 0.2]
     assert not b.choose() and not b.probing  # measured: plain from the first step, held
+    # its summary reports its own drafted steps (none), not the gains carried from a's batch
+    assert b.summary()["draft_budget"]["mean_tokens_per_drafted_step"] is None
     c = setup(1)
     assert c.measures is not a.measures and c.delta is None
 

@@ -164,7 +164,7 @@ class SpecInfer(StrategyBase):
         if self.budget != "auto":
             return drafter, rule, FixedBudget(drafter.max_nodes)
         B, S = state.batch, state.max_len
-        T = tree_lib.bucket_for(drafter.max_nodes, buckets_up_to(drafter.max_nodes))
+        T = DraftBudget.tree_size(drafter.max_nodes)
         prior = prior_costs(engine.platform, (T,), batch=B)[T]
         # its own (not lookahead's: its tree sizes and drafts differ, and each budget reads
         # the observed ratios of the T it verifies)
@@ -229,16 +229,22 @@ class DraftBudget:
                  measures: DraftMeasures = None):
         self.buckets = buckets_up_to(limit)
         self.max_nodes = limit
-        self.T = tree_lib.bucket_for(limit, self.buckets)
+        self.T = self.tree_size(limit)
         self.prior = prior_costs("cpu", (self.T,))[self.T] if prior is None else prior  # rho before observations
         self.times = times if times is not None else StepTimes()
         self.measures = measures if measures is not None else DraftMeasures()
         self.hold, self.next_hold = 0, self.HOLD
         self.probing = False  # this step's draft is a probe (set by choose)
         self.drafted = self.plain = 0
+        self.gain_sum, self.gain_n = 0.0, 0  # this budget's own drafted steps (`gains` also holds earlier batches')
         self.drafter = drafter  # the ModelDrafter (its catch_up_s, probe_lag, drafted rows), if any
         self._step = None  # (drafted, {row: (its Row, tokens before)}, t0, compile_s0, catch_up0)
         self._draft_s = None  # the draft's seconds in this step (None: not a sample)
+
+    @staticmethod
+    def tree_size(limit: int) -> int:
+        """T: the verify bucket a tree of `limit` nodes pads to."""
+        return tree_lib.bucket_for(limit, buckets_up_to(limit))
 
     @property
     def delta(self):  # the draft's step / a plain step (moving average); None: not measured
@@ -292,6 +298,8 @@ class DraftBudget:
                   if state.rows[b] is row and (rows is None or rows[b])]
         if draft and gained:
             self.gains.append(sum(gained) / len(gained) - 1)
+            self.gain_sum += self.gains[-1]
+            self.gain_n += 1
 
     def propose_nodes(self, state) -> int:
         self._close(state)
@@ -327,7 +335,7 @@ class DraftBudget:
     def summary(self) -> dict:
         return {"draft_budget": dict(
             drafted_steps=self.drafted, plain_steps=self.plain,
-            mean_tokens_per_drafted_step=round(1 + sum(self.gains) / len(self.gains), 3) if self.gains else None,
+            mean_tokens_per_drafted_step=round(1 + self.gain_sum / self.gain_n, 3) if self.gain_n else None,
             verify_cost_ratio=round(self.rho(), 3),
             draft_cost_ratio=None if self.delta is None else round(self.delta, 3))}
 
