@@ -313,6 +313,31 @@ def test_accept_after_rollback_replaces_a_token(model, tok):
     assert r0.ids[len(keep) + 1:][:5] == want
 
 
+def test_accept_steps_drops_what_a_row_ran_past_its_end(model, tok):
+    """accept_steps (knnlm's round, committed after it ran): each row takes its tokens in
+    order up to its finish; a row that met EOS mid-round keeps none after it and its cache
+    length is set back to the slots it committed; a row that did not step is untouched;
+    every step is counted; a finished row may not step."""
+    eos = 2
+    state = D.prefill(engine_for(model), [tok.encode(p) for p in (TEXTS[2][:40], TEXTS[1][:30], TEXTS[0][:20])],
+                      tok, max_len=256, max_new_tokens=64, eos_ids=(eos,))
+    L, steps, row_steps = state.lengths.copy(), state.steps, [r.steps for r in state.rows]
+    ids = [list(r.ids) for r in state.rows]
+    a, b, c = tok.encode("abc", add_special_tokens=False)
+    active = np.array([[1, 1, 0]] * 3, bool)
+    tokens = np.array([[a, b, 0], [eos, c, 0], [c, a, 0]])
+    cache = state.cache.replace(length=state.cache.length + np.asarray(active.sum(axis=0), np.int32))
+    D.accept_steps(state, active, tokens, np.zeros((3, 3)), cache)
+    assert state.rows[0].ids == ids[0] + [a, eos] and state.rows[0].finish == "eos"
+    assert state.rows[1].ids == ids[1] + [b, c, a] and not state.rows[1].finish
+    assert state.rows[2].ids == ids[2] and int(state.root[1]) == a
+    assert list(state.lengths) == [L[0] + 2, L[1] + 3, L[2]] == list(np.asarray(state.cache.length))
+    assert state.steps == steps + 3
+    assert [r.steps for r in state.rows] == [row_steps[0] + 2, row_steps[1] + 3, row_steps[2]]
+    with pytest.raises(ValueError, match="finished row"):
+        D.accept_steps(state, np.array([[1, 1, 0]], bool), np.array([[a, b, 0]]), None, state.cache)
+
+
 class CountingTokenizer(ByteTokenizer):
     eos_token_ids = frozenset()
 

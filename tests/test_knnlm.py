@@ -323,6 +323,22 @@ def test_speculative_equals_plain(model, tok, ds, sampling):
     assert hits > 0 and (rollbacks > 0 or not sampling)
 
 
+def test_speculative_stop_strings_end_rows_mid_round(model, tok, ds):
+    """A row that ends on a stop string mid-round (the host cannot see it before the round's
+    tokens are read) keeps exactly plain KNN-LM's tokens, text and finish: the steps it ran
+    past its end are dropped."""
+    base = run(model, tok, KNNLM(datastore=ds, knn_k=4), logprobs=True)
+    stops = sorted({t[len(t) // 2:len(t) // 2 + 2] for t in base.texts if len(t) > 6})
+    plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), logprobs=True, stop=stops)
+    assert sum(r.finish_reason == "stop" for r in plain.rows) >= 2
+    assert any(0 < r.new_tokens < MAX_NEW - 2 for r in plain.rows if r.finish_reason == "stop")
+    for s in (5, 16):
+        spec = run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative=True, speculation_stride=s),
+                   logprobs=True, stop=stops)
+        assert_same(spec, plain)
+        assert spec.texts == plain.texts
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_slots_insert_mid_decode_equals_alone(model, tok, ds, speculative):
     """KNN-LM on the slot API: requests inserted into 2 slots while the other decodes give

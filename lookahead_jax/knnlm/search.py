@@ -258,6 +258,12 @@ def choose(keys, h, logits, ids, values, seeds, rows, positions, suppress=None, 
 
 
 # ----------------------------------------------------------------------------- model step
+@jax.jit
+def next_roots(root, tok, active):
+    """The next step's roots [B]: each active row's token, the others' roots as they were."""
+    return jnp.where(active, tok.astype(root.dtype), root)
+
+
 @functools.lru_cache(maxsize=None)
 def forward_fn(config):
     """jit (cache donated): forward each row's root [B] at its position cache.length over

@@ -21,10 +21,10 @@ the position + 1: the slot of the position's own input was written from a correc
 and decodes on from the new token; if it gives the same token, the later positions stand
 and are checked in turn. Every verified position's true neighbours feed the cache. The
 first token of every row is picked with a real search (the caches start empty); a row that
-ends (EOS, stop, length) with unverified positions is verified at once, and revived if a
-token changes. knn_speculate="ivf" adds to a step's candidates the 2k + 8 that an
-approximate faiss IVF index over the whole datastore proposes (search.py): where the text
-leaves the cached passages, that keeps speculation right (1M entries: 99.7% of tokens kept).
+ends with unverified positions ends the round (revived if verification changes a token).
+knn_speculate="ivf" adds to a step's candidates the 2k + 8 that an approximate faiss IVF
+index over the whole datastore proposes (search.py): where the text leaves the cached
+passages, that keeps speculation right (1M entries: 99.7% of tokens kept).
 
 Why the outputs are plain KNN-LM's, token for token. Induction over a row's positions:
 if its tokens up to position p are plain's, its cache slots 0..p-1 hold the K/V plain
@@ -46,8 +46,9 @@ speculative step, b(n) = b0 + b1 n: a verification of n queries, B active rows),
 s = argmax_{0..16} E(s) / T(s), s = 0 being plain KNN-LM (a real step and search per
 position), taken unless a stride is predicted 5% faster; s = 4 until a and b are measured.
 
-Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`; a
-speculative step dispatches its three back to back and syncs once, for its tokens). The
+Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`); a
+round's speculative steps are dispatched back to back, the host reading each step's
+tokens two steps later (the device does not wait for the host between them). The
 decode state is edited only through decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
 a wrong token's position, then `accept` of the right one), `set_logprob`.
@@ -55,7 +56,6 @@ a wrong token's position, then `accept` of the right one), `set_logprob`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from pathlib import Path
@@ -66,7 +66,7 @@ from ..core.decode import accept, call_compiled, rollback, set_logprob
 from ..knnlm.search import resolve_speculate
 from .base import StrategyBase
 from .speculation import (KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, FinalTextStream, KnnMeasures, SpeculationStats,
-                          auto_or_int, check_speculation_stride, number_in, os3_stride_knnlm)
+                          SuccessorCache, auto_or_int, check_speculation_stride, number_in, os3_stride_knnlm)
 
 SEARCHES = ("exact", "hnsw", "flat")
 SPECULATE = ("auto", "cache", "ivf")
@@ -203,6 +203,7 @@ class _Step:
     active: np.ndarray  # [B] rows that stepped
     pos: np.ndarray  # [B] position of each row's root (its input)
     nids: list  # generated ids of each row before this step's token
+    lp: np.ndarray = None  # [B] log-probabilities of the tokens
 
 
 class KnnRun:
@@ -254,18 +255,17 @@ class KnnRun:
         """Seconds on the host clock less the compilation seen so far (timers exclude it)."""
         return time.perf_counter() - self.engine.compiled.compile_s
 
-    def _forward(self, state, active, wait: bool = True):
+    def _forward(self, state, active):
         """Forward every row's root: (h [B,D], logits [B,V], the new cache, its length
-        advanced for the active rows). The step donates `state.cache`: its new cache goes to
-        `accept` (`_accept`) with the tokens picked; nothing reads the state's cache in
-        between. wait: block until h is ready (a search timer that follows times the search)."""
+        advanced for the active rows), h waited for (a search timer that follows times the
+        search). The step donates `state.cache`: its new cache goes to `accept` (`_accept`)
+        with the tokens picked; nothing reads the state's cache in between."""
         from ..knnlm.search import forward_fn
 
         eng = self.engine
         h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
                                       state.cache, eng.arg(state.root), eng.arg(active))
-        if wait:
-            h.block_until_ready()
+        h.block_until_ready()
         return h, logits, cache
 
     def _search(self, state, h, need=None):
@@ -299,24 +299,30 @@ class KnnRun:
         self.search_calls += 1
         return ids
 
-    def _choose(self, state, h, logits, ids, pos):
-        """(tokens [B], log-probabilities [B]) from (h, logits, neighbour ids) (search.choose)."""
+    def _choose_options(self, state):
+        """(the arguments after the positions, the static options) of `choose` for this state."""
+        s, opts = self.strat, state.step_options()
+        args = () if "suppress" not in opts else (self.engine.arg(opts["suppress"]),)
+        static = dict(lam=float(s.knn_lambda), temperature=float(s.knn_temperature), sampling=state.sampling,
+                      logprobs=bool(opts.get("logprobs")))
+        if "suppress" in opts:
+            static["ban"] = tuple(int(t) for t in opts["ban"])
+        return args, static
+
+    def _choose(self, state, h, logits, ids, pos, opts=None, host: bool = True):
+        """(tokens [B], log-probabilities [B]) from (h, logits, neighbour ids) (search.choose);
+        host=False: left on the device. opts: `_choose_options(state)` (computed if None)."""
         import jax
 
         from ..knnlm.search import choose
 
-        eng, s = self.engine, self.strat
-        opts = state.step_options()
+        eng = self.engine
+        extra, static = self._choose_options(state) if opts is None else opts
         ids = ids if isinstance(ids, jax.Array) else eng.arg(np.asarray(ids, np.int32))  # device ids stay there
         args = (self.index.keys, h, logits, ids, self.index.values, state.seeds,
-                state.rowids, eng.arg(np.asarray(pos, np.int32)))
-        static = dict(lam=float(s.knn_lambda), temperature=float(s.knn_temperature), sampling=state.sampling,
-                      logprobs=bool(opts.get("logprobs")))
-        if "suppress" in opts:
-            args += (eng.arg(opts["suppress"]),)
-            static["ban"] = tuple(int(t) for t in opts["ban"])
+                state.rowids, eng.arg(np.asarray(pos, np.int32))) + extra
         tok, lp = self._call(state, "knn_choose", choose, *args, **static)
-        return np.asarray(tok), np.asarray(lp)
+        return (np.asarray(tok), np.asarray(lp)) if host else (tok, lp)
 
     def _accept(self, state, active, tok, lp, cache) -> None:
         rows = np.flatnonzero(active)
@@ -366,7 +372,7 @@ class KnnSpecRun(KnnRun):
         super().__init__(strat, tokenizer, n_rows, engine)
         B = int(n_rows)
         self.M = max(SPEC_CACHE, self.k)
-        self.cache = [collections.OrderedDict() for _ in range(B)]
+        self.cache = SuccessorCache(B, self.index.size, strat.knn_cache_next, self.M)
         self.stats = SpeculationStats(B)
         self.row_kept = np.zeros(B, np.int64)  # checks whose token stood
         self.kept = 0  # of the requests that have left
@@ -391,7 +397,7 @@ class KnnSpecRun(KnnRun):
 
     def _reset(self, b: int) -> None:
         super()._reset(b)
-        self.cache[b] = collections.OrderedDict()
+        self.cache.reset(b)
         self.stats.retire(b)
         self.kept += int(self.row_kept[b])
         self.row_kept[b] = 0
@@ -405,24 +411,8 @@ class KnnSpecRun(KnnRun):
     def final_upto(self, state, b: int) -> int:
         return len(state.rows[b].ids) if self._pending[b] is None else self._pending[b]
 
-    # ---- the cache
-    def _insert(self, b: int, ids) -> None:
-        """The entries after each neighbour (id+1 .. id+n) enter row b's cache (newest kept)."""
-        c, N = self.cache[b], self.index.size
-        ids = np.asarray(ids)
-        succ = (ids[ids >= 0][None, :] + np.arange(1, self.strat.knn_cache_next + 1)[:, None]).ravel()
-        for x in succ[succ < N].tolist():
-            c[x] = None
-            c.move_to_end(x)
-        while len(c) > self.M:
-            c.popitem(last=False)
-
     def _candidates(self) -> np.ndarray:
-        out = np.full((len(self.cache), self.M), -1, np.int32)
-        for b, c in enumerate(self.cache):
-            ids = np.fromiter(c, np.int32, len(c))
-            out[b, :len(ids)] = ids
-        return out
+        return self.cache.ids()
 
     def _spec_cands(self, h, active, base: np.ndarray, dev=None):
         """What a speculative pick ranks, on the device: the caches' ids `base` [B,M] (`dev`:
@@ -443,33 +433,51 @@ class KnnSpecRun(KnnRun):
         return int(s) if s != "auto" else self.m.stride(rows, os3_stride_knnlm)
 
     # ---- steps
-    def _spec_step(self, state, active, base, dev) -> _Step:
-        """One speculative step of every active row: forward, cache search and pick are
-        dispatched back to back and the host waits once, for the tokens (the separate
-        jitted calls are kept: one program holding all three rounded the pick's
-        log-probabilities differently from `choose` alone, and a pick must be the same
-        function of (h, logits, ids) here as at verification and in plain KNN-LM)."""
-        from ..knnlm.search import cache_search
+    def _spec_round(self, state, active, s: int, base, dev) -> list:
+        """Up to s speculative steps of the active rows, dispatched back to back: a step's
+        tokens are the next step's roots on the device (`next_roots`); the host reads them
+        two steps later, so the device never waits for it (with knn_speculate="ivf" it
+        waits for each step's h: faiss runs on the host). A row that ends (EOS seen, its
+        max_new_tokens) ends the round: it is verified before it is final; `accept_steps`
+        drops what a row ran past its end (e.g. a stop string). A step is the executables a
+        plain step uses: one program holding forward, search and pick rounded the pick's
+        log-probabilities differently from `choose` alone, which verification uses."""
+        from ..core.decode import accept_steps
+        from ..knnlm.search import cache_search, forward_fn, next_roots
 
-        t0 = self._clock()
-        pos = state.lengths.copy()
-        nids = [len(r.ids) for r in state.rows]
-        h, logits, cache = self._forward(state, active, wait=False)
-        cand = self._spec_cands(h, active, base, dev)
-        spec = self._call(state, "knn_cache", cache_search, self.index.keys, h, cand, self.index.norms,
-                          self.index.n_valid, k=self.k)
-        tok, lp = self._choose(state, h, logits, spec, pos)
+        eng, t0 = self.engine, self._clock()
+        lengths, nids = state.lengths.copy(), np.array([len(r.ids) for r in state.rows])
+        left = np.array([r.max_new - len(r.ids) for r in state.rows])
+        opts, act = self._choose_options(state), eng.arg(active)
+        root, cache, steps = eng.arg(state.root), state.cache, []
+        for t in range(s):
+            if t >= 2:  # the tokens of step t - 2 (step t - 1 is queued behind it)
+                st = steps[t - 2]
+                st.tok, st.lp = np.asarray(st.tok), np.asarray(st.lp)
+                if any(int(st.tok[b]) in state.rows[b].eos_ids for b in np.flatnonzero(active)):
+                    break
+            if t and (left[active] <= t).any():
+                break
+            pos = lengths + np.where(active, t, 0)
+            h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params, cache, root, act)
+            spec = self._call(state, "knn_cache", cache_search, self.index.keys, h,
+                              self._spec_cands(h, active, base, dev), self.index.norms, self.index.n_valid, k=self.k)
+            tok, lp = self._choose(state, h, logits, spec, pos, opts, host=False)
+            root = self._call(state, "knn_roots", next_roots, root, tok, act)
+            steps.append(_Step(h, logits, spec, tok, active, pos, list(nids + t), lp))
+        for st in steps:  # the wait for the last tokens
+            st.tok, st.lp = np.asarray(st.tok), np.asarray(st.lp)
         for b in np.flatnonzero(active):
             if self._pending[b] is None:
-                self._pending[b] = nids[b]
-        self._accept(state, active, tok, lp, cache)
-        self.stats.speculations += active
+                self._pending[b] = int(nids[b])
+        accept_steps(state, [st.active for st in steps], [st.tok for st in steps], [st.lp for st in steps], cache)
+        self.stats.speculations += len(steps) * active
         dt = self._clock() - t0
         self.m.step_s += dt
-        self.stats.spec_s += dt  # the cache search is not timed apart (no sync): the step's time
-        self.stats.spec_calls += 1
-        self.m.spec_steps += 1
-        return _Step(h, logits, spec, tok, active.copy(), pos, nids)
+        self.stats.spec_s += dt  # the cache searches are not timed apart (no sync): the steps' time
+        self.stats.spec_calls += len(steps)
+        self.m.spec_steps += len(steps)
+        return steps
 
     def _plain_step(self, state, active, shadow: bool) -> None:
         """A real step (forward, search, pick) of the active rows; their true neighbours
@@ -492,7 +500,7 @@ class KnnSpecRun(KnnRun):
                 self.m.outcomes.append(bool(stok[b] == tok[b]))
         t2 = self._clock()
         for b in np.flatnonzero(active):
-            self._insert(b, true[b])
+            self.cache.insert(b, true[b])
         self.m.verify_log.append((int(active.sum()), searched))
         self.m.plain_s += self._clock() - t0 - searched - (t2 - t1)
         self.m.plain_steps += 1
@@ -523,7 +531,7 @@ class KnnSpecRun(KnnRun):
                     checking.discard(b)
                     continue
                 st_.checks[b] += 1
-                self._insert(b, true[t, b])
+                self.cache.insert(b, true[t, b])
                 if np.array_equal(spec[t, b], true[t, b]):
                     st_.hits[b] += 1
                     self.row_kept[b] += 1
@@ -572,17 +580,9 @@ class KnnSpecRun(KnnRun):
                 state.mark_finished()
                 self._stream.flush(state, self.final_upto)
                 return
-            steps, base, dev = [], None, None
-            while len(steps) < s:
-                active = state.active
-                if not active.any():
-                    break
-                if base is None:
-                    base = self._candidates()
-                    dev = None if self.speculate == "ivf" else self.engine.arg(base)
-                steps.append(self._spec_step(state, active, base, dev))
-                if (active & ~state.active).any():  # a row ended: verify it before it is final
-                    break
+            base = self._candidates()
+            dev = None if self.speculate == "ivf" else self.engine.arg(base)
+            steps = self._spec_round(state, active, s, base, dev)
             self.stats.strides.append(s)
             self._verify(state, steps)
         state.mark_finished()

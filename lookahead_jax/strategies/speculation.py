@@ -409,3 +409,36 @@ class FinalTextStream:
             if len(text) > len(sent) and text.startswith(sent):
                 cb(b, text[len(sent):])
                 self.sent[b] = text
+
+
+class SuccessorCache:
+    """Speculative KNN-LM's cache (strategies/knnlm.py), per row: for each neighbour a real
+    search returned, the `next_n` datastore entries after it (id+1 .. id+next_n, those
+    below `size`), the newest `capacity` kept."""
+
+    def __init__(self, n_rows: int, size: int, next_n: int, capacity: int):
+        self.rows = [collections.OrderedDict() for _ in range(int(n_rows))]
+        self.size, self.next_n, self.capacity = int(size), int(next_n), int(capacity)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def reset(self, b: int) -> None:
+        self.rows[b] = collections.OrderedDict()
+
+    def insert(self, b: int, ids) -> None:
+        """The entries after each of `ids` (-1: none) enter row b's cache, as its newest."""
+        c, ids = self.rows[b], np.asarray(ids)
+        succ = (ids[ids >= 0][None, :] + np.arange(1, self.next_n + 1)[:, None]).ravel()
+        for x in succ[succ < self.size].tolist():
+            c[x] = None
+            c.move_to_end(x)
+        while len(c) > self.capacity:
+            c.popitem(last=False)
+
+    def ids(self) -> np.ndarray:
+        """[n_rows, capacity] int32: each row's cached ids, oldest first, -1 padded."""
+        out = np.full((len(self.rows), self.capacity), -1, np.int32)
+        for b, c in enumerate(self.rows):
+            out[b, :len(c)] = np.fromiter(c, np.int32, len(c))
+        return out
