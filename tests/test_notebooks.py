@@ -50,3 +50,26 @@ def test_notebook_runs(path, monkeypatch):
     assert not errors
     assert "smoke run: True" in "".join(o.get("text", "") for o in nb.cells[2].outputs), \
         "the notebook's setup cell must read LOOKAHEAD_NOTEBOOK_SMOKE"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_install_cell_clones_repo_url_outside_a_checkout(path, tmp_path):
+    """The first code cell as a fresh Colab runs it (outside any checkout): it clones
+    REPO_URL (here this repository's own git directory, by path) next to the notebook and
+    takes that clone as ROOT, DATA inside it. Its pip branch runs only where the package or
+    a notebook dependency is missing (CI installs the `notebooks` extra itself)."""
+    import subprocess
+    import sys
+
+    nbformat = pytest.importorskip("nbformat")
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    cell = next(c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code").source
+    assert cell.count('REPO_URL = "') == 1, "one repo-URL variable at the top of the install cell"
+    code = cell.replace(cell[cell.index('REPO_URL = "'):].split("\n")[0], f"REPO_URL = {str(ROOT)!r}")
+    code += "\nprint('ROOT', ROOT, 'DATA', DATA)\n"
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    clone = tmp_path / "lookahead-jax"
+    assert f"ROOT {clone} DATA {clone / 'data'}" in p.stdout, p.stdout
+    assert (clone / "pyproject.toml").is_file() and (clone / "lookahead_jax").is_dir() and (clone / "data").is_dir()

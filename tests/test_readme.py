@@ -15,6 +15,9 @@ The README's ```bash blocks are parsed (backslash continuations joined, `&&` cha
 * the ```python block (the API) runs in a subprocess with `max_new_tokens=4`;
 * the server command runs (`--max-batch 2`, a free port, no warm-up) and its ```sh curl
   example and ```py `openai` client example are sent to it; SIGINT stops it.
+* the inline commands (in the text, not a block: the retrieval server and the
+  `--retriever remote:...` that reaches it) run too: the ralm command of its block, with the
+  remote retriever, gives the local index's answer.
 
 The subprocesses see a fresh LOOKAHEAD_JAX_CACHE whose entries link to the real cache (the
 converted model, GGUF files, kernels, compiled steps: nothing is downloaded or converted
@@ -296,3 +299,65 @@ def test_readme_server_and_its_clients_run(env):
                 server.kill()
                 raise
     assert server.returncode in (0, 130, -signal.SIGINT), server.stdout.read()[-4000:]
+
+
+def inline_commands() -> list[str]:
+    """The README's inline commands (outside code blocks), whitespace joined: spans of
+    `python -m lookahead_jax... --flags` or `--retriever remote:...` (a bare module name
+    such as `python -m lookahead_jax.distill` names the tool, it is not a command)."""
+    text = re.sub(r"```.*?```", "", README.read_text(), flags=re.S)
+    spans = [" ".join(m.group(1).split()) for m in re.finditer(r"`((?:python -m lookahead_jax|--)[^`]*)`", text)]
+    return [c for c in spans if c.startswith("--retriever remote:") or (c.startswith("python -m") and " --" in c)]
+
+
+def test_inline_commands_are_known():
+    """Every inline command is one test_readme_remote_retriever_runs runs (teach it the others)."""
+    known = ("python -m lookahead_jax.retrieval serve ", "--retriever remote:")
+    assert all(c.startswith(known) for c in inline_commands()), inline_commands()
+
+
+@pytest.mark.slow
+def test_readme_remote_retriever_runs(env, tmp_path):
+    """The README's inline retrieval server command, started as written (a free port), and
+    the ralm command of its block with the inline `--retriever remote:...` in place of the
+    local index: the same answer as the local index's."""
+    import select
+    import signal
+    import time
+
+    from lookahead_jax.retrieval.server import READY
+
+    (serve,) = [c for c in inline_commands() if c.startswith("python -m lookahead_jax.retrieval serve ")]
+    (remote,) = [c for c in inline_commands() if c.startswith("--retriever remote:")]
+    (ralm,) = [a for argvs in BLOCKS for a in argvs if "--strategy" in a and a[a.index("--strategy") + 1] == "ralm"]
+    serve_argv = shlex.split(serve)
+    corpus = serve_argv[serve_argv.index("--corpus") + 1]
+    build = [sys.executable, "-m", "lookahead_jax.retrieval", "build", "--corpus", corpus,
+             "--retriever", serve_argv[serve_argv.index("--retriever") + 1]]
+    run(build, env)
+    local = run(small(ralm, tmp_path), env)
+    host, _, port = remote.split()[1].removeprefix("remote:").rpartition(":")
+    port = str(_free_port())
+    server = subprocess.Popen([sys.executable] + serve_argv[1:] + ["--port", port], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, \
+                f"{serve} did not come up: {server.stderr.read() if server.poll() is not None else 'timeout'}"
+            if select.select([server.stdout], [], [], 1.0)[0] and server.stdout.readline().startswith(READY):
+                break
+        argv = list(ralm)
+        argv[argv.index("--retriever") + 1] = f"remote:{host}:{port}"
+        remote_out = run(small(argv, tmp_path), env)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+    def answers(stdout):
+        return [json.loads(ln)["token_ids"] for ln in stdout.splitlines() if ln.startswith("{") and "summary" not in ln]
+
+    assert answers(remote_out) == answers(local) and answers(local)
