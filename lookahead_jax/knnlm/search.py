@@ -280,6 +280,28 @@ def forward_fn(config):
     return jax.jit(fn, donate_argnums=(1,))
 
 
+@functools.lru_cache(maxsize=None)
+def spec_step_fn(config):
+    """jit (cache donated): one speculative step as one program, `forward_fn`'s forward, then
+    `cache_search` of cand [B,M], `choose` and `next_roots` -> (h, logits, cache, ids, tokens,
+    log-probabilities, next roots). Its pick may round differently from `choose` alone (one
+    log-probability in ~24 steps did, by an ulp), so speculative KNN-LM re-picks every
+    verified position with `choose` alone; the forward's h, logits and K/V are the forward
+    alone's bits (tests/test_knnlm.py checks speculative == plain bitwise)."""
+    forward = forward_fn(config)
+
+    def fn(params, cache, root, active, keys, cand, norms, n_valid, values, seeds, rows, positions,
+           suppress=None, *, k: int, lam: float, temperature: float, sampling: SamplingParams, ban: tuple = (),
+           logprobs: bool = False):
+        h, logits, cache = forward(params, cache, root, active)
+        ids = cache_search(keys, h, cand, norms, n_valid, k=k)
+        tok, lp = choose(keys, h, logits, ids, values, seeds, rows, positions, suppress, lam=lam,
+                         temperature=temperature, sampling=sampling, ban=ban, logprobs=logprobs)
+        return h, logits, cache, ids, tok, lp, next_roots(root, tok, active)
+
+    return jax.jit(fn, donate_argnums=(1,), static_argnames=("k", "lam", "temperature", "sampling", "ban", "logprobs"))
+
+
 # knn_speculate="auto": "ivf" from this many datastore entries (where faiss is installed),
 # else "cache". Measured on the shared wiki passages with SmolLM2-135M (speculative KNN-LM
 # over plain KNN-LM, the same tokens): 34.6K entries cache 0.98x, ivf 0.98x (a search is

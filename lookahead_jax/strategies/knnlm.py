@@ -28,16 +28,16 @@ passages, that keeps speculation right (1M entries: 99.7% of tokens kept).
 
 Why the outputs are plain KNN-LM's, token for token. Induction over a row's positions:
 if its tokens up to position p are plain's, its cache slots 0..p-1 hold the K/V plain
-computed (the same jitted step, the same tokens and positions, the whole cache as the
-attention window, and a row's values not depending on the other rows), so h_p and the
-logits at p are plain's bits; the true search of h_p returns plain's neighbours (exact
-search: the exact top-k under the canonical distance, however it is batched; faiss: its
-answer for one query does not depend on the others); `choose` of (h_p, logits_p, ids) is
-one executable of fixed shape [B,...] whose row values depend on that row alone, so a
-speculated list equal to the true one picks plain's token, and a different one is replaced
-by plain's pick, keyed for sampling by (seed, row, position) like the rest of the library.
-Tokens after p stand only when the token at p is plain's. Log-probabilities are taken from
-the pick with the true neighbours.
+computed (the same forward, tokens and positions, the whole cache as the attention window,
+a row's values not depending on the other rows; the one-program step's forward gives the
+forward alone's bits: the tests compare log-probabilities bitwise), so h_p and the logits
+at p are plain's; the true search of h_p returns plain's neighbours (exact search: the
+exact top-k under the canonical distance, however batched; faiss: one query's answer does
+not depend on the others); `choose` of (h_p, logits_p, true ids), one executable whose row
+values depend on that row alone, is plain's pick (sampling keyed by (seed, row, position)).
+A position keeps its token only if that pick equals it (a speculated list equal to the true
+one, from `choose` alone, is that pick; the one-program step's pick is picked again), and
+tokens after p stand only when the token at p is plain's. Log-probabilities are the pick's.
 
 OS3 (`speculation_stride="auto"`, speculation.py's KNN-LM form): a round of s speculative
 steps and one verification resolves E(s) = (1 - g^s) / (1 - g) positions (g: the measured
@@ -46,9 +46,8 @@ speculative step, b(n) = b0 + b1 n: a verification of n queries, B active rows),
 s = argmax_{0..16} E(s) / T(s), s = 0 being plain KNN-LM (a real step and search per
 position), taken unless a stride is predicted 5% faster; s = 4 until a and b are measured.
 
-Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`); a
-round's speculative steps are dispatched back to back, the host reading each step's
-tokens two steps later (the device does not wait for the host between them). The
+Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`, a
+speculative step as one program: `spec_step_fn`), dispatched back to back within a round. The
 decode state is edited only through decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
 a wrong token's position, then `accept` of the right one), `set_logprob`.
@@ -195,7 +194,6 @@ class KNNLM(StrategyBase):
 @dataclasses.dataclass
 class _Step:
     """One speculative step of a round (device arrays stay on the device)."""
-
     h: object  # [B,D]
     logits: object  # [B,V]
     spec: object  # [B,k] speculated neighbour ids
@@ -256,10 +254,8 @@ class KnnRun:
         return time.perf_counter() - self.engine.compiled.compile_s
 
     def _forward(self, state, active):
-        """Forward every row's root: (h [B,D], logits [B,V], the new cache, its length
-        advanced for the active rows), h waited for (a search timer that follows times the
-        search). The step donates `state.cache`: its new cache goes to `accept` (`_accept`)
-        with the tokens picked; nothing reads the state's cache in between."""
+        """Forward every row's root: (h [B,D] waited for, logits [B,V], the new cache, advanced
+        for the active rows: `state.cache` is donated, the new one goes to `accept`)."""
         from ..knnlm.search import forward_fn
 
         eng = self.engine
@@ -310,8 +306,7 @@ class KnnRun:
         return args, static
 
     def _choose(self, state, h, logits, ids, pos, opts=None, host: bool = True):
-        """(tokens [B], log-probabilities [B]) from (h, logits, neighbour ids) (search.choose);
-        host=False: left on the device. opts: `_choose_options(state)` (computed if None)."""
+        """(tokens [B], log-probabilities [B]) of search.choose (host=False: on the device)."""
         import jax
 
         from ..knnlm.search import choose
@@ -434,16 +429,13 @@ class KnnSpecRun(KnnRun):
 
     # ---- steps
     def _spec_round(self, state, active, s: int, base, dev) -> list:
-        """Up to s speculative steps of the active rows, dispatched back to back: a step's
-        tokens are the next step's roots on the device (`next_roots`); the host reads them
-        two steps later, so the device never waits for it (with knn_speculate="ivf" it
-        waits for each step's h: faiss runs on the host). A row that ends (EOS seen, its
-        max_new_tokens) ends the round: it is verified before it is final; `accept_steps`
-        drops what a row ran past its end (e.g. a stop string). A step is the executables a
-        plain step uses: one program holding forward, search and pick rounded the pick's
-        log-probabilities differently from `choose` alone, which verification uses."""
+        """Up to s speculative steps of the active rows, dispatched back to back, each one
+        program (`spec_step_fn`; "ivf": forward, then faiss on the host, search and pick) whose
+        tokens are the next step's roots on the device; the host reads them two steps later,
+        so the device never waits for it. A row that ends (EOS seen, max_new_tokens) ends the
+        round; `accept_steps` drops what a row ran past its end (e.g. a stop string)."""
         from ..core.decode import accept_steps
-        from ..knnlm.search import cache_search, forward_fn, next_roots
+        from ..knnlm.search import cache_search, forward_fn, next_roots, spec_step_fn
 
         eng, t0 = self.engine, self._clock()
         lengths, nids = state.lengths.copy(), np.array([len(r.ids) for r in state.rows])
@@ -458,12 +450,19 @@ class KnnSpecRun(KnnRun):
                     break
             if t and (left[active] <= t).any():
                 break
-            pos = lengths + np.where(active, t, 0)
-            h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params, cache, root, act)
-            spec = self._call(state, "knn_cache", cache_search, self.index.keys, h,
-                              self._spec_cands(h, active, base, dev), self.index.norms, self.index.n_valid, k=self.k)
-            tok, lp = self._choose(state, h, logits, spec, pos, opts, host=False)
-            root = self._call(state, "knn_roots", next_roots, root, tok, act)
+            pos, ix = lengths + np.where(active, t, 0), self.index
+            if self.speculate == "cache":  # one program (`spec_step_fn`)
+                h, logits, cache, spec, tok, lp, root = self._call(
+                    state, "knn_spec_step", spec_step_fn(eng.config), eng.params, cache, root, act, ix.keys, dev,
+                    ix.norms, ix.n_valid, ix.values, state.seeds, state.rowids, eng.arg(pos.astype(np.int32)),
+                    *opts[0], k=self.k, **opts[1])
+            else:  # faiss proposes on the host, from h
+                h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params, cache, root,
+                                              act)
+                spec = self._call(state, "knn_cache", cache_search, ix.keys, h, self._spec_cands(h, active, base, dev),
+                                  ix.norms, ix.n_valid, k=self.k)
+                tok, lp = self._choose(state, h, logits, spec, pos, opts, host=False)
+                root = self._call(state, "knn_roots", next_roots, root, tok, act)
             steps.append(_Step(h, logits, spec, tok, active, pos, list(nids + t), lp))
         for st in steps:  # the wait for the last tokens
             st.tok, st.lp = np.asarray(st.tok), np.asarray(st.lp)
@@ -524,7 +523,7 @@ class KnnSpecRun(KnnRun):
         checking = set(np.flatnonzero(np.any([st.active for st in steps], axis=0)).tolist())
         self.row_searches += np.sum([st.active for st in steps], axis=0)
         for t, st in enumerate(steps):
-            fix = []
+            fix = []  # rows whose pick is taken again with the true neighbours
             for b in sorted(checking):
                 r = state.rows[b]
                 if not st.active[b] or st.nids[b] >= len(r.ids):  # the row had ended before t
@@ -532,18 +531,19 @@ class KnnSpecRun(KnnRun):
                     continue
                 st_.checks[b] += 1
                 self.cache.insert(b, true[t, b])
-                if np.array_equal(spec[t, b], true[t, b]):
-                    st_.hits[b] += 1
+                hit = np.array_equal(spec[t, b], true[t, b])
+                st_.hits[b] += int(hit)
+                if hit and self.speculate != "cache":  # the pick was `choose` alone's: plain's
                     self.row_kept[b] += 1
                     self.m.outcomes.append(True)
-                else:
+                else:  # other neighbours, or the one-program step's pick (`spec_step_fn`)
                     fix.append(b)
             if not fix:
                 continue
             tok, lp = self._choose(state, st.h, st.logits, true[t], st.pos)
             for b in fix:
                 self.m.outcomes.append(bool(tok[b] == st.tok[b]))
-                if tok[b] == st.tok[b]:  # other neighbours, the same token: later positions stand
+                if tok[b] == st.tok[b]:  # the same token: later positions stand
                     self.row_kept[b] += 1
                     set_logprob(state, b, st.nids[b], lp[b])
                     continue
