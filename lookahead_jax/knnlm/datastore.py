@@ -75,6 +75,7 @@ FORMAT = 1  # meta.json layout version
 KEY_DTYPES = ("float16", "float32")
 MAX_TOKENS = 512  # tokens per passage (longer passages are cut)
 BATCH_TOKENS = 4096  # padded tokens per forward while building
+PLAN = 2  # `_plan`'s version: a partial build of another plan starts over (2: power-of-two rows)
 COMMIT_S = 10.0  # a build commits its progress (flushed keys, passages done) this often, in seconds
 # The build command an error suggests takes the first SUGGESTED_MAX_PASSAGES passages of a
 # larger corpus (minutes on a 2-core CPU; a whole Wikipedia-sized corpus takes hours there).
@@ -319,15 +320,16 @@ def partial_dir(path: Union[str, Path]) -> Path:
 
 
 def _plan(toks: list, counts: np.ndarray) -> list:
-    """[(P, passages)]: the forwards of a build, longest passages first, rows per forward ~
-    BATCH_TOKENS / P (the passages without entries last, P = 0: no forward). Each batch
+    """[(P, passages)]: the forwards of a build, longest passages first, rows per forward the
+    largest power of two <= BATCH_TOKENS / P, so that no forward but the last pads rows (the
+    passages without entries last, P = 0: no forward). Each batch
     depends only on the passages from its first on, so a build resumed at a batch boundary
     runs the same forwards (same shapes: bitwise the same keys) as an uninterrupted one."""
     order = sorted((i for i in range(len(toks)) if counts[i]), key=lambda i: -len(toks[i]))
     batches, i = [], 0
     while i < len(order):
         P = _bucket(len(toks[order[i]]))
-        rows = max(1, BATCH_TOKENS // P)
+        rows = 1 << (max(1, BATCH_TOKENS // P).bit_length() - 1)  # a power of two: no padding rows
         batches.append((P, order[i:i + rows]))
         i += rows
     empty = [i for i in range(len(toks)) if not counts[i]]
@@ -446,7 +448,7 @@ def build_datastore(model, tokenizer, corpus: Union[Corpus, str, Path], *, max_p
     for t in toks:
         tok_sha.update(np.asarray([len(t), *t], np.int64).tobytes())
     settings = {"format": FORMAT, "model": ident, "corpus_sha256": corpus.fingerprint, "n_passages": n_pass,
-                "max_tokens": max_tokens, "key_dtype": key_dtype, "batch_tokens": BATCH_TOKENS,
+                "max_tokens": max_tokens, "key_dtype": key_dtype, "batch_tokens": BATCH_TOKENS, "plan": PLAN,
                 "tokens_sha256": tok_sha.hexdigest()}
     engine = engine_for(model)
     fn = _hidden_fn(model.config, jnp.dtype(engine.dtype).name)
