@@ -392,23 +392,17 @@ def accept_steps(state: DecodeState, active, tokens, logprobs, cache) -> None:
     step's (a row's length advanced per step it was active). Each row takes its tokens in
     order up to its finish (EOS / stop / length), one step each, as `accept`; what it ran
     past its finish is dropped (its cache length set back to the slots it committed)."""
-    state.flush()
     active = np.asarray(active, bool)
-    ran, lengths = state.lengths + active.sum(axis=0), state.lengths.copy()  # ran: the cache's lengths
+    ran = state.lengths + active.sum(axis=0)  # the cache's lengths after the steps
     if any(state.rows[b].finish for b in np.flatnonzero(active.any(axis=0))):
         raise ValueError("accept_steps: a finished row cannot step")
-    for t in range(len(active)):
-        for b in np.flatnonzero(active[t]):
-            r = state.rows[b]
-            if not r.finish:
-                lengths[b] += 1
-                r.steps += 1
-                r.accept([int(tokens[t][b])], None if logprobs is None else [float(logprobs[t][b])])
-                state.root[b] = int(tokens[t][b])
-    short = np.flatnonzero(lengths != ran)
-    state.lengths, state.steps = lengths, state.steps + len(active)
-    state.cache = cache if not len(short) else cache.replace(length=cache.length.at[short].set(lengths[short]))
-    state.mark_finished()
+    for t in range(len(active)):  # each step as `accept` commits it, its rows that have not finished
+        rows = [b for b in np.flatnonzero(active[t]) if not state.rows[b].finish]
+        accept(state, rows, [tokens[t][b] for b in rows],
+               None if logprobs is None else [logprobs[t][b] for b in rows], cache=cache)
+    short = np.flatnonzero(state.lengths != ran)
+    if len(short):
+        state.cache = cache.replace(length=cache.length.at[short].set(state.lengths[short]))
 
 
 def set_logprob(state: DecodeState, b: int, i: int, value: float) -> None:

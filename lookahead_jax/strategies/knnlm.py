@@ -50,7 +50,7 @@ Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`
 speculative step as one program: `spec_step_fn`), dispatched back to back within a round. The
 decode state is edited only through decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
-a wrong token's position, then `accept` of the right one), `set_logprob`.
+a wrong token's position, then `accept` of the right one), `set_logprob`, `accept_steps`.
 """
 
 from __future__ import annotations
