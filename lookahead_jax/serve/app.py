@@ -22,6 +22,7 @@ import json
 import secrets
 import time
 import uuid
+import weakref
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -199,16 +200,24 @@ def _usage(prompt_lens: list, completion: int) -> dict:
 
 
 def build_app(server: Server) -> FastAPI:
-    """The FastAPI app over a `Server` (its scheduler started and drained with the app)."""
+    """The FastAPI app over a `Server` (its scheduler started and drained with the app).
+    The app holds the server (`app.state.server`); its routes reach it through a weak
+    reference, since FastAPI keeps route functions in process-wide caches: a route that
+    closed over the server would keep it (its engine, model and KV caches) alive after
+    the app is gone, e.g. every server a test or notebook started and stopped."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        server = app.state.server
         if not server.scheduler.alive:
             server.scheduler.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, server.scheduler.shutdown)
 
     app = FastAPI(title="lookahead-jax", lifespan=lifespan)
+    app.state.server = server
+    ref = weakref.ref(server)
+    del server
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req, exc: RequestValidationError):
@@ -224,20 +233,24 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        server = ref()
         return Response(status_code=200 if server.scheduler.alive else 503)
 
     @app.get("/v1/models")
     async def models():
+        server = ref()
         return {"object": "list", "data": [dict(id=server.model_name, object="model", created=int(time.time()),
                                                 owned_by="lookahead-jax", max_model_len=server.scheduler.max_len)]}
 
     @app.get("/metrics")
     async def metrics():
+        server = ref()
         body = server.metrics.render() if server.metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
+        server = ref()
         if body.messages is not None:
             ids = encode_prompts(server.tokenizer, [m.model_dump() for m in body.messages], True)[0]
         else:
@@ -246,6 +259,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
+        server = ref()
         if server.vocab and any(not 0 <= t < server.vocab for t in body.tokens):
             raise APIError(400, f"tokens must be ids in [0, {server.vocab})", "tokens")
         return dict(prompt=server.tokenizer.decode(body.tokens))
@@ -259,6 +273,7 @@ def build_app(server: Server) -> FastAPI:
         return await _serve(body, raw, chat=True)
 
     async def _serve(body, raw: HTTPRequest, chat: bool):
+        server = ref()
         queue: asyncio.Queue = asyncio.Queue()
         jobs = server.jobs(body, chat, _sink(asyncio.get_running_loop(), queue))
         server.submit(jobs)
@@ -272,6 +287,7 @@ def build_app(server: Server) -> FastAPI:
         return await _whole(body, raw, chat, jobs, queue, head, prompt_lens)
 
     async def _whole(body, raw, chat, jobs, queue, head, prompt_lens):
+        server = ref()
         res = [dict(text=[], tokens=[], lps=[], finish=None, retrieval=None) for _ in jobs]
         left = len(jobs)
         try:
@@ -311,6 +327,7 @@ def build_app(server: Server) -> FastAPI:
         return out
 
     async def _stream(body, raw, chat, jobs, queue, head, prompt_lens):
+        server = ref()
         head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
         left, n_tokens, offsets = len(jobs), 0, [0] * len(jobs)
 
