@@ -337,3 +337,27 @@ def test_bad_prefill_chunk_is_an_error():
     assert parse(["--prefill-chunk", "96"]).prefill_chunk == 96
     with pytest.raises(SystemExit):
         parse(["--prefill-chunk", "1"])
+
+
+def test_a_stopped_server_is_freed():
+    """A server started, asked once and stopped is garbage once its caller drops it: the
+    app's routes (which FastAPI keeps in process-wide caches) must not hold the Server, or
+    every server a process starts keeps its engine, model and KV caches."""
+    import gc
+    import weakref
+
+    from tiny import ByteTokenizer, tiny_model
+
+    srv = make_server(ServeConfig(model="tiny", strategy="greedy", max_batch=2, max_len=128),
+                      tiny_model("llama", seed=1), ByteTokenizer())
+    uv, thread, url = start_in_thread(srv)
+    try:
+        r = httpx.post(url + "/v1/completions", json=dict(model="tiny", prompt="hi", max_tokens=2), timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+    ref = weakref.ref(srv)
+    del srv, uv, thread
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
