@@ -39,7 +39,7 @@ def main(argv=None):
     import jax.numpy as jnp
 
     import lookahead_jax as lj
-    from lookahead_jax.core.buckets import PROMPT_BUCKETS
+    from lookahead_jax.core.buckets import prompt_bucket
     from lookahead_jax.core.engine import engine_for
     from lookahead_jax.knnlm import datastore as DS
 
@@ -54,7 +54,7 @@ def main(argv=None):
     fine = DS._padded_len
     ladders = {"fine": fine}
     if a.compare_buckets:
-        ladders["prompt buckets"] = lambda n: next((b for b in PROMPT_BUCKETS if b >= n), 1 << (n - 1).bit_length())
+        ladders["prompt buckets"] = lambda n: prompt_bucket(n, 1 << 30)  # no cache bound: the bucket itself
 
     def build(name):
         DS._padded_len = ladders[name]
