@@ -136,7 +136,15 @@ static inline vec wload(const uint16_t* p) {
 #endif
 }
 
-constexpr int MR = 8;        // rows of x per register block (8 x 3 accumulators)
+// Rows of x per register block: MR x 3 accumulators beside 3 weight vectors and a broadcast
+// fit the register file (AVX-512: 8 x 3 + 3 + 1 of 32; AVX2: 4 x 3 + 3 + 1 of 16, where 8 x 3
+// spilled: 8 rows took 61 ms of weight matmuls a SmolLM2 step against 48 ms in 4-row blocks
+// on a 2-core AMD EPYC, bench/ceiling.py).
+#if defined(__AVX512F__)
+constexpr int MR = 8;
+#else
+constexpr int MR = 4;
+#endif
 constexpr int PREFETCH = 16;  // rows of w ahead ("nn")
 constexpr int NV1 = 8;  // vectors per tile of a one-row product
 
@@ -192,8 +200,7 @@ static void for_row_blocks(int64_t M, const F& f) {
 // the next, carrying its sums through y: each output still gets the FMAs over k = 0..K-1
 // in order, starting from 0 (an f32 sum stored and reloaded is the same f32), so a row's
 // bits are nn_block's whatever M. MRL x NVL accumulators fit the vector registers with the
-// weights and a broadcast (AVX2 has 16: 6 x 2 + 2 + 1; AVX-512 32: 8 x 3 + 3 + 1), where the
-// few-row path's 8 x 3 spill on AVX2.
+// weights and a broadcast (AVX2 has 16: 6 x 2 + 2 + 1; AVX-512 32: 8 x 3 + 3 + 1).
 #if defined(__AVX512F__)
 constexpr int MRL = 8;
 constexpr int NVL = 3;
@@ -353,7 +360,7 @@ static ffi::Error MatmulNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 // ~2x faster (each piece of a strided walk costs a TLB lookup and restarts the
 // prefetcher). The FMAs are the row-major kernel's in the same order: bitwise the same y.
 // Up to LARGE_M rows (decode and verify steps: reading the weights is the cost) sub-tiles
-// of SW = 3, 2 or 1 vectors (TW = 48 on AVX2: two of 24), each read once for all rows.
+// of SW = 3, 2 or 1 vectors, each read once for all rows (`cpu_kernels.pack` makes TW = SW).
 // More rows (prefill, large trees: compute is the cost) take nn_tile_large per tile:
 // ~1.8x the throughput of the 8-row blocks there, as fast as XLA's and torch's GEMMs on
 // the 2-core AVX2 machine (Qwen2.5-1.5B shapes at M = 256: 167-171 GFLOP/s vs 93-114).
@@ -424,7 +431,7 @@ static ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 // (masked ones are exactly 0 after vexp_neg; the sum is lane-wise over full vectors of
 // slots, then a fixed reduction), probabilities p / sum, then p @ v by the "nn" block
 // (sequential over slots, so a masked slot's 0 adds nothing).
-constexpr int64_t ATTN_ROWS = MR;  // queries per tile
+constexpr int64_t ATTN_ROWS = 8;  // queries per tile
 
 static void attention_rows(const float* q, const float* kc, const float* vc, const bool* mask,
                            float* out, float* p, int64_t R, int64_t i0, int64_t G, int64_t W,

@@ -276,7 +276,17 @@ def materialize(x):
 
 
 # ----------------------------------------------------------------------------- packed weights
-PACK_WIDTHS = (48, 32, 16)  # tile widths tried in order: 3, 2, 1 AVX-512 vectors
+PACK_VECTORS = (3, 2, 1)  # tile widths tried in order, in vectors of the kernel's width
+
+
+def pack_widths() -> tuple:
+    """Tile widths tried in order: 3, 2, 1 vectors of the kernel's width (48, 32, 16 with
+    AVX-512; 24, 16, 8 with AVX2; AVX-512's where the kernel is off). The few-row kernel
+    reads a tile 3, 2 or 1 vectors wide as one contiguous stream. (AVX2 with AVX-512's 48:
+    two sub-tiles of 24 read every other 96 bytes of each 192-byte row, and a SmolLM2 step's
+    weight reads took 1.9x as long on a 2-core AMD EPYC, bench/ceiling.py.)"""
+    vw = vector_width() or 16
+    return tuple(v * vw for v in PACK_VECTORS)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -288,7 +298,7 @@ class PackedWeight:
     `unpacked()` gives w back. A pytree node (data is its only leaf), so packed params pass
     through jit like plain ones.
 
-        p = pack(w)            # w [576, 3072] -> p.data [64, 576, 48]
+        p = pack(w)            # w [576, 3072] -> p.data [64, 576, 48] (AVX2: [128, 576, 24])
         matmul(x, p)           # == matmul(x, w), bitwise
     """
 
@@ -320,11 +330,11 @@ class PackedWeight:
 
 def pack_width(n: int) -> Optional[int]:
     """The tile width for a weight of n columns (None: no width divides it; keep it plain)."""
-    return next((tw for tw in PACK_WIDTHS if n % tw == 0), None)
+    return next((tw for tw in pack_widths() if n % tw == 0), None)
 
 
 def pack(w, dtype=None) -> "PackedWeight":
-    """w [K, ...] -> PackedWeight (f32, columns a multiple of 16; see `pack_width`).
+    """w [K, ...] -> PackedWeight (f32, columns a multiple of the vector width; `pack_width`).
 
     `dtype=jnp.bfloat16` stores the tiles in bf16 (w rounded to nearest even): half the
     bytes per step, with f32 arithmetic (each weight widened exactly in registers). Not
@@ -336,7 +346,7 @@ def pack(w, dtype=None) -> "PackedWeight":
     n = int(np.prod(w.shape[1:]))
     tw = pack_width(n)
     if tw is None:
-        raise ValueError(f"cannot pack a weight of {n} columns: not a multiple of {PACK_WIDTHS[-1]}")
+        raise ValueError(f"cannot pack a weight of {n} columns: not a multiple of {pack_widths()[-1]}")
     if dtype is not None and jnp.dtype(dtype) != w.dtype:
         if jnp.dtype(dtype) != jnp.bfloat16 or w.dtype != jnp.float32:
             raise ValueError(f"packed weights are f32, or bf16 from f32; got {w.dtype} -> {jnp.dtype(dtype)}")
