@@ -210,7 +210,7 @@ constexpr int NVL = 2;
 #endif
 constexpr int64_t KC = 256;    // rows of w per slice (a 2-vector slice: 16 KiB on AVX2)
 constexpr int64_t LARGE_M = 16;  // above this many rows, the cache-blocked product (below, the
-                                 // 8-row blocks read a step's weights once: faster there, measured)
+                                 // MR-row blocks read a step's weights once: faster there, measured)
 
 // The M rows of one slice of kc rows of w (sums carried through y unless `first`).
 template <int NV, typename WT>
