@@ -1,4 +1,5 @@
-"""The overlapped decode loop vs the plain one (`generate(overlap=True)`), interleaved in
+"""The overlapped decode loop vs the plain one (`generate(overlap=True)`: the budget's scoring
+and the suffix / trie drafter's store update run while the next step computes), interleaved in
 one process on one model: NQ RAG prompts (chat, their passages as references), lookahead
 with the auto budget.
 

@@ -12,7 +12,7 @@ from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.generate import generate
 from lookahead_jax.prompts import encode_prompts
-from lookahead_jax.strategies import Lookahead
+from lookahead_jax.strategies import Lookahead, SpecInfer
 from tiny import ByteTokenizer, drive_slots, load_prompts, pin_verify_costs, tiny_model
 
 MAX_NEW = 24
@@ -86,3 +86,43 @@ def test_edits_flush_the_deferred_scoring(model, tok):
     assert slots.state.deferred is not None
     slots.free(0)
     assert slots.state.deferred is None and len(slots.budget._pending) <= pending + 2
+
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("drafts", ["suffix", "trie", "draft model"])
+def test_store_update_runs_during_the_next_forward(model, tok, drafts, overlap, monkeypatch):
+    """Under overlap the suffix / trie drafter's update of step t (`Drafter.defer_update`)
+    runs after step t+1's forward was dispatched; without overlap, before it; a draft
+    model's update never waits (its next proposal needs it). The tokens are greedy's
+    either way (the tests above)."""
+    pin_verify_costs(monkeypatch, lambda T: 1.0)
+    strategy = SpecInfer(draft_model=tiny_model("llama", seed=2), budget="fixed") if drafts == "draft model" \
+        else Lookahead(drafts=drafts)
+    engine = engine_for(model)
+    slots = Slots(engine, tok, 2, CACHE, strategy, overlap=overlap)
+    deferred = overlap and drafts != "draft model"
+    assert getattr(slots.drafter, "defer_update", False) == (drafts != "draft model")
+    events, verify, update = [], engine.verify, slots.drafter.update
+
+    def spy_verify(*a, **kw):
+        if not kw.get("prefetch"):  # not the other tree sizes' executables, loaded meanwhile
+            events.append("verify")
+        return verify(*a, **kw)
+
+    def spy_update(state, result):
+        events.append("update")
+        return update(state, result)
+
+    monkeypatch.setattr(engine, "verify", spy_verify)
+    monkeypatch.setattr(slots.drafter, "update", spy_update)
+    ids = encode_prompts(tok, TEXTS[:2], chat=False)
+    # 3 steps of at most 1 + 32 tokens never finish a request of 128 (earlier tests' outputs
+    # of these prompts are in the engine's stores: drafts may be long)
+    slots.insert([0, 1], [Request(x, 128, sampling_row=i) for i, x in enumerate(ids)])
+    events.clear()  # the prefill
+    for _ in range(3):
+        slots.step()
+    assert events == (["verify", "verify", "update", "verify", "update"] if deferred else ["verify", "update"] * 3)
+    slots.free(0)  # the last step's deferred update runs first
+    assert events[-1] == "update" and events.count("update") == 3 and slots.state.deferred is None

@@ -32,9 +32,11 @@ with the roots into a static block (`tree.py`) and verified in one jitted forwar
 acceptance rule (`verify.py`, `acceptance.py`); each row keeps its emitted tokens up to
 EOS / stop string / max length (`RowState.accept`, which also streams text); the drafter
 and the budget see the outcome. Greedy is the same loop with no drafter (T = 0).
-With `state.overlap` the budget's scoring of a step is deferred and runs while the next
-step's forward computes (dispatched, not yet waited for); `DecodeState.flush` runs it
-first wherever the state is edited between steps. The same tokens; tree sizes may differ.
+With `state.overlap` the budget's scoring of a step, and the drafter's update where it
+allows (`Drafter.defer_update`: the suffix and trie drafters' store appends), are deferred
+and run while the next step's forward computes (dispatched, not yet waited for), so the
+next proposal is built from stores one step behind; `DecodeState.flush` runs them first
+wherever the state is edited between steps. The same tokens; tree sizes may differ.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class DecodeState:
     compile_s: float = 0.0  # compilation seen since t_start
     windows: set = dataclasses.field(default_factory=set)  # attention windows steps have used
     finish_s: dict = dataclasses.field(default_factory=dict)
-    # overlap: a step's budget scoring runs while the next step's forward computes (`step`)
+    # overlap: a step's budget scoring (and deferrable drafter update) runs while the next
+    # step's forward computes (`step`)
     overlap: bool = False
     deferred: Optional[Callable[[], None]] = None
 
@@ -216,9 +219,10 @@ def timed(engine, state, fn, meanwhile: Optional[Callable[[], None]] = None):
     seconds, compiled?)."""
     c0, t0 = engine.compiled.compile_s, time.perf_counter()
     out, cache = fn()
+    jax.copy_to_host_async(out)  # the copies start as soon as the device is done (a GPU's)
     if meanwhile is not None:
         meanwhile()
-    out = jax.tree.map(np.asarray, out)  # host values (fields not asked for stay None)
+    out = jax.device_get(out)  # host values, fetched together (fields not asked for stay None)
     dc = engine.compiled.compile_s - c0
     state.compile_s += dc
     return out, cache, time.perf_counter() - t0 - dc, dc > 0
@@ -583,10 +587,11 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
         state.root[b] = emitted[b, n - 1]
     result = StepResult(emitted, n_emit, path, kept, T, window,
                         np.array([len(d) for d in drafts.drafts], np.int32))
-    if drafter is not None:
+    defer = state.overlap and getattr(drafter, "defer_update", False)  # `Drafter.defer_update`
+    if drafter is not None and not defer:
         drafter.update(state, result)
-    if state.overlap:  # scored while the next step computes (or at the next flush)
-        state.deferred = lambda: budget.score(state)
+    if state.overlap:  # while the next step computes (or at the next flush): update if deferred, score
+        state.deferred = lambda: (defer and drafter.update(state, result), budget.score(state))
     else:
         budget.score(state)
     state.host_s += time.perf_counter() - h0

@@ -134,8 +134,8 @@ class Slots:
     auto's calibration). prefill_chunk: None (a prompt is forwarded whole at insert) or C >= 2
     tokens forwarded per block of a longer prompt (module docstring; a retrieval run's slots
     always prefill whole prompts: `self.prefill_chunk` is then None). overlap: a step's
-    budget scoring runs while the next step computes (`decode.step`; insert, free, close
-    and a run's step run it first). Call `close()` when done (a run's workers stop)."""
+    budget scoring (and a deferrable drafter update) runs while the next step computes
+    (`decode.step`; insert, free, close and a run's step run it first). Call `close()` when done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
@@ -166,7 +166,7 @@ class Slots:
             seeds=engine.put(np.zeros(n_slots, np.uint32)), rowids=engine.put(np.arange(n_slots, dtype=np.int32)),
             sampling=sampling, max_len=max_len, ban=self.eos_ids, logprobs=bool(logprobs), penalties=penalties,
             vocab=int(engine.config.vocab_size))
-        self.state.overlap = bool(overlap)  # budget scoring overlapped with the next step (`decode.step`)
+        self.state.overlap = bool(overlap)  # bookkeeping overlapped with the next step (`decode.step`)
         self.state.set_row_values(engine.put)
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
@@ -525,6 +525,7 @@ class _SkipRows:
     def __init__(self, inner, rows):
         self.inner, self.rows = inner, rows
         self.max_nodes = inner.max_nodes
+        self.defer_update = getattr(inner, "defer_update", False)
 
     def propose(self, state, budget: int) -> DraftBatch:
         out = self.inner.propose(state, budget)

@@ -20,6 +20,11 @@ The loop (`decode.decode`) calls a drafter once per step for the whole batch:
     end(rows=None)             the requests of `rows` (None: all) are over
     summary() -> dict          counters for the call's stats (e.g. the draft model's time)
     max_nodes: int             the largest draft it proposes (sizes the cache)
+    defer_update: bool         optional (absent: False). True when `update` only feeds
+                               stores that later proposals read, so the next `propose`
+                               may run before it: the overlapped loop (`overlap=True`) then
+                               runs it while the next step's forward computes. False for a
+                               drafter whose next draft needs it (a draft model's cache)
 
 What a drafter keeps for the budget policy (e.g. the trie's acceptance statistics per
 match class, on `Draft.key`) stays with the drafter; the loop reads no drafter fields

@@ -229,6 +229,13 @@ class SuffixDrafter:
             engine.stores.suffix_cache = SuffixCache()
         return cls(cache=engine.stores.suffix_cache, **kw)
 
+    @property
+    def defer_update(self) -> bool:
+        """`update` appends the kept tokens to the row's store (a proposal one step before
+        they are in it is still valid: the overlapped loop runs it during the next step's
+        forward), except when trimming here: `calibration` pairs each draft with its outcome."""
+        return not self.costs
+
     def begin(self, state, references=None, rows=None) -> None:
         self.end(rows)
         for row in range(state.batch) if rows is None else rows:

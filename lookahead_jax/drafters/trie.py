@@ -22,6 +22,10 @@ _request_ids = itertools.count()
 
 
 class TrieDrafter:
+    # `update` only adds output n-grams: a proposal one step before they are in the trie
+    # is still valid (the overlapped loop runs it during the next step's forward)
+    defer_update = True
+
     def __init__(self, branch_length: int = 12, mode: str = "hierarchical", max_nodes: int = 64,
                  trie: NgramTrie | None = None, max_match: int = 2,
                  acceptance: AcceptanceStats | None = None):

@@ -144,8 +144,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         sampling key's row), so a long list decoded in batches samples as one batch.
     mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): params
         split by the rule table, batch rows and the KV cache over "data".
-    overlap: a drafting step's budget bookkeeping runs while the next step's forward
-        computes (`core.decode.step`); the same tokens, tree sizes may differ.
+    overlap: a drafting step's budget bookkeeping (and the suffix / trie drafter's store
+        update) runs while the next step's forward computes (`core.decode.step`); the same
+        tokens, tree sizes may differ.
     """
     strat = resolve(strategy, **strategy_options)
     call = _Call.check(max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
