@@ -9,9 +9,9 @@
 # Stages: env (device, versions), tests (the suite on the GPU, not the slow tests, junit XML),
 # bench (stopping at EOS: greedy vs HF transformers on cuda, lookahead trie/suffix/fixed 15
 # in f32 and bf16 (how often bf16 lookahead differs from bf16 greedy), K tokens per device
-# call, the overlapped loop on / off, and a jax.profiler trace of one generate call). Everything lands in $OUT as
-# gpu-<stage>.tgz.aa, .ab, ... (15 MiB parts) + gpu-<stage>.log (the device tool brings back
-# at most 8 files of 16 MiB).
+# call, the overlapped loop on / off, and a jax.profiler trace of one generate call).
+# Everything lands in $OUT as gpu-<stage>.tgz.aa, .ab, ... (15 MiB parts) + gpu-<stage>.log
+# (the device tool brings back at most 8 files of 16 MiB).
 # Each stage is bounded by `timeout` (TESTS_S 300, BENCH_S 420 seconds by default) so both calls
 # fit a session's 15 minutes of device time with the machine's start.
 set -uo pipefail

@@ -88,7 +88,6 @@ def test_edits_flush_the_deferred_scoring(model, tok):
     assert slots.state.deferred is None and len(slots.budget._pending) <= pending + 2
 
 
-
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("drafts", ["suffix", "trie", "draft model"])
 def test_store_update_runs_during_the_next_forward(model, tok, drafts, overlap, monkeypatch):

@@ -32,11 +32,9 @@ with the roots into a static block (`tree.py`) and verified in one jitted forwar
 acceptance rule (`verify.py`, `acceptance.py`); each row keeps its emitted tokens up to
 EOS / stop string / max length (`RowState.accept`, which also streams text); the drafter
 and the budget see the outcome. Greedy is the same loop with no drafter (T = 0).
-With `state.overlap` the budget's scoring of a step, and the drafter's update where it
-allows (`Drafter.defer_update`: the suffix and trie drafters' store appends), are deferred
-and run while the next step's forward computes (dispatched, not yet waited for), so the
-next proposal is built from stores one step behind; `DecodeState.flush` runs them first
-wherever the state is edited between steps. The same tokens; tree sizes may differ.
+With `state.overlap` a step's budget scoring and, where `Drafter.defer_update` allows, the
+drafter's update (the next draft then uses stores a step behind) run while the next step's forward
+computes; `DecodeState.flush` runs them first at every state edit. Same tokens; tree sizes may differ.
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ class DecodeState:
     compile_s: float = 0.0  # compilation seen since t_start
     windows: set = dataclasses.field(default_factory=set)  # attention windows steps have used
     finish_s: dict = dataclasses.field(default_factory=dict)
-    # overlap: a step's budget scoring (and deferrable drafter update) runs while the next
-    # step's forward computes (`step`)
+    # overlap: a step's bookkeeping runs while the next step's forward computes (`step`)
     overlap: bool = False
     deferred: Optional[Callable[[], None]] = None
 
@@ -590,8 +587,12 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     defer = state.overlap and getattr(drafter, "defer_update", False)  # `Drafter.defer_update`
     if drafter is not None and not defer:
         drafter.update(state, result)
-    if state.overlap:  # while the next step computes (or at the next flush): update if deferred, score
-        state.deferred = lambda: (defer and drafter.update(state, result), budget.score(state))
+    if state.overlap:  # run while the next step computes (or at the next flush)
+        def bookkeeping():
+            if defer:
+                drafter.update(state, result)
+            budget.score(state)
+        state.deferred = bookkeeping
     else:
         budget.score(state)
     state.host_s += time.perf_counter() - h0

@@ -135,7 +135,8 @@ class Slots:
     tokens forwarded per block of a longer prompt (module docstring; a retrieval run's slots
     always prefill whole prompts: `self.prefill_chunk` is then None). overlap: a step's
     budget scoring (and a deferrable drafter update) runs while the next step computes
-    (`decode.step`; insert, free, close and a run's step run it first). Call `close()` when done (a run's workers stop)."""
+    (`decode.step`; insert, free, close and a run's step run it first). Call `close()` when
+    done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
