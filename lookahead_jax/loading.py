@@ -3,7 +3,8 @@
 Resolution order for `name_or_path`:
 1. a preset name (`presets.PRESETS`): its converted orbax checkpoint is cached under
    `cache_root()/<preset>/<dtype>/`; the first load converts the packaged GGUF (progress
-   bar), later loads restore the checkpoint in seconds;
+   bar), later loads restore the checkpoint in seconds (processes loading a preset for the
+   first time at once: one converts, the others wait on `<dtype>.lock`, then restore it);
 2. a local path: a directory saved by `save_pretrained` below (orbax checkpoint + config),
    an HF directory (config.json + safetensors), or a `.gguf` file;
 3. an HF hub id ("org/name"): downloaded with huggingface_hub when online (clear error when
@@ -24,15 +25,22 @@ comparing weights with another library) load with `keep_unpacked=True`, or take
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import jax.numpy as jnp
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock (see _conversion_lock)
+    fcntl = None
 
 from . import presets
 from .convert import checkpoint as ckpt
@@ -192,37 +200,11 @@ def pack_for_cpu(model, dtype=None) -> bool:
 
 def _load(name_or_path, dtype, progress: bool, pack=False, packed_dtype=None):
     dtype = parse_dtype(dtype)
-    dname = jnp.dtype(dtype).name
     if not name_or_path or not str(name_or_path).strip():
         raise ValueError("empty model name; pass a preset name, a local path or an HF hub id")
     name = str(name_or_path)
     if name in presets.PRESETS:
-        target = presets.cache_root() / name / dname
-        if _is_saved(target):
-            try:
-                return _restore(target, dtype, name, pack, packed_dtype)
-            except Exception as e:  # a half-written, truncated or stale cache entry: rebuild it
-                reason = str(e).split(" See full TensorStore details")[0].splitlines()[0]
-                log.warning("cached checkpoint at %s is unreadable (%s): rebuilding it from the GGUF",
-                            target, reason)
-                shutil.rmtree(target, ignore_errors=True)
-        from .fetch import gguf_path
-
-        path = gguf_path(name)  # raises with the exact fetch command when not installed
-        config, params = load_gguf(path, dtype=dtype, progress=progress)
-        release_memory()  # the dequantization's scratch, before the save adds its buffers
-        model = Model(config, params, name, dtype)
-        tok = Tokenizer.from_gguf(path)
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(model, tok, tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-        if not pack:
-            return model, tok
-        del model, params  # read back packed, leaf by leaf: never the converted and a packed copy at once
-        release_memory()
-        return _restore(target, dtype, name, pack, packed_dtype)
+        return _load_preset(name, dtype, progress, pack, packed_dtype)
 
     path = Path(name).expanduser()
     if path.exists():
@@ -244,6 +226,96 @@ def _load(name_or_path, dtype, progress: bool, pack=False, packed_dtype=None):
     if _is_hub_id(name):
         return _load_from_hub(name, dtype)
     raise ValueError(_unknown(name))
+
+
+def _load_preset(name, dtype, progress: bool, pack=False, packed_dtype=None):
+    """A preset: its cached checkpoint, restored; else its GGUF converted and saved (and, to
+    pack, read back from the checkpoint). A checkpoint found saved is restored without a lock. Otherwise check, convert,
+    save and rename run under `_conversion_lock`: of several processes loading a preset for
+    the first time at once, one converts and the others wait, then restore its checkpoint
+    (before the lock, all wrote one `<dtype>.tmp` directory, removed each other's files and
+    died in orbax's save). Each save goes to a temp dir of its own, renamed onto the target
+    when whole, so a reader finds no checkpoint or a complete one."""
+    target = presets.cache_root() / name / jnp.dtype(dtype).name
+    broken = None
+    seen = _marker(target)  # before the restore: the entry it read, whoever replaces it later
+    if seen is not None:
+        try:
+            return _restore(target, dtype, name, pack, packed_dtype)
+        except Exception as e:  # a half-written, truncated or stale cache entry: rebuild it
+            reason = str(e).split(" See full TensorStore details")[0].splitlines()[0]
+            log.warning("cached checkpoint at %s is unreadable (%s): rebuilding it from the GGUF",
+                        target, reason)
+            broken = seen
+    with _conversion_lock(target) as locked:
+        stale = _marker(target)
+        done = stale is not None and stale != broken  # another process saved it meanwhile
+        if not done:
+            if locked:  # nobody else is converting: temp dirs left are from killed conversions
+                for old in target.parent.glob(f"{target.name}.tmp*"):
+                    shutil.rmtree(old, ignore_errors=True)
+            model, tok = _convert(name, target, dtype, progress, stale)
+    if done:
+        log.info("%s was converted by another process while this one waited: restoring it", target)
+        return _restore(target, dtype, name, pack, packed_dtype)
+    if not pack:
+        return model, tok
+    del model  # read back packed, leaf by leaf: never the converted and a packed copy at once
+    release_memory()
+    return _restore(target, dtype, name, pack, packed_dtype)
+
+
+def _marker(path: Path):
+    """Which saved checkpoint is at `path`: (inode, ctime) of its LOOKAHEAD_JAX file, which
+    `save_pretrained` writes last (a rebuilt checkpoint has a new one); None if unsaved."""
+    try:
+        st = (path / "LOOKAHEAD_JAX").stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path):
+    """An exclusive `flock` on `<target>.lock` for the block; yields whether one is held
+    (False without fcntl, e.g. on Windows: then only the temp dirs of their own keep two
+    converting processes apart). The lock file stays: removing it would let a later process
+    lock a new file while another still holds the old one."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield False
+        return
+    with open(target.with_name(target.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield True  # closing the file releases the lock
+
+
+def _convert(name, target: Path, dtype, progress: bool, stale):
+    """(model, tokenizer) from the preset's GGUF, also saved as `target`: written to
+    `<target>.tmp.<pid>.<random>`, then renamed onto `target` (`os.replace` of a directory
+    is atomic, but fails onto a non-empty one: the entry there is removed first when it is
+    `stale`, the `_marker` found under the lock, or None). Without a lock another process
+    may have saved it meanwhile: its checkpoint is kept and this one dropped."""
+    from .fetch import gguf_path
+
+    path = gguf_path(name)  # raises with the exact fetch command when not installed
+    config, params = load_gguf(path, dtype=dtype, progress=progress)
+    release_memory()  # the dequantization's scratch, before the save adds its buffers
+    model = Model(config, params, name, dtype)
+    tok = Tokenizer.from_gguf(path)
+    tmp = target.with_name(f"{target.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+    try:
+        save_pretrained(model, tok, tmp)
+        if _marker(target) in (None, stale):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if _marker(target) in (None, stale):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (gone after the rename)
+    return model, tok
 
 
 def _is_hub_id(name: str) -> bool:
