@@ -412,6 +412,7 @@ def _run(argv, prog) -> int:
         stop_token_ids=list(cfg.stop_token_ids) or None, min_new_tokens=cfg.min_new_tokens,
         logprobs=cfg.logprobs, repetition_penalty=cfg.repetition_penalty,
         presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
+        fallback=True,  # a tree size compiles in the background while the steps do without it
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
                   prefill_s=0.0)

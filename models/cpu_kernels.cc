@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 
@@ -439,10 +440,17 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
   // Slots past the last one any of these rows sees are masked for all of them: they would
   // add exact zeros (to the sum and to p @ v), so the tile stops at the vector of slots
   // holding that last one. A decode window is a power of two, ~1/4 masked on average.
+  // The scan from the window's end skips 8 masked slots per load: a whole-cache window
+  // (one compiled step for every length) then costs about what a tight one does.
   int64_t last = -1;
   for (int64_t r = 0; r < R; ++r) {
     const bool* mr = mask + ((i0 + r) / G) * W;  // query i = t*G + g
-    for (int64_t j = W - 1; j > last; --j)
+    int64_t j = W - 1;
+    for (uint64_t word; j - 7 > last; j -= 8) {
+      std::memcpy(&word, mr + j - 7, sizeof(word));
+      if (word) break;
+    }
+    for (; j > last; --j)
       if (mr[j]) {
         last = j;
         break;

@@ -392,6 +392,15 @@ def matmul_nt(x, e):
     return _dot_nt(x, e)
 
 
+def attention_applies(tokens: int, head_dim: int) -> bool:
+    """Whether `attention` runs the kernel for f32 blocks of `tokens` new tokens per row and
+    this head size (building the kernel on first call). The kernel reads each row only up
+    to its last visible slot, so where it applies a step's window can be the whole cache at
+    no measurable cost (`Engine.window`)."""
+    vw = vector_width() if 1 <= tokens <= MAX_ATTN_TOKENS else None
+    return bool(vw) and head_dim % vw == 0
+
+
 def attention(q, k, v, mask, scale: float, reference):
     """Attention of one layer's new tokens over the cache, in one kernel call on CPU.
 

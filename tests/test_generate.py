@@ -125,9 +125,11 @@ def test_greedy_equals_naive_full_forward_loop(models, tok, family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_generation_across_attention_windows(models, tok, family):
-    """Decode steps attend over a bucketed window of the cache (128, 256, ... slots), not all
-    of it. A prompt of 120 tokens decoding 24 crosses the 128 -> 256 boundary (S = 256) and
-    still matches the naive full-forward loop, greedy and lookahead, batch 1 and 2."""
+    """Decode steps attend over a window of the cache (`Engine.window`: 128, 512, ... slots
+    where attention reads every slot of it; the whole cache where the CPU attention kernel
+    runs the step), not all of it. A prompt of 120 tokens decoding 24 crosses the 128 -> 256
+    (= S) boundary and still matches the naive full-forward loop, greedy and lookahead,
+    batch 1 and 2; the steps compiled are at the windows `Engine.window` names."""
     model = models[family]
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 250, n)] * 3 for n in (40, 27)]  # 120, 81 tokens
@@ -142,7 +144,9 @@ def test_generation_across_attention_windows(models, tok, family):
                       drafter=TrieDrafter(branch_length=4))
         assert la.token_ids == want[: len(batch)]
     windows = {c.split("window=")[1].rstrip(")") for c in compiled.compilations[before:] if "window=" in c}
-    assert windows == {"128", "256"}
+    eng = engine_for(model)  # the prefill's own 128 slots; steps before and after slot 128
+    assert windows == {"128"} | {str(eng.window(n, 256, t)) for n in (121, 129, 144) for t in (1, 8)}
+    assert "256" in windows
 
 
 def naive_greedy_long(model, prompt_ids, max_new):
@@ -158,7 +162,8 @@ def naive_greedy_long(model, prompt_ids, max_new):
 
 def test_window_for():
     assert window_for(1, 1024) == 128 and window_for(128, 1024) == 128
-    assert window_for(129, 1024) == 256 and window_for(600, 1024) == 1024
+    assert window_for(129, 1024) == 512 and window_for(513, 1024) == 1024  # each window 4x the last
+    assert window_for(129, 8192) == 512 and window_for(513, 8192) == 2048 and window_for(2049, 8192) == 8192
     assert window_for(700, 768) == 768 and window_for(50, 64) == 64  # never past the cache
     with pytest.raises(ValueError, match="cache holds 512"):
         window_for(513, 512)

@@ -105,7 +105,7 @@ def test_store_update_runs_during_the_next_forward(model, tok, drafts, overlap, 
     events, verify, update = [], engine.verify, slots.drafter.update
 
     def spy_verify(*a, **kw):
-        if not kw.get("prefetch"):  # not the other tree sizes' executables, loaded meanwhile
+        if kw.get("ahead") is None:  # not a look-ahead (other tree sizes' executables loaded meanwhile)
             events.append("verify")
         return verify(*a, **kw)
 

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,9 +170,35 @@ def test_specinfer_mixed_batch_equals_alone(model, tok, ids):
             f"prompt {i}: {MIX[i]}"
 
 
-def test_greedy_batch_keeps_the_argmax_step(model, tok, ids):
-    """A greedy batch passes no sampling arrays: its steps sort nothing over the
-    vocabulary; a batch with a top-p row does."""
+def _unconditional(hlo: str) -> str:
+    """The text of the computations an HLO module runs on every call: ENTRY and what it
+    calls (fusions, loops, reductions), not the branches of a conditional (run only when
+    their predicate says so)."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            name = "ENTRY" if line.startswith("ENTRY") else head.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    seen, todo = set(), ["ENTRY"]
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            line = re.sub(r"(branch_computations=\{[^}]*\}|true_computation=%?[\w.\-]+|false_computation=%?[\w.\-]+)",
+                          "", line)
+            todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+    return "\n".join(line for c in seen for line in comps[c])
+
+
+def test_greedy_and_sampled_batches_share_one_step(model, tok, ids):
+    """The sampling mode is data: a batch with a top-p row runs the very steps a greedy
+    batch compiled (nothing compiles for it), and the sort over the vocabulary sits in a
+    branch the step takes only when a row samples: a greedy batch sorts nothing."""
     engine = engine_for(model)
 
     def new_executables(requests):
@@ -183,7 +211,10 @@ def test_greedy_batch_keeps_the_argmax_step(model, tok, ids):
                 if id(e) not in before]
 
     greedy = new_executables([Request(ids[0][:40], 4), Request(ids[1][:40], 4)])
+    n = len(engine.compiled.compilations)
     mixed = new_executables([Request(ids[0][:40], 4),
                              Request(ids[1][:40], 4, sampling=SamplingParams(0.7, 0, 0.9))])
-    assert greedy and mixed and all("sort" in e.as_text() for e in mixed)
-    assert not any("sort" in e.as_text() for e in greedy)
+    assert greedy and mixed == [] and engine.compiled.compilations[n:] == []
+    texts = [e.as_text() for e in greedy]
+    assert all("sort" in t for t in texts)  # the top-p branch is compiled in ...
+    assert not any("sort" in _unconditional(t) for t in texts)  # ... and runs only when taken

@@ -361,3 +361,38 @@ def test_a_stopped_server_is_freed():
     del srv, uv, thread
     gc.collect()
     assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+def test_health_tells_the_warm_up_and_requests_wait_for_its_minimum_set():
+    """While the minimum set of step programs compiles, /health answers 503 with the
+    progress and a request waits (nothing is admitted); once it is compiled, /health is 200,
+    the request is answered, and /metrics and /health count the configuration's programs,
+    none compiled on the request path."""
+    from tiny import ByteTokenizer, tiny_model
+
+    from lookahead_jax.serve.server import warm_up_in_background
+
+    srv = make_server(ServeConfig(model="tiny", strategy="lookahead", max_batch=2, max_len=256, prefill_chunk=32),
+                      tiny_model("llama", seed=3), ByteTokenizer())
+    sched = srv.scheduler
+    sched.ready.clear()  # as `warm_up_in_background` does before its thread starts
+    uv, thread, url = start_in_thread(srv)
+    try:
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming up" and r.json()["ready"] is False
+        with cf.ThreadPoolExecutor(1) as pool:
+            ask = pool.submit(httpx.post, url + "/v1/completions",
+                              json=dict(model="tiny", prompt="hello there", max_tokens=4), timeout=300)
+            time.sleep(1.0)
+            assert not ask.done() and sched.running == {}  # waits for the warm-up
+            warm_up_in_background(sched).join(300)
+            assert ask.result().status_code == 200
+        body = httpx.get(url + "/health").json()
+        assert body["status"] == "ok" and body["programs_total"] == len(sched.slots.programs())
+        assert body["programs_ready"] >= body["programs_minimum"] > 0 and body["compiled_in_requests"] == 0
+        metrics = httpx.get(url + "/metrics").text
+        assert f'lookahead_jax:programs_total{{model_name="tiny"}} {float(body["programs_total"])}' in metrics
+        assert "lookahead_jax:programs_compiled" in metrics and "lookahead_jax:compile_seconds" in metrics
+    finally:
+        uv.should_exit = True
+        thread.join(60)

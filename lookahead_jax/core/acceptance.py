@@ -148,16 +148,25 @@ class SpecSampling:
         match = (logits, tokens, parent, depth, anc, positions, seed, row)
         if isinstance(sp, SamplingParams) and sp.greedy:
             return TokenMatch()(*match, sampling=GREEDY)
-        B, T1 = tokens.shape
-        p_all = jax.nn.softmax(filter_logits(logits, sp), axis=-1)  # [B,1+T,V]
-        q_all = jnp.zeros_like(p_all) if draft_probs is None else draft_probs.astype(jnp.float32)
-        step_keys = position_keys(seed, row, positions[:, :1])[:, 0]  # [B,2]
-        best, bonus = jax.vmap(lambda *a: _walk(self, *a))(p_all, q_all, tokens, parent, step_keys)
-        if isinstance(sp, RowSampling):  # greedy rows: the argmax match, as alone
-            g_best, g_bonus = TokenMatch()(*match, sampling=GREEDY)
+        def walk():
+            p_all = jax.nn.softmax(filter_logits(logits, sp), axis=-1)  # [B,1+T,V]
+            q_all = jnp.zeros_like(p_all) if draft_probs is None else draft_probs.astype(jnp.float32)
+            step_keys = position_keys(seed, row, positions[:, :1])[:, 0]  # [B,2]
+            best, bonus = jax.vmap(lambda *a: _walk(self, *a))(p_all, q_all, tokens, parent, step_keys)
+            return best.astype(jnp.int32), bonus.astype(jnp.int32)
+
+        if not isinstance(sp, RowSampling):
+            return walk()
+        # greedy rows: the argmax match, as alone; whether any row samples is data (one
+        # compiled step for greedy and sampled batches; an all-greedy one skips the walk)
+        g_best, g_bonus = (x.astype(jnp.int32) for x in TokenMatch()(*match, sampling=GREEDY))
+
+        def mixed():
+            best, bonus = walk()
             sampled = sp.temperature > 0  # [B]
-            best, bonus = jnp.where(sampled, best, g_best), jnp.where(sampled, bonus, g_bonus)
-        return best, bonus
+            return jnp.where(sampled, best, g_best), jnp.where(sampled, bonus, g_bonus)
+
+        return jax.lax.cond(jnp.any(sp.temperature > 0), mixed, lambda: (g_best, g_bonus))
 
     # the two updates after a rejection (methods, so that a test can break one of them)
     @staticmethod

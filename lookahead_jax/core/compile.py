@@ -40,13 +40,27 @@ _BACKGROUND: dict = {}
 _BACKGROUND_LOCK = threading.Lock()
 
 
-def _background() -> ThreadPoolExecutor:
-    """The process's background compilation threads (two: a load is mostly one core's
-    work outside the GIL, and the step waiting for one keeps a core)."""
+def _background(later: bool = False) -> ThreadPoolExecutor:
+    """The process's background compilation threads: two for loads and what is needed
+    soon (a load is mostly one core's work outside the GIL, and the step waiting for one
+    keeps a core); one for what steps do without meanwhile (`later`: a warm-up's programs
+    past its minimum set, a tree size not compiled yet), so that decoding keeps a core."""
+    name = "later" if later else "pool"
     with _BACKGROUND_LOCK:
-        if "pool" not in _BACKGROUND:
-            _BACKGROUND["pool"] = ThreadPoolExecutor(2, thread_name_prefix="lookahead-jax-compile")
-        return _BACKGROUND["pool"]
+        if name not in _BACKGROUND:
+            _BACKGROUND[name] = ThreadPoolExecutor(1 if later else 2, thread_name_prefix=f"lookahead-jax-compile-{name}",
+                                                   initializer=_lowest_priority if later else None)
+        return _BACKGROUND[name]
+
+
+def _lowest_priority() -> None:
+    """The calling thread at the lowest CPU priority where the OS schedules threads apart
+    (Linux: a thread is a task with its own nice value): a compilation nobody waits for
+    takes the cores decoding leaves idle."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux (priorities per process there): as it is
+        pass
 
 
 class CompiledFunctions:
@@ -62,6 +76,8 @@ class CompiledFunctions:
         self.compile_s = 0.0
         self.compilations: list[str] = []
         self.prefetched: list[tuple] = []
+        self.background_s = 0.0  # seconds of background loads and compilations (`prefetch`)
+        self.last_key = None  # the table key of the last `prefetch` (for `done`)
 
     def executables(self, name: str) -> list:
         """The compiled executables of step `name` ("prefill", "verify"), oldest first."""
@@ -113,21 +129,44 @@ class CompiledFunctions:
             self._table[key] = exe
         return exe(*args)
 
-    def prefetch(self, name: str, jitted: Callable, *args, **static) -> bool:
+    def ready(self, name: str, jitted: Callable, *args, **static) -> bool:
+        """Whether `jitted` is compiled for these arguments' shapes (a background
+        compilation that finished counts; one queued or running does not): a caller that
+        can do without it (a smaller tree, a wider window) takes another step meanwhile."""
+        return self.done(self._key(name, jitted, args, static))
+
+    def done(self, key, failed: bool = False) -> bool:
+        """`ready` by the table's key (`last_key` of a `prefetch`): callable from any
+        thread, nothing rebuilt. failed=True: a background compilation that raised counts
+        as done too (its step compiles it again in place, where the error shows)."""
+        exe = self._table.get(key)
+        if isinstance(exe, Future):
+            return exe.done() and (failed or exe.exception() is None)
+        return exe is not None
+
+    def pending(self) -> int:
+        """Compilations queued or running in the background for this table."""
+        return sum(isinstance(exe, Future) and not exe.done() for exe in self._table.values())
+
+    def prefetch(self, name: str, jitted: Callable, *args, compile: bool = False, later: bool = False,
+                 **static) -> bool:
         """Compile `jitted` for these arguments' shapes in a background thread, without
         running it: a later `__call__` with the same signature takes the executable, waiting
         only for what is left (or compiling it itself when the load has not started). Only
         shapes, dtypes and shardings are read here, so the arrays may be donated right after.
         Only a step the step cache holds is queued: a warm process loads it in ~0.5 s of CPU,
         mostly outside the GIL, while other loads or the device run; a step never compiled
-        on this machine (seconds of compilation) is left to its first call. Returns whether a
-        load was queued; `prefetched` lists the loads (name, seconds), apart from
+        on this machine (seconds of compilation) is left to its first call, unless `compile`
+        (the slots' warm-up, a tree size a step does without meanwhile: `decode.step`);
+        `later`: on the one-thread queue of what steps do without meanwhile.
+        Returns whether it was queued now (`ready` tells when it is done); `prefetched`
+        lists the background loads and compilations (name, seconds), apart from
         `compilations` (the calls that compiled)."""
-        key = self._key(name, jitted, args, static)
+        key = self.last_key = self._key(name, jitted, args, static)
         if key in self._table:
             return False
         shapes = jax.tree.map(_abstract, args)
-        if _step_path(name, jitted, shapes, static) is None:
+        if not compile and _step_path(name, jitted, shapes, static) is None:
             return False  # not a load but a full compilation (seconds of CPU): left to the step
 
         compile_cached = _compile_cached
@@ -135,10 +174,12 @@ class CompiledFunctions:
         def work():
             t0 = time.perf_counter()
             exe = compile_cached(name, jitted, shapes, static)
-            self.prefetched.append((name, time.perf_counter() - t0))
+            dt = time.perf_counter() - t0
+            self.prefetched.append((name, dt))
+            self.background_s += dt
             return exe
 
-        self._table[key] = _background().submit(work)
+        self._table[key] = _background(later).submit(work)
         return True
 
     def settle(self, cancel: bool = False) -> None:

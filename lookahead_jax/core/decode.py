@@ -39,7 +39,6 @@ computes; `DecodeState.flush` runs them first at every state edit. Same tokens; 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Optional, Sequence
 
@@ -51,162 +50,11 @@ from .acceptance import TokenMatch
 from .budget import FixedBudget
 from .drafts import DraftBatch
 from .rows import RowState
-from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
-from .verify import fit_draft_probs, window_for
+from .sampling import Penalties, SamplingParams
+from .state import DecodeState, StepResult  # noqa: F401 - the loop's state, re-exported
+from .verify import WINDOW_MIN, WINDOW_STEP, fit_draft_probs
 
 from .buckets import BLOCK_OVERHEAD_TOKENS, CACHE_ROUND, PROMPT_BUCKETS, prefill_groups, prompt_bucket  # noqa: F401
-
-
-# ----------------------------------------------------------------------------- state
-@dataclasses.dataclass
-class StepResult:
-    """What one verify step did, per row (host arrays): `emitted[b, :n_emit[b]]` the
-    tokens it produced, `kept[b]` those the row kept (cut at EOS / stop / length; [] for
-    inactive rows), `path[b]` the block indices of the accepted path (root first)."""
-
-    emitted: np.ndarray  # [B,1+T]
-    n_emit: np.ndarray  # [B]
-    path: np.ndarray  # [B,1+T]
-    kept: list
-    T: int
-    window: int
-    drafted: Optional[np.ndarray] = None  # [B] draft nodes each row was verified with (after the budget)
-
-
-@dataclasses.dataclass
-class DecodeState:
-    rows: list  # RowState per batch row
-    cache: object  # KVCache
-    lengths: np.ndarray  # [B] committed cache slots (host mirror of cache.length)
-    root: np.ndarray  # [B] int32 last emitted token of each row (not yet in the cache)
-    seeds: object  # [B] uint32 (device)
-    rowids: object  # [B] int32 sampling row of each row (device)
-    sampling: SamplingParams  # the rows' default (a row's own: RowState.sampling)
-    max_len: int  # cache slots S
-    # options every step applies alike (verify.py): min_new_tokens bans `ban` (EOS + stop
-    # ids) until that many tokens are out; logprobs returns each emitted token's
-    # log-probability; penalties (repetition / presence / frequency) over a vocabulary of
-    # `vocab` ids
-    min_new: int = 0
-    ban: tuple = ()
-    logprobs: bool = False
-    penalties: Penalties = Penalties()  # the rows' default (a row's own: RowState.penalties)
-    vocab: int = 0
-    # every row's sampling values and penalties as device arrays (`set_row_values`)
-    row_sampling_values: Optional[RowSampling] = None
-    row_penalty_values: Optional[RowPenalties] = None
-    # bookkeeping of the call (wall times exclude compilation)
-    steps: int = 0
-    tree_sizes: list = dataclasses.field(default_factory=list)
-    host_s: float = 0.0
-    prefill_s: float = 0.0
-    t_start: float = 0.0
-    compile_s: float = 0.0  # compilation seen since t_start
-    windows: set = dataclasses.field(default_factory=set)  # attention windows steps have used
-    finish_s: dict = dataclasses.field(default_factory=dict)
-    # overlap: a step's bookkeeping runs while the next step's forward computes (`step`)
-    overlap: bool = False
-    deferred: Optional[Callable[[], None]] = None
-
-    def flush(self) -> None:
-        """Run the bookkeeping a step deferred (`overlap`); every state edit between steps
-        and the end of decoding call this first."""
-        if self.deferred is not None:
-            fn, self.deferred, h0 = self.deferred, None, time.perf_counter()
-            fn()
-            self.host_s += time.perf_counter() - h0
-
-    @property
-    def batch(self) -> int:
-        return len(self.rows)
-
-    @property
-    def active(self) -> np.ndarray:
-        return np.array([r.finish is None for r in self.rows])
-
-    def context(self, b: int) -> list:
-        """Prompt + generated ids of row b (its last token is the root)."""
-        return self.rows[b].prompt_ids + self.rows[b].ids
-
-    def sampling_of(self, b: int) -> SamplingParams:
-        s = self.rows[b].sampling
-        return self.sampling if s is None else s
-
-    def penalties_of(self, b: int) -> Penalties:
-        p = self.rows[b].penalties
-        return self.penalties if p is None else p
-
-    def set_row_values(self, put) -> None:
-        """Every row's sampling values and penalties (its own, else the defaults) onto the
-        device (`put`, e.g. `Engine.put`): after prefill, and when requests enter rows."""
-        B = self.batch
-        self.row_sampling_values = RowSampling.of([self.sampling_of(b) for b in range(B)], put=put)
-        self.row_penalty_values = RowPenalties.of([self.penalties_of(b) for b in range(B)], put=put)
-
-    def row_sampling(self, rows=None) -> Optional[RowSampling]:
-        """Each row's sampling for a step over `rows` (default: the batch; a list: a block
-        of those rows only, host arrays): None when every live one of them is greedy (the
-        argmax path), else their values with the mode (`filter`) of the live sampled ones.
-        Values are arrays: changing them never recompiles; the mode does (3 variants)."""
-        idx = range(self.batch) if rows is None else rows
-        live = [self.sampling_of(b) for b in idx if self.rows[b].finish is None]
-        sampled = [p for p in live if not p.greedy]
-        if not sampled:
-            return None
-        if self.row_sampling_values is None:  # (a state built without set_row_values)
-            self.set_row_values(np.asarray)
-        vals = self.row_sampling_values
-        if rows is not None:
-            vals = jax.tree.map(lambda x: np.asarray(x)[np.asarray(rows)], vals)
-        return dataclasses.replace(vals, filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
-
-    def row_penalties(self) -> Optional[RowPenalties]:
-        """Each row's penalties for a step (None: no live row has any); static only which
-        of `seen` / `counts` some live row needs."""
-        live = [self.penalties_of(b) for b in range(self.batch) if self.rows[b].finish is None]
-        used = [p for p in live if p.on]
-        if not used:
-            return None
-        if self.row_penalty_values is None:
-            self.set_row_values(np.asarray)
-        return dataclasses.replace(self.row_penalty_values, uses_context=any(p.uses_context for p in used),
-                                   uses_counts=any(p.uses_counts for p in used))
-
-    def step_options(self) -> dict:
-        """Keyword arguments of `Engine.verify` / `Engine.extend` for the options (none
-        when off: the plain executables). suppress[b]: the position below which a token's
-        successor may not be a `ban` id: len(prompt) + min_new - 1. With penalties, each
-        row's context as it stands (prompt + generated, its last token the root or the last
-        token an extend forwards), recounted every step, so rollback / replace_prompt /
-        extend need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t
-        occurs in the generated ids. Penalties are each row's (`row_penalties`)."""
-        opts = {}
-        if self.ban and any(r.min_new for r in self.rows):
-            opts.update(suppress=np.array([len(r.prompt_ids) + r.min_new - 1 for r in self.rows], np.int32),
-                        ban=self.ban)
-        pen = self.row_penalties()
-        if pen is not None:
-            B, V = self.batch, self.vocab
-            opts["penalties"] = pen
-            if pen.uses_context:
-                seen = np.zeros((B, V), bool)
-                for b in range(B):
-                    seen[b, np.asarray(self.context(b), np.int64)] = True
-                opts["seen"] = seen
-            if pen.uses_counts:
-                opts["counts"] = np.stack([np.bincount(np.asarray(r.ids, np.int64), minlength=V)[:V]
-                                           for r in self.rows]).astype(np.int32)
-        if self.logprobs:
-            opts["logprobs"] = True
-        return opts
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t_start - self.compile_s
-
-    def mark_finished(self) -> None:  # the finish time of rows that just finished
-        for r in self.rows:
-            if r.finish and r.index not in self.finish_s:
-                self.finish_s[r.index] = self.elapsed()
 
 
 def timed(engine, state, fn, meanwhile: Optional[Callable[[], None]] = None):
@@ -287,6 +135,35 @@ def extend(engine, state: DecodeState, rows: Sequence[int], tokens: Sequence[Seq
     return forward_rows(engine, state, rows)
 
 
+def extend_block(engine, state: DecodeState, group, block, n_new, *, window: int, emit: bool, opts: dict,
+                 ahead=None):
+    """`Engine.extend` of one right-padded prefill block over the rows `group` (None: the
+    batch's rows, no `sel`) with the step options `opts` (`step_options`) cut to them.
+    ahead: only check or queue its compilation (`Engine._dispatch`)."""
+    kw = dict(opts)
+    if group is None:
+        seeds, rowids, sampling = state.seeds, state.rowids, state.step_sampling()
+    else:
+        sel = np.asarray(group, np.int32)
+        seeds, rowids = np.asarray(state.seeds)[sel], np.asarray(state.rowids)[sel]
+        sampling = state.step_sampling(group)
+        kw["sel"] = sel
+        for k in ("suppress", "seen", "counts"):  # per-row options: the group's rows
+            if k in kw:
+                kw[k] = kw[k][sel]
+        if "penalties" in kw:
+            kw["penalties"] = jax.tree.map(lambda x: np.asarray(x)[sel], kw["penalties"])
+    return engine.extend(state.cache, block, n_new, seeds, rowids, sampling=sampling, window=window,
+                         emit=emit, ahead=ahead, **kw)
+
+
+def windows(S: int, engine, tokens: int) -> list:
+    """Every attention window a step of `tokens` new tokens per row may take in a cache of
+    S slots (`Engine.window` over `verify.window_for`'s ladder), smallest first."""
+    ladder = {S} | {WINDOW_MIN * WINDOW_STEP ** k for k in range(S.bit_length()) if WINDOW_MIN * WINDOW_STEP ** k < S}
+    return sorted({engine.window(w, S, tokens) for w in ladder if w >= tokens or w == S})
+
+
 def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> np.ndarray:
     """Forward every row's uncommitted context (context[length:]) in right-padded blocks,
     commit it, and append each row's next token. emit=False: the context's last token
@@ -296,7 +173,9 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     over its rows only: a batch costs about the sum of its rows, not rows x the longest
     (a row's tokens do not depend on its block: the lossless tests compare batches with
     rows alone). When all of the batch's rows share one block it is the plain whole-batch
-    step."""
+    step. With `state.block` (Slots' chunked prefill) each row is a block of its own of
+    `block` tokens (at least) at one of `Engine.window`'s few windows: a few compiled
+    programs serve every prompt length."""
     state.flush()  # a step's deferred bookkeeping before the edit
     B, S = state.batch, state.max_len
     blocks = {b: state.context(b)[int(state.lengths[b]):] for b in rows}
@@ -306,7 +185,7 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     opts = state.step_options() if emit else {}
     nxt_all = np.zeros(B, np.int32)
     lps_all = np.zeros(B, np.float32) if opts.get("logprobs") else None
-    groups = prefill_groups({b: len(blk) for b, blk in blocks.items()}, S)
+    groups = [[b] for b in rows] if state.block else prefill_groups({b: len(blk) for b, blk in blocks.items()}, S)
     whole = len(groups) == 1 and len(rows) == B
     for group in groups:
         G = B if whole else len(group)
@@ -314,29 +193,23 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
         n_new = np.zeros(G, np.int32)
         for b in group:
             n_new[at[b]] = len(blocks[b])
-        P = prompt_bucket(int(n_new.max()), S)
+        P = min(max(prompt_bucket(int(n_new.max()), S), state.block), S)
         block = np.zeros((G, P), np.int32)
         for b in group:
             block[at[b], :n_new[at[b]]] = blocks[b]
         start = state.lengths if whole else state.lengths[group]
-        # a fresh prefill reads only its own P slots; later blocks read the prefix too
-        window = P if not start.any() else window_for(int(max(state.lengths[b] + n_new[at[b]] for b in group)), S)
-        kw = dict(opts)
-        if whole:
-            seeds, rowids, sampling = state.seeds, state.rowids, state.row_sampling()
-        else:
-            sel = np.asarray(group, np.int32)
-            seeds, rowids = np.asarray(state.seeds)[sel], np.asarray(state.rowids)[sel]
-            sampling = state.row_sampling(group)
-            kw["sel"] = sel
-            for k in ("suppress", "seen", "counts"):  # per-row options: the group's rows
-                if k in kw:
-                    kw[k] = kw[k][sel]
-            if "penalties" in kw:
-                kw["penalties"] = jax.tree.map(lambda x: np.asarray(x)[sel], kw["penalties"])
-        out, state.cache, _, _ = timed(engine, state, lambda: engine.extend(
-            state.cache, block, n_new, seeds, rowids, sampling=sampling, window=window,
-            emit=emit, **kw))
+        # a fresh prefill reads only its own P slots; later blocks (and fixed blocks) read the prefix too
+        upto = int(max(state.lengths[b] + n_new[at[b]] for b in group))
+        window = P if not start.any() and not state.block else engine.window(max(upto, P), S, P)
+
+        def call(window, ahead=None, group=group, block=block, n_new=n_new):
+            return extend_block(engine, state, None if whole else group, block, n_new, window=window,
+                                emit=emit, opts=opts, ahead=ahead)
+
+        if state.block and state.fallback:  # the smallest compiled window that covers the block
+            window = next((w for w in sorted(x for x in windows(S, engine, P) if x >= window)
+                           if call(w, "check")), window)
+        out, state.cache, _, _ = timed(engine, state, lambda: call(window))
         for b in group:
             nxt_all[b] = out.tokens[at[b]]
             if lps_all is not None:
@@ -552,23 +425,31 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     drafts = drafter.propose(state, n) if n else DraftBatch.empty(B)
     drafts = drafts.truncated(budget.plan(drafts, state))
     T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
-    blk = tree_lib.verify_block(state.root, drafts.drafts, T)
     L = int(state.lengths[active].max())  # the longest active row's cached slots
-    window = window_for(L + 1 + T, S)
-    probs = fit_draft_probs(drafts.probs, T)
+    opts, sampling = state.step_options(), state.step_sampling()
+
+    def verify(T2, blk=None, ahead=None):  # the verify step of bucket T2 (blk None: an empty tree's shapes)
+        blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2) if blk is None else blk
+        return engine.verify(state.cache, blk, active, state.seeds, state.rowids, rule=rule, sampling=sampling,
+                             window=engine.window(L + 1 + T2, S, 1 + T2), draft_probs=fit_draft_probs(drafts.probs, T2),
+                             ahead=ahead, **opts)
+
+    if state.fallback and T and (T, engine.window(L + 1 + T, S, 1 + T)) not in state.ready:
+        # never wait for a tree size: the largest compiled one; T compiles in the background
+        ready = next((T2 for T2 in sorted(budget.buckets, reverse=True) if 0 < T2 <= T and verify(T2, ahead="check")), 0)
+        if ready != T:
+            verify(T, ahead="later")
+            drafts, T = drafts.truncated(ready), ready
+        state.ready |= {(T, engine.window(L + 1 + T, S, 1 + T))} if T else set()
+    blk = tree_lib.verify_block(state.root, drafts.drafts, T)
+    window = engine.window(L + 1 + T, S, 1 + T)
     state.host_s += time.perf_counter() - h0
     state.tree_sizes.append(T)
-    opts = state.step_options()
-    sampling = state.row_sampling()
     if window not in state.windows:  # the budget's other buckets are likely soon: loaded meanwhile
         state.windows.add(window)
         for T2 in (b for b in budget.buckets if b != T):
-            engine.verify(state.cache, tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2), active,
-                          state.seeds, state.rowids, rule=rule, sampling=sampling, prefetch=True, **opts,
-                          window=window_for(L + 1 + T2, S), draft_probs=fit_draft_probs(probs, T2))
-    out, state.cache, seconds, compiled = timed(engine, state, lambda: engine.verify(
-        state.cache, blk, active, state.seeds, state.rowids, rule=rule, window=window,
-        draft_probs=probs, sampling=sampling, **opts), meanwhile=state.flush)
+            verify(T2, ahead="load")
+    out, state.cache, seconds, compiled = timed(engine, state, lambda: verify(T, blk), meanwhile=state.flush)
     emitted, n_emit, path, lps = out.tokens, out.n, out.path, out.logprobs
     h0 = time.perf_counter()
     if not compiled:  # real step times correct the calibration

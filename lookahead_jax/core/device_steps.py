@@ -13,7 +13,25 @@ import numpy as np
 from . import tree as tree_lib
 from .decode import DecodeState, StepResult, timed
 from .drafts import DraftBatch
-from .verify import window_for
+
+
+def plain_steps_args(state: DecodeState, active, steps: int) -> tuple:
+    """The array arguments of `Engine.plain_steps` over the `active` rows: (cache, the
+    roots' block, active, seeds, rows, remaining [B] tokens each row may still emit,
+    stop_ids [B,E] its EOS ids, -1 padded)."""
+    B = state.batch
+    remaining = np.zeros(B, np.int32)
+    stops = [()] * B
+    for b in np.flatnonzero(active):
+        r = state.rows[b]
+        remaining[b] = max(0, r.max_new - len(r.ids))
+        stops[b] = sorted(int(t) for t in r.eos_ids)
+    E = max(8, 1 << max(0, max(len(x) for x in stops) - 1).bit_length())  # one shape for most models' EOS sets
+    stop_ids = np.full((B, E), -1, np.int32)
+    for b, ids in enumerate(stops):
+        stop_ids[b, :len(ids)] = ids
+    blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, 0)
+    return state.cache, blk, active, state.seeds, state.rowids, remaining, stop_ids
 
 
 def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
@@ -29,27 +47,17 @@ def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
     B, S = state.batch, state.max_len
     active = state.active
     h0 = time.perf_counter()
-    remaining = np.zeros(B, np.int32)
-    stops = [()] * B
-    for b in np.flatnonzero(active):
-        r = state.rows[b]
-        remaining[b] = max(0, r.max_new - len(r.ids))
-        stops[b] = sorted(int(t) for t in r.eos_ids)
-    E = max(8, 1 << max(0, max(len(x) for x in stops) - 1).bit_length())  # one shape for most models' EOS sets
-    stop_ids = np.full((B, E), -1, np.int32)
-    for b, ids in enumerate(stops):
-        stop_ids[b, :len(ids)] = ids
+    args = plain_steps_args(state, active, steps)
+    remaining = args[5]
     need = max(int(state.lengths[b]) + min(steps, int(remaining[b])) for b in np.flatnonzero(active))
-    window = window_for(max(need, 1), S)
-    blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, 0)
+    window = engine.window(max(need, 1), S, 1)
     opts = state.step_options()
     if "penalties" in opts:
         raise ValueError("plain_steps takes no penalties: decode with step()")
-    sampling = state.row_sampling()
+    sampling = state.step_sampling()
     state.host_s += time.perf_counter() - h0
     out, state.cache, _, _ = timed(engine, state, lambda: engine.plain_steps(
-        state.cache, blk, active, state.seeds, state.rowids, remaining, stop_ids, rule=rule, window=window,
-        steps=steps, sampling=sampling, **opts))
+        *args, rule=rule, window=window, steps=steps, sampling=sampling, **opts))
     h0 = time.perf_counter()
     emitted, n_emit, lps = out.tokens, out.n, out.logprobs
     state.lengths = state.lengths + n_emit

@@ -179,6 +179,23 @@ class Engine:
         self._placed = (jax.tree.leaves(placed), placed)
         return True
 
+    def window(self, needed: int, S: int, tokens: int) -> int:
+        """The attention window of a step that forwards `tokens` new tokens per row and
+        needs `needed` of the S cache slots. Where the CPU attention kernel runs the step
+        (one CPU device, f32, `cpu_kernels.attention_applies`), the whole cache: the kernel
+        reads each row only up to its last visible slot, so every length shares one
+        compiled step (SmolLM2, 8 rows at length 100 and 400, T = 0 / 3 / 15: window 2048
+        within 0.97-1.05x of 128 / 512, interleaved medians). Elsewhere attention reads
+        every slot of the window: the smallest of `verify.window_for`'s few windows."""
+        from ..models import cpu_kernels
+        from .verify import window_for
+
+        window = window_for(needed, S)  # (raises when the cache is too small)
+        if self.mesh is None and self.platform == "cpu" and jnp.dtype(self.dtype) == jnp.float32 \
+                and cpu_kernels.attention_applies(tokens, self.config.head_dim):
+            return S
+        return window
+
     # ------------------------------------------------------------------ arrays
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         if self.mesh is None:
@@ -265,9 +282,23 @@ class Engine:
             optional.pop()
         return args + tuple(optional)
 
+    def _dispatch(self, name: str, fn, args: tuple, static: dict, ahead: Optional[str]):
+        """Run a step through the compiled-function table, or only look ahead: "check"
+        (whether it is compiled: `CompiledFunctions.ready`), "load" (queue its load from the
+        step cache), "compile" (queue its compilation) or "later" (queue it on the one
+        thread of what steps do without meanwhile; these three `CompiledFunctions.prefetch`:
+        nothing runs, returns whether it was queued now)."""
+        if ahead is None:
+            return self.compiled(name, fn, *args, **static)
+        if ahead == "check":
+            return self.compiled.ready(name, fn, *args, **static)
+        if ahead not in ("load", "compile", "later"):
+            raise ValueError(f"ahead must be None, 'check', 'load', 'compile' or 'later', got {ahead!r}")
+        return self.compiled.prefetch(name, fn, *args, compile=ahead != "load", later=ahead == "later", **static)
+
     def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, sel=None, hidden: bool = False, top_logprobs: int = 0):
+               counts=None, sel=None, hidden: bool = False, top_logprobs: int = 0, ahead: Optional[str] = None):
         """`verify.extend_step` through the compiled-function table (name "prefill"): returns
         (`verify.ExtendOut`, cache). sampling: a static `SamplingParams`, or each row's
         `RowSampling` (an argument; None: every row greedy). suppress [B] / ban
@@ -275,7 +306,7 @@ class Engine:
         [B,V], logprobs, hidden and top_logprobs: see `verify.py`; off by default (the same
         executable as without them).
         sel [G]: only these cache rows (the per-row arguments then have G rows; see
-        `verify.extend_step`)."""
+        `verify.extend_step`). ahead: only check or queue its compilation (`_dispatch`)."""
         from .sampling import SamplingParams
         from .verify import jitted_extend
 
@@ -290,17 +321,17 @@ class Engine:
         if top_logprobs:
             static["top_logprobs"] = int(top_logprobs)
         fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling), args, static)
-        return self.compiled("prefill", fn, *args, **static)
+        return self._dispatch("prefill", fn, args, static, ahead)
 
     def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
                suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
                counts=None, hidden: bool = False, top_logprobs: int = 0, sampling=None,
-               prefetch: bool = False):
+               prefetch: bool = False, ahead: Optional[str] = None):
         """`verify.verify_step` on a packed `tree.VerifyBlock`: returns (`verify.VerifyOut`,
         cache). sampling: each row's `RowSampling` (None: every row greedy). suppress / ban,
         penalties / seen / counts, logprobs, hidden, top_logprobs: see `verify.py`; off by
-        default. prefetch: only compile this step for these shapes in the background
-        (`CompiledFunctions.prefetch`; returns None, nothing runs)."""
+        default. prefetch: only load this step for these shapes from the step cache in the
+        background (ahead="load"); ahead: only check or queue its compilation (`_dispatch`)."""
         from .verify import jitted_verify_step
 
         args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
@@ -314,13 +345,11 @@ class Engine:
         if top_logprobs:
             static["top_logprobs"] = int(top_logprobs)
         fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule), args, static)
-        if prefetch:
-            self.compiled.prefetch("verify", fn, *args, **static)
-            return None
-        return self.compiled("verify", fn, *args, **static)
+        return self._dispatch("verify", fn, args, static, "load" if prefetch else ahead)
 
     def plain_steps(self, cache, block, active, seeds, rows, remaining, stop_ids, *, rule, window: int,
-                    steps: int, suppress=None, ban: tuple = (), logprobs: bool = False, sampling=None):
+                    steps: int, suppress=None, ban: tuple = (), logprobs: bool = False, sampling=None,
+                    ahead: Optional[str] = None):
         """`verify.plain_steps` (up to `steps` plain decode steps in one call) on the packed
         root-only `tree.VerifyBlock`: returns (`verify.StepsOut`, cache). remaining [B],
         stop_ids [B,E]; the other options as in `verify`."""
@@ -334,7 +363,7 @@ class Engine:
         if logprobs:
             static["logprobs"] = True
         fn, static = self._step("steps", rule, lambda: jitted_plain_steps(self.config, rule), args, static)
-        return self.compiled("steps", fn, *args, **static)
+        return self._dispatch("steps", fn, args, static, ahead)
 
     def measure_verify_costs(self, rule, B: int, S: int, buckets, length: Optional[int] = None,
                              rounds: int = 7) -> dict:
@@ -349,20 +378,21 @@ class Engine:
         decoding."""
         from .drafts import Draft
         from .tree import pack, with_root
-        from .verify import window_for
 
         from .sampling import RowSampling, SamplingParams
 
-        # the rule's own sampling as every row's (rules compare equal whatever their values:
-        # the mode is part of the key)
+        # the rule's own sampling as every row's, as data in the decode loop's one step
+        # (rules compare equal whatever their values: what the values make the step compute
+        # is part of the key)
         sp = getattr(rule, "sampling", None)
         sampled = isinstance(sp, SamplingParams) and not sp.greedy
-        sampling = RowSampling.of([sp] * B, put=self.put) if sampled else None
-        mode = None if sampling is None else sampling.filter
+        values = RowSampling.of([sp if sampled else SamplingParams()] * B, put=self.put)
+        sampling = dataclasses.replace(values, filter=True)
+        mode = None if not sampled else values.filter
         todo, keys = {}, {}
         for T in buckets:
             L = min(S // 2 if length is None else length, S - 1 - T)
-            window = window_for(L + 1 + T, S)
+            window = self.window(L + 1 + T, S, 1 + T)
             key = keys[T] = (rule, mode, B, S, T, window)
             if key not in self.verify_costs:
                 chain = Draft([0] * T, list(range(-1, T - 1)))

@@ -12,11 +12,13 @@ draft-model speculation all reproduce each other token for token.
 Per-row values: `SamplingParams` and `Penalties` are one request's values (static where a
 step compiles one set in, e.g. `generate`'s defaults, knnlm's step). The decode state
 passes each row's own values as arrays (`RowSampling`, `RowPenalties`: jit arguments, so
-values never recompile); static in them is only the *mode*: which filters some row uses
-(one sort over the vocabulary for top-k / top-p) and which penalty arrays are needed. A
-batch whose rows are all greedy passes no `RowSampling` (the argmax path, no sort), and
-no `RowPenalties` without penalties: the same executables as before per-row values. A
-greedy row of a sampling batch still takes the argmax, and a row with top_k 0 / top_p 1
+values never recompile). The sampling mode is data too: with a `RowSampling`, whether some
+row samples and whether a sampled row cuts (top-k / top-p: one sort over the vocabulary)
+are read on the device (`lax.cond`), so the decode loop passes every row's values
+(`DecodeState.step_sampling`) and one compiled step serves greedy and sampled batches; an
+all-greedy batch computes the argmax alone, no keys and no sort (static `filter=False`:
+never cut). Static in `RowPenalties` is which penalty arrays are needed; no `RowPenalties`
+without penalties. A greedy row of a sampling batch still takes the argmax, and a row with top_k 0 / top_p 1
 / repetition 1 / presence 0 / frequency 0 is computed exactly as without that filter or
 penalty (`tests/test_row_sampling.py`), so a row's tokens are those it gives alone.
 """
@@ -24,6 +26,7 @@ penalty (`tests/test_row_sampling.py`), so a row's tokens are those it gives alo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -98,7 +101,8 @@ class Penalties:
 class RowSampling:
     """Each row's sampling values as arrays [B] (a pytree: a jit argument whose values
     never recompile). Static (its treedef, part of the compiled step) is only `filter`:
-    some sampled row uses top-k or top-p (one descending sort over the vocabulary).
+    False, no row cuts; True, a row may use top-k or top-p, which the step reads from the
+    values (one descending sort over the vocabulary where one does).
     temperature 0 = a greedy row (the argmax), top_k 0 / top_p 1 = that filter off."""
 
     temperature: jax.Array  # [B] f32
@@ -223,6 +227,15 @@ def _filter_rows(logits, rs: RowSampling):
     logits = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
     if not rs.filter:
         return logits
+    V = logits.shape[-1]
+    # whether a sampled row cuts is data: the sort runs only in a step where one does (a
+    # branch on the device), and a step without one computes the same values without it
+    cuts = (rs.temperature > 0) & (((rs.top_k > 0) & (rs.top_k < V)) | (rs.top_p < 1.0))
+    return jax.lax.cond(jnp.any(cuts), functools.partial(_cut_rows, rs=rs), lambda x: x, logits)
+
+
+def _cut_rows(logits, rs: RowSampling):
+    """Top-k, then top-p, of each row of `logits` (divided by the temperature already)."""
     neg = jnp.finfo(jnp.float32).min
     V = logits.shape[-1]
     desc = jnp.sort(logits, axis=-1)[..., ::-1]  # [..., V] descending
@@ -248,6 +261,15 @@ def select_tokens(logits, sp, seed, row, position):
     """
     if sp is None or (isinstance(sp, SamplingParams) and sp.greedy):
         return cpu_kernels.argmax(logits)  # jnp.argmax; on CPU one kernel call (XLA's reduce is slow there)
+    if isinstance(sp, RowSampling):  # the mode is data: the argmax unless some row samples
+        greedy = cpu_kernels.argmax(logits)
+        return jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _sample(logits, sp, seed, row, position, greedy),
+                            lambda: greedy)
+    return _sample(logits, sp, seed, row, position)
+
+
+def _sample(logits, sp, seed, row, position, greedy=None):
+    """`select_tokens` of a step that samples (`greedy`: the argmax, for greedy rows)."""
     keys = position_keys(seed, row, position)  # [B,T,2]
     filtered = filter_logits(logits, sp)
     flat_k = keys.reshape(-1, keys.shape[-1])
@@ -255,5 +277,5 @@ def select_tokens(logits, sp, seed, row, position):
     toks = jax.vmap(jax.random.categorical)(flat_k, flat_l)
     toks = toks.reshape(logits.shape[:-1]).astype(jnp.int32)
     if isinstance(sp, RowSampling):  # greedy rows: the argmax, exactly as alone
-        toks = jnp.where(_per_row(sp.temperature, toks) > 0, toks, cpu_kernels.argmax(logits))
+        toks = jnp.where(_per_row(sp.temperature, toks) > 0, toks, greedy)
     return toks

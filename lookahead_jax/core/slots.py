@@ -70,8 +70,9 @@ import numpy as np
 
 from .acceptance import TokenMatch
 from .budget import FixedBudget
-from .decode import PROMPT_BUCKETS, DecodeState, forward_rows, prompt_bucket, step
+from .decode import DecodeState, forward_rows, prompt_bucket, step
 from .device_steps import plain_steps
+from .programs import inventory, warm_up as warm_programs
 from .rows import RowState
 from .drafts import EMPTY, DraftBatch
 from .sampling import Penalties, SamplingParams
@@ -141,7 +142,7 @@ class Slots:
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
-                 overlap: bool = False):
+                 overlap: bool = False, fallback: bool = False):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
@@ -168,6 +169,9 @@ class Slots:
             sampling=sampling, max_len=max_len, ban=self.eos_ids, logprobs=bool(logprobs), penalties=penalties,
             vocab=int(engine.config.vocab_size))
         self.state.overlap = bool(overlap)  # bookkeeping overlapped with the next step (`decode.step`)
+        self.state.fallback = bool(fallback)  # steps do without programs not compiled yet
+        if self.prefill_chunk is not None:  # every block one row of the chunk's bucket: a few programs
+            self.state.block = prompt_bucket(self.prefill_chunk, max_len)
         self.state.set_row_values(engine.put)
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
@@ -184,6 +188,7 @@ class Slots:
         self._prefill: dict = {}  # slot -> its whole prompt, while prefilling (oldest first)
         self._refs: dict = {}  # slot -> its request's references, until the drafter begins it
         self.last_step = None  # the last step's StepResult (None: a retrieval run's turn)
+        self.warm = None  # the last warm_up's `programs.WarmUp` (progress of its compilations)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -253,13 +258,15 @@ class Slots:
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
         st.set_row_values(self.engine.put)
         decoding = [b for b in np.flatnonzero(st.active) if b not in slots]  # requests that would wait
-        if self.prefill_chunk is None or not decoding:  # nobody waits: the whole prompt in one forward
+        if self.prefill_chunk is None:  # the whole prompt in one forward
             forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token)
             self._activate(slots)
         else:  # every prompt enters as prefilling; those of at most C tokens finish in this block
             for s in slots:
                 self._prefill[s], st.rows[s].finish = st.rows[s].prompt_ids, PREFILL
             self._forward_chunks(slots)
+            while not decoding and (rest := [s for s in slots if s in self._prefill]):
+                self._forward_chunks(rest)  # nobody waits: every block now, the first token out at once
         return [self._event(s) for s in slots]
 
     def step(self) -> list:
@@ -316,94 +323,38 @@ class Slots:
         self.state.rows[slot] = _free_row(slot, self.tokenizer)
         return row
 
-    def warm_up(self, sampled: bool = False, progress: Optional[Callable[[int, int], None]] = None) -> int:
-        """Compile, before any request, the steps these slots will run: the prefill of one
-        request for every prompt bucket that fits, and the verify step for every tree size
-        the budget may pick at every attention window up to `max_len` (greedy rows;
-        `sampled`: also rows that sample without and with top-k / top-p filters). A server
-        calls it before it accepts requests, so no request waits for a compilation (with
-        `prefill_chunk`, also the blocks of a chunked prefill at every window; each
-        is 1-3 s on a 2-core CPU). Only while every slot is free: the steps run on the slots' own cache, whose
-        rows hold nothing yet. Retrieval runs compile their own steps (not covered).
-        progress(done, total) after each step. Returns the number of steps compiled."""
-        from .tree import verify_block
-        from .verify import WINDOW_MIN, window_for
+    def programs(self) -> list:
+        """Every step program these slots run (`programs.inventory`: prefill blocks,
+        verify steps per tree size and window, plain decoding's blocks), the minimum set
+        first: what `warm_up` compiles."""
+        self._setup()
+        return inventory(self)
 
+    def warm_up(self, sampled: bool = False, progress: Optional[Callable[[int, int], None]] = None,
+                wait: str = "all") -> int:
+        """Compile, before any request, the steps these slots run (`programs()`), in
+        background threads, the minimum set first (`programs.warm_up`; nothing runs: only
+        shapes count, so the slots stay empty). Returns once `wait` is compiled: "all" (the
+        default), "minimum" (what every request can be served with; the rest compiles
+        while the slots serve, and `fallback` slots do without a tree size until it is
+        ready) or "none". sampled: accepted for compatibility (sampling is data: greedy and
+        sampled rows run the same programs). progress(done, total) as each program is
+        compiled. Only while every slot is free. Returns the number of programs this call
+        queued (0 when an earlier warm-up on this engine had them); `self.warm` tracks them."""
         if self.busy or len(self.free_slots) != self.n_slots:
             raise RuntimeError("warm_up() needs slots that hold no request")
-        st, S, B = self.state, self.state.max_len, self.n_slots
-        c0 = self.engine.compiled.compile_s
+        c0, shown = self.engine.compiled.compile_s, 0
         self._setup()
-        modes = [None]
-        if sampled:
-            modes += [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)]
-        prompt_sizes = [P for P in PROMPT_BUCKETS if P + self.max_nodes + 2 <= S]
-        windows = sorted({window_for(w, S) for w in [WINDOW_MIN << i for i in range(S.bit_length())] + [S]
-                          if w <= S})
-        buckets = [T for T in self.budget.buckets if T + 1 <= min(windows)] if self.run is None else []
-        # chunked prefill: a block after the first reads the cached prefix (one executable per
-        # attention window): middle blocks of C tokens emit nothing, a last block of <= C does
-        chunks = []
-        if self.prefill_chunk is not None:
-            PC = prompt_bucket(self.prefill_chunk, S)
-            chunks = [(PC, False)] + [(P, True) for P in PROMPT_BUCKETS if P <= PC]
-        K = self._block_steps
-        total = len(modes) * (len(prompt_sizes) + len(windows) * (len(buckets) + len(chunks) + bool(K))
-                              + bool(chunks))
-        done = 0
-        before = len(self.engine.compiled.compilations)
-        saved = (list(st.rows), st.lengths.copy(), st.root.copy())
 
-        def tick():
-            nonlocal done
-            done += 1
-            if progress:
-                progress(done, total)
+        def ticks(warm):  # one call per program compiled
+            nonlocal shown
+            while progress is not None and shown < warm.ready:
+                shown += 1
+                progress(shown, warm.total)
 
-        def rows_at(n_rows, L, context, max_new, sp):  # rows 0..n_rows-1 hold `context` tokens, L cached
-            for b in range(n_rows):
-                st.rows[b] = RowState(b, [0] * context, self.tokenizer, set(), (), max_new, None)
-                st.rows[b].sampling, st.rows[b].logprobs = sp, ([] if st.logprobs else None)
-            st.set_row_values(self.engine.put)
-            st.lengths = np.zeros(B, np.int64)
-            st.lengths[:n_rows] = L
-            st.cache = st.cache.replace(length=st.cache.length.at[:n_rows].set(L))
-
-        first_emit = self.run is None or not self.run.picks_first_token
-        try:
-            for sp in modes:
-                for P in prompt_sizes:  # a one-request insert, as `insert` forwards it
-                    rows_at(1, 0, P, 1, sp)
-                    forward_rows(self.engine, st, [0], emit=first_emit)
-                    tick()
-                for w in [0] + windows if chunks else windows:
-                    for P, emit in chunks:  # a block of P tokens ending in the window (0: a first block)
-                        if not w and emit:
-                            continue
-                        L = w and w - P - (w == S)
-                        rows_at(1, L, L + P, 1, sp)
-                        forward_rows(self.engine, st, [0], emit=emit)
-                        tick()
-                    for T in buckets if w else ():  # every busy row at the window's last length for the tree
-                        L = max(0, w - 1 - T)
-                        rows_at(B, L, L + 1, 1 << 30, sp)
-                        blk = verify_block(np.zeros(B, np.int32), [EMPTY] * B, T)
-                        out, st.cache = self.engine.verify(
-                            st.cache, blk, np.ones(B, bool), st.seeds, st.rowids, rule=self.rule,
-                            window=window_for(L + 1 + T, S), sampling=st.row_sampling(), **st.step_options())
-                        tick()
-                    if K and w:  # plain decoding's blocks of K steps (device_steps) ending in the window
-                        L = max(0, w - K)
-                        rows_at(B, L, L + 1, 1 << 30, sp)
-                        plain_steps(self.engine, st, self.rule, K)
-                        tick()
-        finally:  # every slot free again, the cache empty
-            st.rows[:], st.lengths, st.root = saved
-            st.cache = st.cache.replace(length=st.cache.length.at[:].set(0))
-            st.set_row_values(self.engine.put)
-            st.compile_s += self.engine.compiled.compile_s - c0
-            st.steps, st.tree_sizes = 0, []
-        return len(self.engine.compiled.compilations) - before
+        self.warm = warm_programs(self, wait, ticks)
+        self.state.compile_s += self.engine.compiled.compile_s - c0
+        return self.warm.queued
 
     def close(self) -> None:
         """Done with these slots: the drafter ends every row, the run stops its workers."""

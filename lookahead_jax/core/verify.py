@@ -347,16 +347,23 @@ def jitted_verify_step(config: ModelConfig, rule):
 
 
 WINDOW_MIN = 128
+WINDOW_STEP = 4  # each window 4x the one before: few windows, so few compiled steps
 
 
 def window_for(needed: int, max_len: int) -> int:
-    """Smallest attention window (a power of two >= WINDOW_MIN, or the whole cache) that
-    covers `needed` slots; windows keep a step's attention proportional to the length.
-    # window_for(100, 1024) -> 128; window_for(129, 1024) -> 256; window_for(700, 768) -> 768
+    """Smallest attention window (WINDOW_MIN x 4^k, or the whole cache) that covers `needed`
+    slots. A window keeps a step's attention proportional to the length where attention
+    reads every slot of it (XLA's attention: GPU, TPU, prefill blocks); each window is one
+    compiled program per step shape, so the ladder is coarse: S = 2048 has three (128, 512,
+    2048). Decode and verify steps that the CPU attention kernel runs take the whole cache
+    instead (`Engine.window`).
+    # window_for(100, 2048) -> 128; window_for(129, 2048) -> 512; window_for(700, 768) -> 768
     """
     if needed > max_len:
         raise ValueError(f"a step needs {needed} cache slots but the cache holds {max_len}")
-    w = max(WINDOW_MIN, 1 << max(needed - 1, 0).bit_length())
+    w = WINDOW_MIN
+    while w < needed:
+        w *= WINDOW_STEP
     return max_len if w >= max_len else w
 
 

@@ -93,7 +93,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              first_index: int = 0, mesh=None, stop_token_ids=None, n: int = 1,
              min_new_tokens: int = 0, logprobs: bool = False, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, overlap: bool = False,
-             **strategy_options) -> GenerateOutput:
+             fallback: bool = False, **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -147,11 +147,15 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     overlap: a drafting step's budget bookkeeping (and the suffix / trie drafter's store
         update) runs while the next step's forward computes (`core.decode.step`); the same
         tokens, tree sizes may differ.
+    fallback: never wait for a tree size that is not compiled yet: such a step verifies the
+        largest compiled one (plain decoding at first) while it compiles in the background
+        (`DecodeState.fallback`; the CLI's setting); the same tokens, tree sizes and step
+        counts may differ. Off: every tree size compiles at its first use.
     """
     strat = resolve(strategy, **strategy_options)
     call = _Call.check(max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
                        repetition_penalty, presence_penalty, frequency_penalty, first_index, on_text)
-    call = dataclasses.replace(call, overlap=bool(overlap))
+    call = dataclasses.replace(call, overlap=bool(overlap), fallback=bool(fallback))
     engine = engine_for(model, mesh)
     ids, spans = _encode(engine, tokenizer, prompts, chat, call, strat.uses_question_spans)
     B = len(ids)
@@ -191,6 +195,7 @@ class _Call:
     first_index: int
     on_text: Optional[Callable]
     overlap: bool = False
+    fallback: bool = False
 
     @classmethod
     def check(cls, max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
@@ -270,7 +275,7 @@ def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: i
     first_row = call.first_index * call.n  # prompt i's sample j is sampling row (first_index + i) * n + j
     slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, run=run, sampling=call.sampling,
                   penalties=call.penalties, logprobs=call.logprobs, eos_ids=eos,
-                  overlap=call.overlap)
+                  overlap=call.overlap, fallback=call.fallback)
     state = slots.state
     state.t_start, state.compile_s = time.perf_counter(), 0.0  # setup and calibration are not decode time
     requests = [Request(x, call.max_new_tokens, seed=call.seed, sampling_row=first_row + b, stop=call.stop,

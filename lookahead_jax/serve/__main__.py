@@ -61,8 +61,11 @@ def parse(argv=None) -> ServeConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--warmup", default="greedy", choices=("none", "greedy", "all"),
-                   help="compile the decode steps before serving, so no request waits for a compilation: "
-                   "greedy rows (default), all (also sampled rows: about 3x the time), none")
+                   help="compile this configuration's step programs (listed in the log) in the background: the "
+                   "port opens at once, /health answers 503 with the progress until the minimum set is compiled, "
+                   "the rest compile while requests are served and steps do without them meanwhile (greedy, the "
+                   "default, and all are the same: sampling is data, one program serves both); none: each "
+                   "program compiles at its first use")
     a = p.parse_args(argv)
     if a.strategy not in REGISTRY:
         p.error(f"--strategy {a.strategy!r}: choose one of {', '.join(REGISTRY)}")

@@ -233,8 +233,16 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 once the engine thread serves; 503 before (the warm-up's progress in the body:
+        step programs compiled of the minimum set and of all) and after it stopped."""
         server = ref()
-        return Response(status_code=200 if server.scheduler.alive else 503)
+        sched = server.scheduler
+        body = sched.programs()
+        ok = sched.alive and body["ready"]
+        body["status"] = "ok" if ok else ("warming up" if sched.alive or not body["ready"] else "stopped")
+        if server.metrics is not None:
+            server.metrics.programs(body)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models():
@@ -245,6 +253,8 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         server = ref()
+        if server.metrics is not None:
+            server.metrics.programs(server.scheduler.programs())
         body = server.metrics.render() if server.metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -87,6 +87,11 @@ class Metrics:
                                     "position", lab + ["position"], registry=r)
         self.retrieval_counters = {k: Counter(P + "retrieval_" + k, h, lab, registry=r)
                                    for k, (_, _, h) in RETRIEVAL.items()}
+        self.programs_compiled = Gauge(P + "programs_compiled", "Step programs of this configuration compiled",
+                                       lab, registry=r)
+        self.programs_total = Gauge(P + "programs_total", "Step programs of this configuration", lab, registry=r)
+        self.compile_seconds = Gauge(P + "compile_seconds", "Seconds spent compiling step programs (background "
+                                     "included)", lab, registry=r)
         self.name = model_name
         self._pos: dict = {}
         self._run, self._seen = None, {}  # the run last read, and its counters then
@@ -138,6 +143,13 @@ class Metrics:
             if gained > 0:
                 self.retrieval_counters[k].labels(self.name).inc(gained)
             self._seen[k] = max(v, self._seen.get(k, 0))
+
+    def programs(self, info: dict) -> None:
+        """The step programs' compilation (`Scheduler.programs`)."""
+        for gauge, key in ((self.programs_compiled, "programs_ready"), (self.programs_total, "programs_total"),
+                           (self.compile_seconds, "compile_s")):
+            if info.get(key) is not None:
+                gauge.labels(self.name).set(info[key])
 
     def queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.name).set(running)

@@ -129,6 +129,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stop = False
         self._drain = True
+        self.ready = threading.Event()  # set once the minimum set is compiled (`warm_up`), or with none
+        self.ready.set()
         self._thread: Optional[threading.Thread] = None
         self.per_request_sampling: Optional[bool] = None  # learnt from the first insert that needs it
         self.steps = 0
@@ -139,23 +141,48 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="lookahead-jax-engine", daemon=True)
         self._thread.start()
 
-    def warm_up(self, sampled: bool = False) -> int:
-        """Compile the steps the slots will run before the thread starts serving
-        (`Slots.warm_up`: every prompt bucket, every tree size of the budget at every
-        attention window; `sampled`: sampled rows too), logging progress. Returns the
-        number of steps compiled (0 when an earlier warm-up on this engine had them)."""
-        if self.alive:
-            raise RuntimeError("warm_up() runs before start()")
+    def warm_up(self, sampled: bool = False, wait: str = "all") -> int:
+        """Compile the step programs the slots run (`Slots.programs`) before the thread
+        serves, logging progress: returns once `wait` ("all"; "minimum": the set every
+        request can be served with, the rest compiling in the background while the thread
+        serves, the steps doing without what is not compiled yet). Until it returns the
+        engine thread admits nothing (`ready`; /health answers 503 with the progress). The
+        number of programs queued (0 when an earlier warm-up on this engine had them)."""
+        if self.alive and self.ready.is_set():
+            raise RuntimeError("warm_up() runs before start(), or before the thread serves")
+        self.ready.clear()  # (a warm-up thread clears it before it starts: `server.warm_up_in_background`)
         t0, shown = time.perf_counter(), [0]
 
         def progress(done, total):
             if done * 10 // total > shown[0] or done == total:
                 shown[0] = done * 10 // total
-                log.info("warm-up: %d / %d steps (%.0f s)", done, total, time.perf_counter() - t0)
+                log.info("warm-up: %d / %d programs (%.0f s)", done, total, time.perf_counter() - t0)
 
-        n = self.slots.warm_up(sampled=sampled, progress=progress)
-        log.info("warm-up done: %d steps compiled in %.0f s", n, time.perf_counter() - t0)
+        log.info("warm-up: the step programs of this configuration, minimum set first:\n  %s",
+                 "\n  ".join(map(str, self.slots.programs())))
+        try:
+            n = self.slots.warm_up(sampled=sampled, progress=progress, wait=wait)
+        finally:
+            self.ready.set()
+        warm = self.slots.warm
+        log.info("warm-up: %d of %d programs compiled in %.0f s (minimum set: %d)%s", warm.ready, warm.total,
+                 time.perf_counter() - t0, warm.minimum, "; the rest compile while serving" if warm.ready < warm.total
+                 else "")
         return n
+
+    def programs(self) -> dict:
+        """The step programs' compilation so far (/health, /metrics): how many are
+        compiled of how many, whether the engine thread serves, compile seconds."""
+        warm = self.slots.warm
+        if warm is not None:
+            from ..core.programs import track
+
+            track(self.slots, warm)
+        c = self.engine.compiled
+        return dict(ready=self.ready.is_set(), programs_ready=warm.ready if warm else None,
+                    programs_total=warm.total if warm else None, programs_minimum=warm.minimum if warm else None,
+                    warm_up_s=round(time.perf_counter() - warm.t0, 1) if warm else None,
+                    compile_s=round(c.compile_s + c.background_s, 1), compiled_in_requests=len(c.compilations))
 
     @property
     def alive(self) -> bool:
@@ -193,6 +220,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        while not self.ready.wait(0.5):  # a warm-up compiles what every request needs
+            if self._stop:
+                break
         while True:
             with self._cond:
                 while not self._stop and not self.running and not any(not j.cancelled for j in self.waiting):
@@ -384,7 +414,7 @@ class Scheduler:
             old.run.close()
         return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
                      sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids,
-                     prefill_chunk=self.prefill_chunk)
+                     prefill_chunk=self.prefill_chunk, fallback=True)
 
     def _gauges(self) -> None:
         if self.metrics is not None:

@@ -76,10 +76,30 @@ def run(cfg: ServeConfig, server=None) -> None:
     from .app import build_app
 
     server = server or make_server(cfg)
-    if cfg.warmup != "none":
-        server.scheduler.warm_up(sampled=cfg.warmup == "all")
+    if cfg.warmup != "none":  # in the background: the port opens now, /health says 503 until it is done
+        warm_up_in_background(server.scheduler)
     uvicorn.run(build_app(server), host=cfg.host, port=cfg.port, log_level="info",
                 timeout_graceful_shutdown=60)
+
+
+def warm_up_in_background(scheduler, wait: str = "minimum"):
+    """`Scheduler.warm_up` in a daemon thread: the engine thread admits nothing until the
+    minimum set of step programs is compiled (/health: 503 with the progress, then 200),
+    and the rest compile while it serves. Returns the thread."""
+    import threading
+
+    scheduler.ready.clear()  # before the thread starts: no request is admitted meanwhile
+
+    def work():
+        try:
+            scheduler.warm_up(wait=wait)
+        except Exception:  # noqa: BLE001 - the steps then compile at first use; the log says why
+            log.exception("warm-up failed: the step programs compile at first use")
+            scheduler.ready.set()
+
+    thread = threading.Thread(target=work, name="lookahead-jax-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_in_thread(server):

@@ -1,0 +1,200 @@
+"""The decode state: one batch in flight (`DecodeState`) and what one verify step did to
+it (`StepResult`). The loop and the state edits are in `decode.py`, which re-exports both.
+
+Per row: the prompt, the verified generated ids, the finish reason and its text
+(`RowState`), its sampling parameters and penalties (host values on the row, arrays on
+device: `set_row_values`); the KV cache; the root of every row (its last emitted token,
+not yet in the cache); the committed cache length (host mirror of `cache.length`).
+Invariant per row: cache slots 0..length-1 hold `context[:length]` and
+`root = context[length]`, where context = prompt + generated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
+
+
+# ----------------------------------------------------------------------------- state
+@dataclasses.dataclass
+class StepResult:
+    """What one verify step did, per row (host arrays): `emitted[b, :n_emit[b]]` the
+    tokens it produced, `kept[b]` those the row kept (cut at EOS / stop / length; [] for
+    inactive rows), `path[b]` the block indices of the accepted path (root first)."""
+
+    emitted: np.ndarray  # [B,1+T]
+    n_emit: np.ndarray  # [B]
+    path: np.ndarray  # [B,1+T]
+    kept: list
+    T: int
+    window: int
+    drafted: Optional[np.ndarray] = None  # [B] draft nodes each row was verified with (after the budget)
+
+
+@dataclasses.dataclass
+class DecodeState:
+    rows: list  # RowState per batch row
+    cache: object  # KVCache
+    lengths: np.ndarray  # [B] committed cache slots (host mirror of cache.length)
+    root: np.ndarray  # [B] int32 last emitted token of each row (not yet in the cache)
+    seeds: object  # [B] uint32 (device)
+    rowids: object  # [B] int32 sampling row of each row (device)
+    sampling: SamplingParams  # the rows' default (a row's own: RowState.sampling)
+    max_len: int  # cache slots S
+    # options every step applies alike (verify.py): min_new_tokens bans `ban` (EOS + stop
+    # ids) until that many tokens are out; logprobs returns each emitted token's
+    # log-probability; penalties (repetition / presence / frequency) over a vocabulary of
+    # `vocab` ids
+    min_new: int = 0
+    ban: tuple = ()
+    logprobs: bool = False
+    penalties: Penalties = Penalties()  # the rows' default (a row's own: RowState.penalties)
+    vocab: int = 0
+    # every row's sampling values and penalties as device arrays (`set_row_values`)
+    row_sampling_values: Optional[RowSampling] = None
+    row_penalty_values: Optional[RowPenalties] = None
+    # bookkeeping of the call (wall times exclude compilation)
+    steps: int = 0
+    tree_sizes: list = dataclasses.field(default_factory=list)
+    host_s: float = 0.0
+    prefill_s: float = 0.0
+    t_start: float = 0.0
+    compile_s: float = 0.0  # compilation seen since t_start
+    windows: set = dataclasses.field(default_factory=set)  # attention windows steps have used
+    finish_s: dict = dataclasses.field(default_factory=dict)
+    # block > 0: every prefill block is one row of exactly `block` tokens at one of the few
+    # windows (`decode.forward_rows`): Slots with prefill_chunk, whose chunks then run a few
+    # compiled steps whatever the prompts' lengths; 0: blocks sized to their rows
+    block: int = 0
+    # fallback: a step never waits for a program it can do without: a tree size not compiled
+    # yet gives way to the largest that is (it compiles in the background meanwhile), a
+    # prefill block takes the smallest compiled window that covers it (`decode.step`,
+    # `forward_rows`); the tokens are the same. Off: compiled in place (exact step counts)
+    fallback: bool = False
+    ready: set = dataclasses.field(default_factory=set)  # (T, window) of verify steps found compiled
+    # overlap: a step's bookkeeping runs while the next step's forward computes (`step`)
+    overlap: bool = False
+    deferred: Optional[Callable[[], None]] = None
+
+    def flush(self) -> None:
+        """Run the bookkeeping a step deferred (`overlap`); every state edit between steps
+        and the end of decoding call this first."""
+        if self.deferred is not None:
+            fn, self.deferred, h0 = self.deferred, None, time.perf_counter()
+            fn()
+            self.host_s += time.perf_counter() - h0
+
+    @property
+    def batch(self) -> int:
+        return len(self.rows)
+
+    @property
+    def active(self) -> np.ndarray:
+        return np.array([r.finish is None for r in self.rows])
+
+    def context(self, b: int) -> list:
+        """Prompt + generated ids of row b (its last token is the root)."""
+        return self.rows[b].prompt_ids + self.rows[b].ids
+
+    def sampling_of(self, b: int) -> SamplingParams:
+        s = self.rows[b].sampling
+        return self.sampling if s is None else s
+
+    def penalties_of(self, b: int) -> Penalties:
+        p = self.rows[b].penalties
+        return self.penalties if p is None else p
+
+    def set_row_values(self, put) -> None:
+        """Every row's sampling values and penalties (its own, else the defaults) onto the
+        device (`put`, e.g. `Engine.put`): after prefill, and when requests enter rows."""
+        B = self.batch
+        self.row_sampling_values = RowSampling.of([self.sampling_of(b) for b in range(B)], put=put)
+        self.row_penalty_values = RowPenalties.of([self.penalties_of(b) for b in range(B)], put=put)
+
+    def row_sampling(self, rows=None) -> Optional[RowSampling]:
+        """Each row's sampling for a step over `rows` (default: the batch; a list: a block
+        of those rows only, host arrays): None when every live one of them is greedy (the
+        argmax path), else their values with the mode (`filter`) of the live sampled ones.
+        Values are arrays: changing them never recompiles; the mode does (3 variants)."""
+        idx = range(self.batch) if rows is None else rows
+        live = [self.sampling_of(b) for b in idx if self.rows[b].finish is None]
+        sampled = [p for p in live if not p.greedy]
+        if not sampled:
+            return None
+        if self.row_sampling_values is None:  # (a state built without set_row_values)
+            self.set_row_values(np.asarray)
+        vals = self.row_sampling_values
+        if rows is not None:
+            vals = jax.tree.map(lambda x: np.asarray(x)[np.asarray(rows)], vals)
+        return dataclasses.replace(vals, filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+
+    def step_sampling(self, rows=None) -> RowSampling:
+        """Each row's sampling values for a step over `rows` (default: the batch; a list: a
+        block of those rows only, host arrays), greedy rows' included, whatever the mode:
+        the step reads on the device whether a row samples and whether one cuts
+        (`sampling.select_tokens`), so greedy, sampled and top-k / top-p batches run one
+        compiled step (`row_sampling`, which leaves greedy batches without values, is a
+        draft model's own step's)."""
+        if self.row_sampling_values is None:  # (a state built without set_row_values)
+            self.set_row_values(np.asarray)
+        vals = self.row_sampling_values
+        if rows is not None:
+            vals = jax.tree.map(lambda x: np.asarray(x)[np.asarray(rows)], vals)
+        return dataclasses.replace(vals, filter=True)
+
+    def row_penalties(self) -> Optional[RowPenalties]:
+        """Each row's penalties for a step (None: no live row has any); static only which
+        of `seen` / `counts` some live row needs."""
+        live = [self.penalties_of(b) for b in range(self.batch) if self.rows[b].finish is None]
+        used = [p for p in live if p.on]
+        if not used:
+            return None
+        if self.row_penalty_values is None:
+            self.set_row_values(np.asarray)
+        return dataclasses.replace(self.row_penalty_values, uses_context=any(p.uses_context for p in used),
+                                   uses_counts=any(p.uses_counts for p in used))
+
+    def step_options(self) -> dict:
+        """Keyword arguments of `Engine.verify` / `Engine.extend` for the options (none
+        when off: the plain executables). suppress[b]: the position below which a token's
+        successor may not be a `ban` id: len(prompt) + min_new - 1. With penalties, each
+        row's context as it stands (prompt + generated, its last token the root or the last
+        token an extend forwards), recounted every step, so rollback / replace_prompt /
+        extend need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t
+        occurs in the generated ids. Penalties are each row's (`row_penalties`)."""
+        opts = {}
+        # suppress goes with every step that has ban ids, min_new_tokens or not (a row
+        # without it has suppress = len(prompt) - 1, below which no position it picks at
+        # lies): min_new_tokens is data, one compiled step for requests with and without it
+        if self.ban:
+            opts.update(suppress=np.array([len(r.prompt_ids) + r.min_new - 1 for r in self.rows], np.int32),
+                        ban=self.ban)
+        pen = self.row_penalties()
+        if pen is not None:
+            B, V = self.batch, self.vocab
+            opts["penalties"] = pen
+            if pen.uses_context:
+                seen = np.zeros((B, V), bool)
+                for b in range(B):
+                    seen[b, np.asarray(self.context(b), np.int64)] = True
+                opts["seen"] = seen
+            if pen.uses_counts:
+                opts["counts"] = np.stack([np.bincount(np.asarray(r.ids, np.int64), minlength=V)[:V]
+                                           for r in self.rows]).astype(np.int32)
+        if self.logprobs:
+            opts["logprobs"] = True
+        return opts
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start - self.compile_s
+
+    def mark_finished(self) -> None:  # the finish time of rows that just finished
+        for r in self.rows:
+            if r.finish and r.index not in self.finish_s:
+                self.finish_s[r.index] = self.elapsed()
