@@ -408,7 +408,7 @@ def _run(argv, prog) -> int:
     kw = dict(
         max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
         top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
-        mesh=mesh, max_cache_len=cfg.max_cache_len, n=cfg.n,
+        mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy), n=cfg.n,
         stop_token_ids=list(cfg.stop_token_ids) or None, min_new_tokens=cfg.min_new_tokens,
         logprobs=cfg.logprobs, repetition_penalty=cfg.repetition_penalty,
         presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
@@ -487,6 +487,25 @@ def _retrieval_errors() -> tuple:
     from .retrieval import EncoderUnavailable, IndexUnavailable, RemoteRetrievalError
 
     return IndexUnavailable, EncoderUnavailable, RemoteRetrievalError
+
+
+def _shared_cache_len(cfg, tok, model, strategy) -> Optional[int]:
+    """One KV cache size for every batch of a run (None: one batch, or a strategy whose
+    run adds prompt tokens of its own, e.g. a retrieved passage): the smallest power of
+    two that holds the longest prompt, the new tokens and any verify block. Each cache size
+    compiles its own steps, so batches sized each to its own prompt (256 or 512 slots for the
+    README's HumanEval file) compiled every step twice; one size shares them (on CPU a
+    longer cache costs a verify step nothing measurable: `Engine.window`)."""
+    from .core.buckets import CACHE_ROUND
+    from .core.tree import MAX_NODES
+    from .prompts import encode_prompts
+
+    if len(cfg.prompts) <= cfg.batch_size or getattr(strategy, "runs_own_loop", False):
+        return None
+    longest = max(len(x) for x in encode_prompts(tok, list(cfg.prompts), cfg.chat))
+    need = longest + cfg.max_new_tokens + MAX_NODES + 1
+    limit = max(model.config.max_position, need)
+    return min(max(CACHE_ROUND, 1 << (need - 1).bit_length()), limit)
 
 
 def console_main() -> int:

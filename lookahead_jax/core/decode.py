@@ -438,7 +438,7 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
         # never wait for a tree size: the largest compiled one; T compiles in the background
         ready = next((T2 for T2 in sorted(budget.buckets, reverse=True) if 0 < T2 <= T and verify(T2, ahead="check")), 0)
         if ready != T:
-            verify(T, ahead="later")
+            verify(T, ahead="compile")
             drafts, T = drafts.truncated(ready), ready
         state.ready |= {(T, engine.window(L + 1 + T, S, 1 + T))} if T else set()
     blk = tree_lib.verify_block(state.root, drafts.drafts, T)
