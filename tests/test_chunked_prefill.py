@@ -8,7 +8,7 @@ one block of C tokens per step while the other slots keep decoding.
 * Many requests of mixed lengths queue their blocks (oldest first) and all equal alone.
 * Prompts at the edges of a block; free() of a prefilling slot cancels it and the slot
   is reused; with no request decoding (one slot, an idle server) a prompt is prefilled
-  whole; bad chunk sizes are errors.
+  at insert; bad chunk sizes are errors.
 * Through the server: tests/test_serve.py (test_chunked_prefill_server_equals_generate).
 """
 
@@ -189,7 +189,8 @@ def test_lengths_at_block_edges(model, tok):
 
 def test_nothing_decoding_means_a_whole_prefill(model, tok):
     """Chunks only keep running requests decoding: with none running (one slot, or an idle
-    server), a long prompt is forwarded whole at insert, its first token out at once."""
+    server), a long prompt is forwarded at insert (all its blocks, each of the chunk's one
+    shape), its first token out at once."""
     slots = Slots(engine_for(model), tok, 2, CACHE, prefill_chunk=C)
     ids = tok.encode(LONG[0])
     first = slots.insert(0, Request(ids, 8, sampling_row=0))[0].tokens

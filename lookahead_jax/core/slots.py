@@ -20,9 +20,10 @@ engine's stores, as for `generate`.
 Each request brings its own sampling parameters and penalties (`Request.sampling`,
 `Request.penalties`; None: the slots' defaults): they reach the step as per-row arrays
 (`sampling.RowSampling`, `RowPenalties`), so greedy, sampled (any temperature / top-k /
-top-p / seed) and penalized requests share one batch and values never recompile; only the
-mode is compiled in (some row samples, some row filters, which penalties some row needs:
-a few variants), and a batch of greedy rows keeps the argmax step. What one verify step
+top-p / seed) and penalized requests share one batch and values never recompile; whether
+a row samples or cuts is data too (one program for greedy and sampled rows, the argmax
+alone where none samples: `sampling.select_tokens`), only which penalties some row needs
+is compiled in. What one verify step
 compiles in is shared by the slots: the acceptance rule, whether log-probabilities are
 returned, the ids that `min_new_tokens` bans; and a retrieval run (below) decodes with
 the slots' sampling and penalties. A request asking for other values of these gets a
@@ -38,10 +39,10 @@ only tokens no later turn can change (a retrieval may roll a row back: those tok
 held until verified), so a stream never has to take text back.
 
 Chunked prefill (`prefill_chunk=C`): a prompt longer than C tokens would stall every
-running request for its whole prefill; so, when another request is decoding (else the
-prompt is forwarded whole: nobody waits, and one block is cheaper than several), `insert`
-forwards its first block of C
-tokens and the slot is `prefilling` (neither free nor decoding: its finish marker is
+running request for its whole prefill; so `insert` forwards its first block of C tokens
+(every block one row of the chunk's bucket of tokens: a few compiled programs for every
+prompt length, `DecodeState.block`; with no other request decoding, all its blocks at
+once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its finish marker is
 `PREFILL`, so the decode step, the drafter and the budget skip it), and each `step`, after
 its verify step over the decoding slots, forwards the next block of the oldest prefilling
 slot (one block of at most C tokens per step, first come first served). A block reads the

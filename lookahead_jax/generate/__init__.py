@@ -288,6 +288,9 @@ def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: i
         state.prefill_s = state.elapsed()  # time to the first token (a run's first retrieval included)
         while slots.busy:
             slots.step()
+        if log.isEnabledFor(logging.INFO):  # the CLI's -v: what this configuration compiles
+            log.info("step programs of this call (%d):\n  %s", len(progs := slots.programs()),
+                     "\n  ".join(map(str, progs)))
     finally:
         slots.close()
     return state, slots.drafter, slots.budget
