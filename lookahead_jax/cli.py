@@ -502,7 +502,10 @@ def _shared_cache_len(cfg, tok, model, strategy) -> Optional[int]:
 
     if len(cfg.prompts) <= cfg.batch_size or getattr(strategy, "runs_own_loop", False):
         return None
-    longest = max(len(x) for x in encode_prompts(tok, list(cfg.prompts), cfg.chat))
+    try:
+        longest = max(len(x) for x in encode_prompts(tok, list(cfg.prompts), cfg.chat))
+    except ValueError:  # a bad prompt: its batch's generate reports it, naming the prompt
+        return None
     need = longest + cfg.max_new_tokens + MAX_NODES + 1
     limit = max(model.config.max_position, need)
     return min(max(CACHE_ROUND, 1 << (need - 1).bit_length()), limit)

@@ -97,7 +97,7 @@ def test_sampling_and_min_new_tokens_add_no_program(model, tok):
 
 def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monkeypatch):
     """While no tree size is compiled (`ready` says so), fallback slots verify no tree and
-    queue the trees on the background ("later") queue; nothing compiles on the request
+    queue the trees' compilation in the background; nothing compiles on the request
     path but plain decoding, and the tokens are greedy's. Once the trees are compiled the
     steps verify them, still greedy's tokens."""
     eng = Engine(model)
@@ -112,7 +112,7 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
         return real_ready(self, name, jitted, *args, **static)
 
     def record(self, name, jitted, *args, compile=False, later=False, **static):
-        queued.append((name, args[2].shape[1] - 1, later))
+        queued.append((name, args[2].shape[1] - 1, compile))
         return False  # nothing actually queued: the tree stays uncompiled
 
     monkeypatch.setattr(CompiledFunctions, "ready", not_yet)
@@ -125,7 +125,7 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
         sizes.append(slots.last_step.T)
     assert slots.free(0).ids == want
     assert set(sizes) == {0}  # no tree verified
-    assert any(name == "verify" and T > 0 and later for name, T, later in queued)  # trees queued for later
+    assert any(name == "verify" and T > 0 and full for name, T, full in queued)  # trees queued to compile
     inline = [c for c in eng.compiled.compilations if c.startswith("verify(") and not c.startswith("verify(1x1,")]
     assert inline == []  # no tree compiled on the request path
 
