@@ -118,12 +118,17 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
     monkeypatch.setattr(CompiledFunctions, "ready", not_yet)
     monkeypatch.setattr(CompiledFunctions, "prefetch", record)
     slots = Slots(eng, tok, 1, 1024, Lookahead(decoding_length=7), fallback=True)
-    slots.insert(0, Request(prompt, 40))
-    sizes = []
-    while slots.busy:
-        slots.step()
-        sizes.append(slots.last_step.T)
-    assert slots.free(0).ids == want
+
+    def decode():  # the request alone in the slots: (its tokens, each step's tree size)
+        slots.insert(0, Request(prompt, 40))
+        sizes = []
+        while slots.busy:
+            slots.step()
+            sizes.append(slots.last_step.T)
+        return slots.free(0).ids, sizes
+
+    got, sizes = decode()
+    assert got == want
     assert set(sizes) == {0}  # no tree verified
     assert any(name == "verify" and T > 0 and full for name, T, full in queued)  # trees queued to compile
     inline = [c for c in eng.compiled.compilations if c.startswith("verify(") and not c.startswith("verify(1x1,")]
@@ -132,12 +137,8 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
     monkeypatch.setattr(CompiledFunctions, "ready", real_ready)  # the real table from here on
     monkeypatch.setattr(CompiledFunctions, "prefetch", real_prefetch)
     for attempt in range(2):  # the first queues the trees it wants, compiled before the second
-        slots.insert(0, Request(prompt, 40))
-        sizes = []
-        while slots.busy:
-            slots.step()
-            sizes.append(slots.last_step.T)
-        assert slots.free(0).ids == want
+        got, sizes = decode()
+        assert got == want
         eng.compiled.settle()
     assert max(sizes) > 0  # the trees compiled in the background are verified
     assert [c for c in eng.compiled.compilations if c.startswith("verify(")

@@ -44,7 +44,7 @@ def _background(later: bool = False) -> ThreadPoolExecutor:
     """The process's background compilation threads: two for loads and what is needed
     soon (a load is mostly one core's work outside the GIL, and the step waiting for one
     keeps a core); one for what steps do without meanwhile (`later`: a warm-up's programs
-    past its minimum set, a tree size not compiled yet), so that decoding keeps a core."""
+    past its minimum set), so that decoding keeps a core."""
     name = "later" if later else "pool"
     with _BACKGROUND_LOCK:
         if name not in _BACKGROUND:
@@ -143,10 +143,6 @@ class CompiledFunctions:
         if isinstance(exe, Future):
             return exe.done() and (failed or exe.exception() is None)
         return exe is not None
-
-    def pending(self) -> int:
-        """Compilations queued or running in the background for this table."""
-        return sum(isinstance(exe, Future) and not exe.done() for exe in self._table.values())
 
     def prefetch(self, name: str, jitted: Callable, *args, compile: bool = False, later: bool = False,
                  **static) -> bool:

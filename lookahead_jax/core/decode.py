@@ -434,15 +434,16 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
                              window=engine.window(L + 1 + T2, S, 1 + T2), draft_probs=fit_draft_probs(drafts.probs, T2),
                              ahead=ahead, **opts)
 
-    if state.fallback and T and (T, engine.window(L + 1 + T, S, 1 + T)) not in state.ready:
+    window = engine.window(L + 1 + T, S, 1 + T)
+    if state.fallback and T and (T, window) not in state.ready:
         # never wait for a tree size: the largest compiled one; T compiles in the background
         ready = next((T2 for T2 in sorted(budget.buckets, reverse=True) if 0 < T2 <= T and verify(T2, ahead="check")), 0)
         if ready != T:
             verify(T, ahead="compile")
             drafts, T = drafts.truncated(ready), ready
-        state.ready |= {(T, engine.window(L + 1 + T, S, 1 + T))} if T else set()
+            window = engine.window(L + 1 + T, S, 1 + T)
+        state.ready |= {(T, window)} if T else set()
     blk = tree_lib.verify_block(state.root, drafts.drafts, T)
-    window = engine.window(L + 1 + T, S, 1 + T)
     state.host_s += time.perf_counter() - h0
     state.tree_sizes.append(T)
     if window not in state.windows:  # the budget's other buckets are likely soon: loaded meanwhile

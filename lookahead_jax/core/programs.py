@@ -90,11 +90,10 @@ def queue(slots, prog: Program, ahead: str = "compile") -> bool:
 
     st, eng = slots.state, slots.engine
     B = slots.n_slots
-    if prog.kind == "prefill":
-        G = prog.rows if st.block else 1
-        group = None if G == B else list(range(G))
-        block = np.zeros((G, prog.tokens), np.int32)
-        n_new = np.ones(G, np.int32)
+    if prog.kind == "prefill":  # one row: the batch's own at B = 1, else a `sel` of one
+        group = None if B == 1 else [0]
+        block = np.zeros((1, prog.tokens), np.int32)
+        n_new = np.ones(1, np.int32)
         return extend_block(eng, st, group, block, n_new, window=prog.window, emit=prog.emit,
                             opts=st.step_options() if prog.emit else {}, ahead=ahead)
     if prog.kind == "steps":
