@@ -56,6 +56,7 @@ def model_step(model, T: int, S: int = 256, length: int = 100):
 
     from lookahead_jax.core.acceptance import TokenMatch
     from lookahead_jax.core.drafts import Draft
+    from lookahead_jax.core.inputs import StepInputs, StepMode
     from lookahead_jax.core.tree import verify_block
     from lookahead_jax.loading import runtime_params
     from lookahead_jax.models import init_cache
@@ -64,14 +65,13 @@ def model_step(model, T: int, S: int = 256, length: int = 100):
 
     verify = jitted_verify_step(model.config, TokenMatch(SamplingParams(0.0, 0, 1.0)))
     blk = verify_block(np.zeros(1, np.int32), [Draft([0] * T, list(range(-1, T - 1)))], T)
-    args = (blk.tokens, blk.parents, blk.depth, blk.mask, np.ones(1, bool),
-            jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.int32))
-    window = window_for(length + 1 + T, S)
+    x = StepInputs.tree(blk, np.ones(1, bool), jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.int32))
+    mode = StepMode(window=window_for(length + 1 + T, S))
     state = {"cache": init_cache(model.config, 1, S)}
 
     def run():
         cache = state["cache"].replace(length=jnp.full((1,), length, jnp.int32))
-        res = verify(runtime_params(model), cache, *args, window=window)
+        res = verify(runtime_params(model), cache, x, mode=mode)
         jax.block_until_ready(res)
         state["cache"] = res[-1]  # (VerifyOut, cache)
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from lookahead_jax.core import decode as D
+from lookahead_jax.core.inputs import StepInputs, StepMode
 from lookahead_jax.core.sampling import SamplingParams
 from lookahead_jax.generate import generate
 from lookahead_jax.drafters.base import Drafter, PerRowDrafter
@@ -438,8 +439,8 @@ def test_top_logprobs_are_the_forward_top_k(model, tok):
     block = np.zeros((1, P), np.int32)
     block[0, :n] = prompt
     greedy = SamplingParams()
-    outs = [engine.extend(engine.init_cache(1, S), block, np.array([n], np.int32), seeds, rows, sampling=greedy,
-                          window=P, **kw) for kw in ({}, {"top_logprobs": k})]
+    x = StepInputs(block, seeds, rows, n_new=np.array([n], np.int32))
+    outs = [engine.extend(engine.init_cache(1, S), x, StepMode(window=P, **kw)) for kw in ({}, {"top_logprobs": k})]
     out, _ = outs[1]
     nxt, v, i = out.tokens, out.top_logprobs, out.top_ids
     assert int(outs[0][0].tokens[0]) == int(nxt[0]) == ctx[n]
@@ -450,10 +451,9 @@ def test_top_logprobs_are_the_forward_top_k(model, tok):
     drafts = [Draft([(ctx[n + 1] + 1) % 200, ctx[n + 1], ctx[n + 2], ctx[n + 3]], [-1, -1, 1, 2])]
     res = []
     for kw in ({}, {"top_logprobs": k}):
-        cache = engine.extend(engine.init_cache(1, S), block, np.array([n], np.int32), seeds, rows,
-                              sampling=greedy, window=P)[-1]
-        res.append(engine.verify(cache, verify_block(np.array([ctx[n]]), drafts, 4), np.ones(1, bool), seeds,
-                                 rows, rule=TokenMatch(greedy), window=S, **kw))
+        cache = engine.extend(engine.init_cache(1, S), x, StepMode(window=P))[-1]
+        res.append(engine.verify(cache, StepInputs.tree(verify_block(np.array([ctx[n]]), drafts, 4), np.ones(1, bool),
+                                                        seeds, rows), StepMode(window=S, **kw), rule=TokenMatch(greedy)))
     out, _ = res[1]
     emitted, n_emit, path, v, i = out.tokens, out.n, out.path, out.top_logprobs, out.top_ids
     assert int(n_emit[0]) == int(res[0][0].n[0]) == 4 and list(np.asarray(path)[0, :4]) == [0, 2, 3, 4]

@@ -31,6 +31,7 @@ import pytest
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.tree import verify_block
 from lookahead_jax.generate import generate
+from lookahead_jax.core.inputs import StepInputs, StepMode
 from lookahead_jax.core.verify import jitted_extend
 from lookahead_jax import presets
 from lookahead_jax.drafters.trie import TrieDrafter
@@ -253,8 +254,9 @@ def test_cached_incremental_decoding_equals_full_forward(models, tok, family):
     seeds, rows = jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.int32)
     tokens = np.zeros((1, P), np.int32)
     tokens[0, :n] = prompt
-    first, cache = compiled("prefill", jitted_extend(cfg, sp), params, init_cache(cfg, 1, S),
-                            jnp.asarray(tokens), jnp.asarray([n], jnp.int32), seeds, rows, window=P)
+    first, cache = compiled("prefill", jitted_extend(cfg), params, init_cache(cfg, 1, S),
+                            StepInputs(jnp.asarray(tokens), seeds, rows, n_new=jnp.asarray([n], jnp.int32)),
+                            mode=StepMode(window=P))
     assert int(first.tokens[0]) == seq[n]
     assert int(cache.length[0]) == n
 
@@ -268,9 +270,8 @@ def test_cached_incremental_decoding_equals_full_forward(models, tok, family):
             assert blk.depth[0, j] == d and blk.tokens[0, j] == seq[pos + d]
             np.testing.assert_allclose(logits[j], full[pos + d], atol=1e-4, rtol=1e-4)
             assert int(np.argmax(logits[j])) == seq[pos + d + 1]
-        out, new_cache = compiled(
-            "verify", verify, params, cache, blk.tokens, blk.parents, blk.depth, blk.mask,
-            np.ones(1, bool), seeds, rows)
+        out, new_cache = compiled("verify", verify, params, cache, StepInputs.tree(blk, np.ones(1, bool), seeds, rows),
+                                  mode=StepMode())
         k = int(out.n[0])
         assert np.asarray(out.tokens)[0, :k].tolist() == seq[pos + 1: pos + 1 + k]
         assert int(new_cache.length[0]) == pos + k

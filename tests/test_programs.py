@@ -107,12 +107,12 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
     real_ready, real_prefetch = CompiledFunctions.ready, CompiledFunctions.prefetch
 
     def not_yet(self, name, jitted, *args, **static):  # no verify step of a tree is compiled
-        if name == "verify" and args[2].shape[1] > 1:
+        if name == "verify" and args[2].tokens.shape[1] > 1:
             return False
         return real_ready(self, name, jitted, *args, **static)
 
     def record(self, name, jitted, *args, compile=False, later=False, **static):
-        queued.append((name, args[2].shape[1] - 1, compile))
+        queued.append((name, args[2].tokens.shape[1] - 1, compile))
         return False  # nothing actually queued: the tree stays uncompiled
 
     monkeypatch.setattr(CompiledFunctions, "ready", not_yet)

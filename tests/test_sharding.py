@@ -304,6 +304,7 @@ def _child_generate(model, mesh) -> dict:
     from lookahead_jax.core.tree import verify_block
     from lookahead_jax.generate import generate
     from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.core.inputs import StepInputs, StepMode
     from lookahead_jax.core.verify import jitted_extend
     from lookahead_jax.models import init_cache
     from lookahead_jax.core.sampling import SamplingParams
@@ -348,12 +349,11 @@ def _child_generate(model, mesh) -> dict:
     drafts = [Draft([g[1], g[2], wrong(g[2]), g[3]], [-1, 0, 0, 1]) for g in greedy]
 
     def steps(params, cache, put):
-        first, cache = jitted_extend(cfg, sp)(params, cache, put(tokens), put(lens),
-                                              put(seeds), put(rows), window=tokens.shape[1])
+        first, cache = jitted_extend(cfg)(params, cache, StepInputs(put(tokens), put(seeds), put(rows), n_new=put(lens)),
+                                          mode=StepMode(window=tokens.shape[1]))
         blk = verify_block(np.asarray(first.tokens), drafts, 4)
-        out, cache = jitted_verify_step(cfg, sp)(
-            params, cache, put(blk.tokens), put(blk.parents), put(blk.depth), put(blk.mask),
-            put(np.ones(B, bool)), put(seeds), put(rows))
+        x = StepInputs.tree(blk, np.ones(B, bool), seeds, rows)
+        out, cache = jitted_verify_step(cfg, sp)(params, cache, jax.tree.map(put, x), mode=StepMode())
         return first.tokens, out.tokens, out.n, cache
 
     r = steps(model.params, init_cache(cfg, B, S), lambda x: x)

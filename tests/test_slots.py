@@ -319,16 +319,17 @@ def test_verify_step_returns_hidden_states(model):
     cfg = model.config
     from lookahead_jax.core.tree import verify_block
     from lookahead_jax.core.drafts import Draft
+    from lookahead_jax.core.inputs import StepInputs, StepMode
 
     cache = init_cache(cfg, 1, 256)
     prompt = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
-    first, cache = eng.extend(cache, prompt, np.array([8], np.int32), jnp.zeros(1, jnp.uint32),
-                              jnp.zeros(1, jnp.int32), sampling=SamplingParams(), window=16, hidden=True)
+    seed, row = jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32)
+    first, cache = eng.extend(cache, StepInputs(prompt, seed, row, n_new=np.array([8], np.int32)),
+                              StepMode(window=16, hidden=True))
     assert first.hidden.shape == (1, cfg.d_model) and first.logprobs is None
     blk = verify_block(np.asarray(first.tokens), [Draft([3, 4], [-1, 0])], 2)
-    out, _ = eng.verify(cache, blk, np.ones(1, bool), jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32),
-                        rule=TokenMatch(SamplingParams()),
-                        window=128, hidden=True)
+    out, _ = eng.verify(cache, StepInputs.tree(blk, np.ones(1, bool), seed, row),
+                        StepMode(window=128, hidden=True), rule=TokenMatch(SamplingParams()))
     seq = np.concatenate([prompt[0], np.asarray(first.tokens), [3, 4]])[None].astype(np.int32)
     L = seq.shape[1]
     h, _ = hidden_states(model.params, jnp.asarray(seq), jnp.arange(L)[None], init_cache(cfg, 1, 256),

@@ -135,26 +135,13 @@ def extend(engine, state: DecodeState, rows: Sequence[int], tokens: Sequence[Seq
     return forward_rows(engine, state, rows)
 
 
-def extend_block(engine, state: DecodeState, group, block, n_new, *, window: int, emit: bool, opts: dict,
-                 ahead=None):
+def extend_block(engine, state: DecodeState, group, block, n_new, *, window: int, emit: bool, ahead=None):
     """`Engine.extend` of one right-padded prefill block over the rows `group` (None: the
-    batch's rows, no `sel`) with the step options `opts` (`step_options`) cut to them.
-    ahead: only check or queue its compilation (`Engine._dispatch`)."""
-    kw = dict(opts)
-    if group is None:
-        seeds, rowids, sampling = state.seeds, state.rowids, state.step_sampling()
-    else:
-        sel = np.asarray(group, np.int32)
-        seeds, rowids = np.asarray(state.seeds)[sel], np.asarray(state.rowids)[sel]
-        sampling = state.step_sampling(group)
-        kw["sel"] = sel
-        for k in ("suppress", "seen", "counts"):  # per-row options: the group's rows
-            if k in kw:
-                kw[k] = kw[k][sel]
-        if "penalties" in kw:
-            kw["penalties"] = jax.tree.map(lambda x: np.asarray(x)[sel], kw["penalties"])
-    return engine.extend(state.cache, block, n_new, seeds, rowids, sampling=sampling, window=window,
-                         emit=emit, ahead=ahead, **kw)
+    batch's rows, no `sel`) with the state's step inputs cut to them; without `emit` (the
+    pick is not kept) no options. ahead: only check or queue its compilation
+    (`Engine._dispatch`)."""
+    x = state.step_inputs(block, rows=group, options=emit, n_new=n_new)
+    return engine.extend(state.cache, x, state.step_mode(window, options=emit, emit=emit), ahead=ahead)
 
 
 def windows(S: int, engine, tokens: int) -> list:
@@ -182,9 +169,8 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     need = int(max(state.lengths[b] + len(blk) for b, blk in blocks.items()))
     if need + 1 > S:
         raise ValueError(f"extend needs {need + 1} cache slots but the cache holds {S}")
-    opts = state.step_options() if emit else {}
     nxt_all = np.zeros(B, np.int32)
-    lps_all = np.zeros(B, np.float32) if opts.get("logprobs") else None
+    lps_all = np.zeros(B, np.float32) if emit and state.logprobs else None
     groups = [[b] for b in rows] if state.block else prefill_groups({b: len(blk) for b, blk in blocks.items()}, S)
     whole = len(groups) == 1 and len(rows) == B
     for group in groups:
@@ -204,7 +190,7 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
 
         def call(window, ahead=None, group=group, block=block, n_new=n_new):
             return extend_block(engine, state, None if whole else group, block, n_new, window=window,
-                                emit=emit, opts=opts, ahead=ahead)
+                                emit=emit, ahead=ahead)
 
         if state.block and state.fallback:  # the smallest compiled window that covers the block
             window = next((w for w in sorted(x for x in windows(S, engine, P) if x >= window)
@@ -426,13 +412,14 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     drafts = drafts.truncated(budget.plan(drafts, state))
     T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
     L = int(state.lengths[active].max())  # the longest active row's cached slots
-    opts, sampling = state.step_options(), state.step_sampling()
+    x = state.step_inputs(None, active=active)  # the block's arrays per bucket, below
 
     def verify(T2, blk=None, ahead=None):  # the verify step of bucket T2 (blk None: an empty tree's shapes)
         blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2) if blk is None else blk
-        return engine.verify(state.cache, blk, active, state.seeds, state.rowids, rule=rule, sampling=sampling,
-                             window=engine.window(L + 1 + T2, S, 1 + T2), draft_probs=fit_draft_probs(drafts.probs, T2),
-                             ahead=ahead, **opts)
+        inputs = x._replace(tokens=blk.tokens, parent=blk.parents, depth=blk.depth, mask=blk.mask,
+                            draft_probs=fit_draft_probs(drafts.probs, T2))
+        return engine.verify(state.cache, inputs, state.step_mode(engine.window(L + 1 + T2, S, 1 + T2)), rule=rule,
+                             ahead=ahead)
 
     window = engine.window(L + 1 + T, S, 1 + T)
     if state.fallback and T and (T, window) not in state.ready:

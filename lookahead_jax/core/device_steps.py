@@ -13,12 +13,13 @@ import numpy as np
 from . import tree as tree_lib
 from .decode import DecodeState, StepResult, timed
 from .drafts import DraftBatch
+from .inputs import StepInputs
 
 
-def plain_steps_args(state: DecodeState, active, steps: int) -> tuple:
-    """The array arguments of `Engine.plain_steps` over the `active` rows: (cache, the
-    roots' block, active, seeds, rows, remaining [B] tokens each row may still emit,
-    stop_ids [B,E] its EOS ids, -1 padded)."""
+def plain_steps_inputs(state: DecodeState, active) -> StepInputs:
+    """The `inputs.StepInputs` of `Engine.plain_steps` over the `active` rows: the roots'
+    block, each row's seed, id and sampling values, its ban's positions, remaining [B]
+    tokens it may still emit and stop_ids [B,E] its EOS ids, -1 padded."""
     B = state.batch
     remaining = np.zeros(B, np.int32)
     stops = [()] * B
@@ -31,7 +32,10 @@ def plain_steps_args(state: DecodeState, active, steps: int) -> tuple:
     for b, ids in enumerate(stops):
         stop_ids[b, :len(ids)] = ids
     blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, 0)
-    return state.cache, blk, active, state.seeds, state.rowids, remaining, stop_ids
+    x = state.tree_inputs(blk, active, remaining=remaining, stop_ids=stop_ids)
+    if x.penalties is not None:
+        raise ValueError("plain_steps takes no penalties: decode with step()")
+    return x
 
 
 def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
@@ -47,17 +51,11 @@ def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
     B, S = state.batch, state.max_len
     active = state.active
     h0 = time.perf_counter()
-    args = plain_steps_args(state, active, steps)
-    remaining = args[5]
-    need = max(int(state.lengths[b]) + min(steps, int(remaining[b])) for b in np.flatnonzero(active))
-    window = engine.window(max(need, 1), S, 1)
-    opts = state.step_options()
-    if "penalties" in opts:
-        raise ValueError("plain_steps takes no penalties: decode with step()")
-    sampling = state.step_sampling()
+    x = plain_steps_inputs(state, active)
+    need = max(int(state.lengths[b]) + min(steps, int(x.remaining[b])) for b in np.flatnonzero(active))
+    mode = state.step_mode(engine.window(max(need, 1), S, 1), steps=steps)
     state.host_s += time.perf_counter() - h0
-    out, state.cache, _, _ = timed(engine, state, lambda: engine.plain_steps(
-        *args, rule=rule, window=window, steps=steps, sampling=sampling, **opts))
+    out, state.cache, _, _ = timed(engine, state, lambda: engine.plain_steps(state.cache, x, mode, rule=rule))
     h0 = time.perf_counter()
     emitted, n_emit, lps = out.tokens, out.n, out.logprobs
     state.lengths = state.lengths + n_emit
@@ -75,4 +73,4 @@ def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
         state.root[b] = emitted[b, n - 1]
     state.host_s += time.perf_counter() - h0
     state.mark_finished()
-    return StepResult(emitted, n_emit, np.zeros_like(emitted), kept, 0, window, np.zeros(B, np.int32))
+    return StepResult(emitted, n_emit, np.zeros_like(emitted), kept, 0, mode.window, np.zeros(B, np.int32))

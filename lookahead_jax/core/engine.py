@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compile import CompiledFunctions
+from .inputs import StepInputs, StepMode, place
 from ..models import KVCache, init_cache
 from ..models.config import ModelConfig
 
@@ -226,19 +227,20 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def _step(self, kind: str, key, make, args: tuple, static: dict):
-        """(jitted step `kind` for `key`, its static keyword arguments). Without a mesh,
-        the shared `jax.jit` from `verify.py`. On a mesh, a jit with explicit shardings:
-        params by the rule table, the cache by `sharding.cache_shardings` (in and out, so
-        it stays where it is step after step), every [B, ...] argument and output with B
-        over "data" (replicated when B does not divide the axis); the static arguments are
-        bound into it (jit takes no keyword arguments beside explicit in_shardings). The step
-        returns (named result, cache): every field of the result is [B, ...]."""
+        """(jitted step `kind` for `key`, its static keyword arguments) for the arguments
+        (params, cache, inputs). Without a mesh, the shared `jax.jit` from `verify.py`. On
+        a mesh, a jit with explicit shardings: params by the rule table, the cache by
+        `sharding.cache_shardings` (in and out, so it stays where it is step after step),
+        every leaf of the inputs and of the result with its rows over "data" (replicated
+        when the rows do not divide the axis); the mode is bound into it (jit takes no
+        keyword arguments beside explicit in_shardings). The step returns (named result,
+        cache): every field of the result is [B, ...]."""
         if self.mesh is None:
             return make(), static
         from .sharding import batch_spec, cache_shardings, param_shardings
 
-        B = int(args[2].shape[0])  # rows of the step (the cache's, or a `sel` subset's)
-        jkey = (kind, key, B, int(args[1].length.shape[0]), len(args), tuple(sorted(static.items())))
+        B = int(args[2].tokens.shape[0])  # rows of the step (the cache's, or a `sel` subset's)
+        jkey = (kind, key, B, int(args[1].length.shape[0]), tuple(sorted(static.items())))
         fn = self._mesh_steps.get(jkey)
         if fn is None:
             from jax.sharding import NamedSharding
@@ -246,41 +248,10 @@ class Engine:
             rows = NamedSharding(self.mesh, batch_spec(1, B, self.mesh))
             cache = cache_shardings(self.config, self.mesh, int(args[1].length.shape[0]))
             fn = jax.jit(functools.partial(make().__wrapped__, **static), donate_argnums=(1,),
-                         in_shardings=(param_shardings(self.config, self.mesh), cache)
-                         + (rows,) * (len(args) - 2),
+                         in_shardings=(param_shardings(self.config, self.mesh), cache, rows),
                          out_shardings=(rows, cache))
             self._mesh_steps[jkey] = fn
         return fn, {}
-
-    def _options(self, args: tuple, static: dict, before: list, suppress, ban, penalties, seen, counts,
-                 after: list = ()):
-        """Append the optional step arguments in the step's order (`before`: those before
-        suppress, e.g. draft_probs; then suppress, seen, counts; `after`: e.g. sel and each
-        row's sampling; last each row's penalties) and their static companions. Penalties
-        are one static `Penalties` or each row's `RowPenalties` (an argument). Trailing
-        absent ones are left out, so with every option off the call is exactly the plain one."""
-        from .sampling import RowPenalties
-
-        optional = list(before)
-        if suppress is not None and ban:
-            optional.append(self.arg(np.asarray(suppress, np.int32)))
-            static["ban"] = tuple(int(t) for t in ban)
-        else:
-            optional.append(None)
-        row_pen = None
-        if penalties is not None and penalties.on:
-            optional += [self.arg(np.asarray(seen, bool)) if penalties.uses_context else None,
-                         self.arg(np.asarray(counts, np.int32)) if penalties.uses_counts else None]
-            if isinstance(penalties, RowPenalties):
-                row_pen = penalties
-            else:
-                static["penalties"] = penalties
-        else:
-            optional += [None, None]
-        optional += list(after) + [row_pen]
-        while optional and optional[-1] is None:
-            optional.pop()
-        return args + tuple(optional)
 
     def _dispatch(self, name: str, fn, args: tuple, static: dict, ahead: Optional[str]):
         """Run a step through the compiled-function table, or only look ahead: "check"
@@ -296,73 +267,39 @@ class Engine:
             raise ValueError(f"ahead must be None, 'check', 'load', 'compile' or 'later', got {ahead!r}")
         return self.compiled.prefetch(name, fn, *args, compile=ahead != "load", later=ahead == "later", **static)
 
-    def extend(self, cache, tokens, n_new, seeds, rows, *, sampling, window: int, emit: bool = True,
-               suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, sel=None, hidden: bool = False, top_logprobs: int = 0, ahead: Optional[str] = None):
-        """`verify.extend_step` through the compiled-function table (name "prefill"): returns
-        (`verify.ExtendOut`, cache). sampling: a static `SamplingParams`, or each row's
-        `RowSampling` (an argument; None: every row greedy). suppress [B] / ban
-        (min_new_tokens), penalties (`Penalties` or `RowPenalties`) with seen [B,V] / counts
-        [B,V], logprobs, hidden and top_logprobs: see `verify.py`; off by default (the same
-        executable as without them).
-        sel [G]: only these cache rows (the per-row arguments then have G rows; see
-        `verify.extend_step`). ahead: only check or queue its compilation (`_dispatch`)."""
-        from .sampling import SamplingParams
+    def extend(self, cache, inputs, mode, *, ahead: Optional[str] = None):
+        """`verify.extend_step` through the compiled-function table (name "prefill") on the
+        `inputs.StepInputs` (tokens, n_new, seed, row; optional: each row's sampling values,
+        penalties, suppress, sel) with the static `inputs.StepMode` (window, emit, ban,
+        logprobs, hidden, top_logprobs): returns (`verify.ExtendOut`, cache). Host arrays
+        are placed as `arg` places them. ahead: only check or queue its compilation
+        (`_dispatch`)."""
         from .verify import jitted_extend
 
-        row_sampling = None
-        if not isinstance(sampling, SamplingParams):  # each row's values (or None: all greedy)
-            row_sampling, sampling = sampling, SamplingParams()
-        args = (self.params, cache, self.arg(tokens), self.arg(n_new), seeds, rows)
-        static = dict(window=window, emit=emit)
-        args = self._options(args, static, [], suppress, ban, penalties, seen, counts,
-                             [None if sel is None else self.arg(np.asarray(sel, np.int32)), row_sampling])
-        static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
-        if top_logprobs:
-            static["top_logprobs"] = int(top_logprobs)
-        fn, static = self._step("extend", sampling, lambda: jitted_extend(self.config, sampling), args, static)
+        args = (self.params, cache, place(inputs, self.arg))
+        fn, static = self._step("extend", None, lambda: jitted_extend(self.config), args, {"mode": mode})
         return self._dispatch("prefill", fn, args, static, ahead)
 
-    def verify(self, cache, block, active, seeds, rows, *, rule, window: int, draft_probs=None,
-               suppress=None, ban: tuple = (), logprobs: bool = False, penalties=None, seen=None,
-               counts=None, hidden: bool = False, top_logprobs: int = 0, sampling=None,
-               prefetch: bool = False, ahead: Optional[str] = None):
-        """`verify.verify_step` on a packed `tree.VerifyBlock`: returns (`verify.VerifyOut`,
-        cache). sampling: each row's `RowSampling` (None: every row greedy). suppress / ban,
-        penalties / seen / counts, logprobs, hidden, top_logprobs: see `verify.py`; off by
-        default. prefetch: only load this step for these shapes from the step cache in the
-        background (ahead="load"); ahead: only check or queue its compilation (`_dispatch`)."""
+    def verify(self, cache, inputs, mode, *, rule, ahead: Optional[str] = None):
+        """`verify.verify_step` on the `inputs.StepInputs` of a packed `tree.VerifyBlock`
+        (`StepInputs.tree`; optional: each row's sampling values, draft_probs, penalties,
+        suppress) with the static `inputs.StepMode`: returns (`verify.VerifyOut`, cache).
+        rule: the acceptance rule. ahead: only check, load or queue its compilation
+        (`_dispatch`)."""
         from .verify import jitted_verify_step
 
-        args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents),
-                self.arg(block.depth), self.arg(block.mask), self.arg(active), seeds, rows)
-        static = dict(window=window)
-        probs = None
-        if draft_probs is not None:
-            probs = draft_probs if isinstance(draft_probs, jax.Array) else self.arg(draft_probs)
-        args = self._options(args, static, [probs], suppress, ban, penalties, seen, counts, [sampling])
-        static.update({k: True for k, on in (("logprobs", logprobs), ("hidden", hidden)) if on})
-        if top_logprobs:
-            static["top_logprobs"] = int(top_logprobs)
-        fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule), args, static)
-        return self._dispatch("verify", fn, args, static, "load" if prefetch else ahead)
+        args = (self.params, cache, place(inputs, self.arg))
+        fn, static = self._step("verify", rule, lambda: jitted_verify_step(self.config, rule), args, {"mode": mode})
+        return self._dispatch("verify", fn, args, static, ahead)
 
-    def plain_steps(self, cache, block, active, seeds, rows, remaining, stop_ids, *, rule, window: int,
-                    steps: int, suppress=None, ban: tuple = (), logprobs: bool = False, sampling=None,
-                    ahead: Optional[str] = None):
-        """`verify.plain_steps` (up to `steps` plain decode steps in one call) on the packed
-        root-only `tree.VerifyBlock`: returns (`verify.StepsOut`, cache). remaining [B],
-        stop_ids [B,E]; the other options as in `verify`."""
+    def plain_steps(self, cache, inputs, mode, *, rule, ahead: Optional[str] = None):
+        """`verify.plain_steps` (up to `mode.steps` plain decode steps in one call) on the
+        inputs of a root-only block (`StepInputs.tree` with remaining [B] and stop_ids
+        [B,E]): returns (`verify.StepsOut`, cache); the rest as in `verify`."""
         from .verify import jitted_plain_steps
 
-        args = (self.params, cache, self.arg(block.tokens), self.arg(block.parents), self.arg(block.depth),
-                self.arg(block.mask), self.arg(active), seeds, rows, self.arg(np.asarray(remaining, np.int32)),
-                self.arg(np.asarray(stop_ids, np.int32)))
-        static = dict(window=window, steps=int(steps))
-        args = self._options(args, static, [], suppress, ban, None, None, None, [sampling])
-        if logprobs:
-            static["logprobs"] = True
-        fn, static = self._step("steps", rule, lambda: jitted_plain_steps(self.config, rule), args, static)
+        args = (self.params, cache, place(inputs, self.arg))
+        fn, static = self._step("steps", rule, lambda: jitted_plain_steps(self.config, rule), args, {"mode": mode})
         return self._dispatch("steps", fn, args, static, ahead)
 
     def measure_verify_costs(self, rule, B: int, S: int, buckets, length: Optional[int] = None,
@@ -406,7 +343,8 @@ class Engine:
                 for key, (T, L, window, blk) in todo.items():
                     cache = cache.replace(length=self.put(np.full(B, L, np.int32)))
                     t0 = time.perf_counter()
-                    res = self.verify(cache, blk, active, seeds, rows, rule=rule, window=window, sampling=sampling)
+                    res = self.verify(cache, StepInputs.tree(blk, active, seeds, rows, sampling=sampling),
+                                      StepMode(window=window), rule=rule)
                     jax.block_until_ready(res)
                     if r:
                         times[key].append(time.perf_counter() - t0)

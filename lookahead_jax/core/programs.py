@@ -8,7 +8,7 @@ or not; without chunks: one request's whole prompt per prompt bucket), verify st
 per tree size the budget may pick, at each window a step of that size may take: on CPU
 with the attention kernel only the whole cache, `Engine.window`) and plain decoding's
 multi-token blocks (`device_steps`). Sampling, `min_new_tokens` and each row's values are
-data (`sampling.select_tokens`, `DecodeState.step_options`), so they add no programs;
+data (`sampling.select_tokens`, `DecodeState.step_inputs`), so they add no programs;
 what still does (penalties, `top_logprobs`, a draft model's own steps, a retrieval run's)
 compiles at first use.
 
@@ -86,7 +86,7 @@ def queue(slots, prog: Program, ahead: str = "compile") -> bool:
     now), or check whether it is compiled ("check"): the arguments are built as the slots' steps build them (the
     slots' options: log-probabilities, the banned ids; every row's sampling values), only
     their shapes count."""
-    from .device_steps import plain_steps_args
+    from .device_steps import plain_steps_inputs
 
     st, eng = slots.state, slots.engine
     B = slots.n_slots
@@ -94,15 +94,13 @@ def queue(slots, prog: Program, ahead: str = "compile") -> bool:
         group = None if B == 1 else [0]
         block = np.zeros((1, prog.tokens), np.int32)
         n_new = np.ones(1, np.int32)
-        return extend_block(eng, st, group, block, n_new, window=prog.window, emit=prog.emit,
-                            opts=st.step_options() if prog.emit else {}, ahead=ahead)
+        return extend_block(eng, st, group, block, n_new, window=prog.window, emit=prog.emit, ahead=ahead)
     if prog.kind == "steps":
-        return eng.plain_steps(*plain_steps_args(st, np.ones(B, bool), prog.tokens), rule=slots.rule,
-                               window=prog.window, steps=prog.tokens, sampling=st.step_sampling(), ahead=ahead,
-                               **st.step_options())
+        return eng.plain_steps(st.cache, plain_steps_inputs(st, np.ones(B, bool)),
+                               st.step_mode(prog.window, steps=prog.tokens), rule=slots.rule, ahead=ahead)
     blk = verify_block(np.zeros(B, np.int32), [EMPTY] * B, prog.tokens - 1)
-    return eng.verify(st.cache, blk, np.ones(B, bool), st.seeds, st.rowids, rule=slots.rule, window=prog.window,
-                      sampling=st.step_sampling(), ahead=ahead, **st.step_options())
+    return eng.verify(st.cache, st.tree_inputs(blk, np.ones(B, bool)), st.step_mode(prog.window), rule=slots.rule,
+                      ahead=ahead)
 
 
 @dataclasses.dataclass

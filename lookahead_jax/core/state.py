@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from .inputs import StepInputs, StepMode
 from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
 
 
@@ -160,36 +161,55 @@ class DecodeState:
         return dataclasses.replace(self.row_penalty_values, uses_context=any(p.uses_context for p in used),
                                    uses_counts=any(p.uses_counts for p in used))
 
-    def step_options(self) -> dict:
-        """Keyword arguments of `Engine.verify` / `Engine.extend` for the options (none
-        when off: the plain executables). suppress[b]: the position below which a token's
-        successor may not be a `ban` id: len(prompt) + min_new - 1. With penalties, each
-        row's context as it stands (prompt + generated, its last token the root or the last
-        token an extend forwards), recounted every step, so rollback / replace_prompt /
-        extend need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t
-        occurs in the generated ids. Penalties are each row's (`row_penalties`)."""
-        opts = {}
-        # suppress goes with every step that has ban ids, min_new_tokens or not (a row
-        # without it has suppress = len(prompt) - 1, below which no position it picks at
-        # lies): min_new_tokens is data, one compiled step for requests with and without it
-        if self.ban:
-            opts.update(suppress=np.array([len(r.prompt_ids) + r.min_new - 1 for r in self.rows], np.int32),
-                        ban=self.ban)
-        pen = self.row_penalties()
-        if pen is not None:
-            B, V = self.batch, self.vocab
-            opts["penalties"] = pen
-            if pen.uses_context:
-                seen = np.zeros((B, V), bool)
-                for b in range(B):
-                    seen[b, np.asarray(self.context(b), np.int64)] = True
-                opts["seen"] = seen
-            if pen.uses_counts:
-                opts["counts"] = np.stack([np.bincount(np.asarray(r.ids, np.int64), minlength=V)[:V]
-                                           for r in self.rows]).astype(np.int32)
-        if self.logprobs:
-            opts["logprobs"] = True
-        return opts
+    def suppress(self) -> Optional[np.ndarray]:
+        """[B] int32 each row's position below which a token's successor may not be a `ban`
+        id: len(prompt) + min_new - 1 (None: no ban ids). It goes with every step that has
+        ban ids, min_new_tokens or not (a row without it has suppress = len(prompt) - 1,
+        below which no position it picks at lies): min_new_tokens is data, one compiled step
+        for requests with and without it."""
+        if not self.ban:
+            return None
+        return np.array([len(r.prompt_ids) + r.min_new - 1 for r in self.rows], np.int32)
+
+    def step_inputs(self, tokens, rows=None, options: bool = True, **block) -> StepInputs:
+        """This step's `inputs.StepInputs`: the block (`tokens` and `block`'s arrays: a
+        prefill's n_new, or a tree's parent / depth / mask and active: `tree_inputs`) with
+        each row's seed, id and sampling values (`step_sampling`) and, with `options`, the
+        options' arrays: `suppress`, and with penalties each row's `RowPenalties` with its
+        context as it stands (prompt + generated, its last token the root or the last token
+        an extend forwards), recounted every step, so rollback / replace_prompt / extend
+        need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t occurs
+        in the generated ids. rows: a prefill block of those rows only (`StepInputs.rows`:
+        `tokens` and n_new have their rows, everything else is cut to them)."""
+        x = StepInputs(tokens, self.seeds, self.rowids, sampling=self.step_sampling(), **block)
+        if options:
+            x = x._replace(suppress=self.suppress())
+            pen = self.row_penalties()
+            if pen is not None:
+                B, V = self.batch, self.vocab
+                x = x._replace(penalties=pen)
+                if pen.uses_context:
+                    seen = np.zeros((B, V), bool)
+                    for b in range(B):
+                        seen[b, np.asarray(self.context(b), np.int64)] = True
+                    x = x._replace(seen=seen)
+                if pen.uses_counts:
+                    x = x._replace(counts=np.stack([np.bincount(np.asarray(r.ids, np.int64), minlength=V)[:V]
+                                                    for r in self.rows]).astype(np.int32))
+        return x if rows is None else x.rows(rows)
+
+    def tree_inputs(self, block, active, **fields) -> StepInputs:
+        """`step_inputs` of a verify step of the packed `tree.VerifyBlock` `block` (fields:
+        e.g. draft_probs, or plain_steps' remaining / stop_ids)."""
+        return self.step_inputs(block.tokens, parent=block.parents, depth=block.depth, mask=block.mask,
+                                active=active, **fields)
+
+    def step_mode(self, window: int, options: bool = True, **static) -> StepMode:
+        """This step's `inputs.StepMode`: the window, and with `options` the rows' ban ids
+        and whether they return log-probabilities (`static`: e.g. emit, steps)."""
+        if not options:
+            return StepMode(window=window, **static)
+        return StepMode(window=window, ban=tuple(int(t) for t in self.ban), logprobs=bool(self.logprobs), **static)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start - self.compile_s

@@ -31,23 +31,25 @@ Algorithm (one forward, no shape depends on the outcome):
 
 With T = 0 (no drafts) the step is plain decoding: one token per forward.
 
-Options that change a step the same way in plain decoding and in verification, so every
-strategy stays exact with them (all off by default: the step is then unchanged):
-* each row's sampling values (`sampling.RowSampling`, an argument: None = every row
-  greedy, the argmax path) and penalties (`row_penalties`, `sampling.RowPenalties`; or
-  one static `penalties` for all rows): values are arrays, only their mode is compiled in.
-* penalties (`sampling.Penalties` / `RowPenalties`: repetition / presence / frequency) with the
-  row's `seen` [B,V] (ids in the context up to the root) and `counts` [B,V] (generated
-  ids up to the root): node i's logits are penalized by its own context, the base plus
-  the drafted tokens on its path root -> i (`path_counts`), i.e. by exactly the context
-  plain decoding has at that position. Applied to the raw logits, before the ban below.
-* `suppress` [B] with static `ban` ids (min_new_tokens): the logits at a position below
-  suppress[b] give the `ban` tokens (EOS, stop ids) probability 0 before the rule sees
-  them, so a node is checked against exactly what plain decoding would pick there.
-* static `logprobs`: also return the model's log-probability of every emitted token
+Every step takes one inputs pytree and one static mode (`inputs.py`: `StepInputs`,
+`StepMode`). Options that change a step the same way in plain decoding and in
+verification, so every strategy stays exact with them (all off by default: the step is
+then unchanged):
+* each row's sampling values (`StepInputs.sampling`, a `sampling.RowSampling`: None =
+  every row greedy, the argmax path) and penalties (`StepInputs.penalties`, a
+  `sampling.RowPenalties`): values are arrays, only their flags are compiled in.
+* penalties (repetition / presence / frequency) with the row's `seen` [B,V] (ids in the
+  context up to the root) and `counts` [B,V] (generated ids up to the root): node i's
+  logits are penalized by its own context, the base plus the drafted tokens on its path
+  root -> i (`path_counts`), i.e. by exactly the context plain decoding has at that
+  position. Applied to the raw logits, before the ban below.
+* `suppress` [B] with the mode's `ban` ids (min_new_tokens): the logits at a position
+  below suppress[b] give the `ban` tokens (EOS, stop ids) probability 0 before the rule
+  sees them, so a node is checked against exactly what plain decoding would pick there.
+* `mode.logprobs`: also return the model's log-probability of every emitted token
   (log_softmax of the raw logits, before temperature / top-k / top-p / bans) at the node
   that chose it: the values plain decoding computes for the same token at the same place.
-* static `top_logprobs` = k > 0: also return the k most likely ids and their
+* `mode.top_logprobs` = k > 0: also return the k most likely ids and their
   log-probabilities (`top_k_logprobs` of the same raw logits) where each emitted token
   was chosen (`extend_step`: after every forwarded token, the prompt's included). The
   tokens are those of the step without it; the first id is the raw logits' argmax (the
@@ -65,7 +67,8 @@ import jax.numpy as jnp
 from .acceptance import GREEDY, TokenMatch
 from ..models import KVCache, advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
-from .sampling import Penalties, SamplingParams, penalize, select_tokens
+from .inputs import StepInputs, StepMode
+from .sampling import SamplingParams, penalize, select_tokens
 
 
 def tree_mask(length, anc, n_slots):
@@ -144,44 +147,45 @@ def top_k_logprobs(logits, k: int):
     return v, i.astype(jnp.int32)
 
 
-def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row,
-                draft_probs=None, suppress=None, seen=None, counts=None, sampling=None, row_penalties=None,
-                *, config: ModelConfig, rule,
-                window: int = 0, ban: tuple = (), logprobs: bool = False, penalties: Penalties = None,
-                hidden: bool = False, top_logprobs: int = 0):
+def verify_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConfig, rule, mode: StepMode):
     """Returns (`VerifyOut`, cache): the emitted tokens, their count and the accepted path;
-    with `logprobs` their log-probabilities, with `hidden` the final hidden state of every
-    block node (e.g. for a drafter that drafts from the target's features).
+    with `mode.logprobs` their log-probabilities, with `mode.hidden` the final hidden state
+    of every block node (e.g. for a drafter that drafts from the target's features).
 
-    rule: the acceptance rule (`acceptance.TokenMatch`, ...), static. draft_probs: the
-    drafts' distributions for rules that need them (None: deterministic drafts).
-    sampling: each row's `RowSampling` (None: every row greedy; the rule's own field is not
-    used). suppress/ban (min_new_tokens), penalties or row_penalties, seen/counts: see the
-    module docstring. window: static number of
-    cache slots attention reads (0: all). Every active row needs length + 1 + T <= window;
-    the decode loop picks it with `window_for`."""
+    inputs (`inputs.StepInputs`): tokens / parent / depth / mask (the packed block), active,
+    seed, row; optional: sampling (each row's `RowSampling`; None: every row greedy; the
+    rule's own field is not used), draft_probs (the drafts' distributions, for rules that
+    need them), suppress (with `mode.ban`: min_new_tokens), penalties with seen / counts:
+    see the module docstring. rule: the acceptance rule (`acceptance.TokenMatch`, ...),
+    static. mode.window: the number of cache slots attention reads (0: all). Every active
+    row needs length + 1 + T <= window; the decode loop picks it with `window_for`."""
+    mode.check(inputs)
+    x = inputs
+    tokens, parent, depth, anc = x.tokens, x.parent, x.depth, x.mask
+    window, top_logprobs = mode.window, mode.top_logprobs
     B, T1 = tokens.shape
     length = cache.length
     positions = length[:, None] + depth  # [B,1+T]
     mask = tree_mask(length, anc, window or cache.max_len)
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)  # [B,1+T,D]
     raw = logits_from_hidden(params, h, config)  # [B,1+T,V]
-    pen = row_penalties if row_penalties is not None else penalties
+    pen = x.penalties
     if pen is not None and pen.on:
         path = path_counts(tokens, anc, raw.shape[-1]) if T1 > 1 else None
-        logits = penalize(raw, pen, seen, counts, path)
+        logits = penalize(raw, pen, x.seen, x.counts, path)
     else:
         logits = raw
-    logits = banned(logits, positions, suppress, ban)
-    best, bonus = rule(logits, tokens, parent, depth, anc, positions, seed, row, draft_probs,
-                       sampling=GREEDY if sampling is None else sampling)
-    active = active.astype(bool)
+    logits = banned(logits, positions, x.suppress, mode.ban)
+    best, bonus = rule(logits, tokens, parent, depth, anc, positions, x.seed, x.row, x.draft_probs,
+                       sampling=GREEDY if x.sampling is None else x.sampling)
+    active = x.active.astype(bool)
     n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
     n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
     if T1 == 1:  # plain decoding
         top = top_k_logprobs(raw, top_logprobs) if top_logprobs else (None, None)
         out = VerifyOut(bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32),
-                        token_logprobs(raw, bonus[:, None]) if logprobs else None, h if hidden else None, *top)
+                        token_logprobs(raw, bonus[:, None]) if mode.logprobs else None, h if mode.hidden else None,
+                        *top)
         return out, advance(cache, n_emit)
 
     # path[d] = index of the accepted node at depth d (d = 0..n_acc); rest 0
@@ -196,47 +200,44 @@ def verify_step(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     emitted = jnp.where(d < n_acc[:, None], nxt, jnp.where(d == n_acc[:, None], bonus[:, None], -1))
     cache = commit(cache, path, n_emit)
     lp, top = None, (None, None)
-    if logprobs or top_logprobs:  # emitted[d] was chosen at the path's node of depth d
+    if mode.logprobs or top_logprobs:  # emitted[d] was chosen at the path's node of depth d
         at_path = jnp.take_along_axis(raw, path[:, :, None], axis=1)  # [B,1+T,V]
         kept = d <= n_acc[:, None]  # [B,1+T]
-    if logprobs:
+    if mode.logprobs:
         lp = jnp.where(kept, token_logprobs(at_path, emitted), 0.0)
     if top_logprobs:
         v, i = top_k_logprobs(at_path, top_logprobs)
         top = (jnp.where(kept[..., None], v, 0.0), jnp.where(kept[..., None], i, -1))
-    return VerifyOut(emitted, n_emit, path, lp, h if hidden else None, *top), cache
+    return VerifyOut(emitted, n_emit, path, lp, h if mode.hidden else None, *top), cache
 
 
-def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None, seen=None, counts=None,
-                sel=None, row_sampling=None, row_penalties=None, *, config: ModelConfig, sampling: SamplingParams,
-                window: int, emit: bool = True,
-                ban: tuple = (), logprobs: bool = False, penalties: Penalties = None, hidden: bool = False,
-                top_logprobs: int = 0):
-    """Forward each row's `n_new[b]` tokens (right-padded block [B,P]) at positions
+def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConfig, mode: StepMode):
+    """Forward each row's `n_new[b]` tokens (right-padded block `tokens` [B,P]) at positions
     length[b] .. length[b]+n-1 into the existing cache, and pick the next token after
     them: a prefill that need not start at 0 (also chunked prefill, and what an outer loop
     such as retrieval-augmented decoding needs after a rollback).
 
     Returns (`ExtendOut`: next token [B] (+ its log-probability, + the last forwarded
-    token's hidden state, when asked), cache). With emit=True all n tokens are committed (length +=
-    n) and the next token is the model's pick at position length + n (the row's next
-    root). With emit=False the last token stays uncommitted (length += n - 1): it is the
+    token's hidden state, when asked), cache). With mode.emit all n tokens are committed
+    (length += n) and the next token is the model's pick at position length + n (the row's
+    next root). Without it the last token stays uncommitted (length += n - 1): it is the
     root the next step forwards, as after any decode step. Rows with n_new = 0 are left
-    as they are. window: static slots attention reads (>= max(length) + P; a fresh
-    prefill reads only its own P slots). row_sampling (`RowSampling`): each row's values,
-    instead of the static `sampling`. suppress/ban, logprobs, penalties / row_penalties: as
-    in `verify_step`; seen /
-    counts cover the whole context up to the last forwarded token (the token picked here
-    follows it). top_logprobs = k: also the top log-probs [B,P,k] and their ids of the
-    distribution after every forwarded token (position n_new-1: the one the next token is
-    picked from; padding positions past it hold junk): what a teacher needs over a whole
-    prompt (distillation).
+    as they are. mode.window: slots attention reads (>= max(length) + P; a fresh prefill
+    reads only its own P slots). inputs.sampling (`RowSampling`): each row's values (None:
+    every row greedy). suppress / mode.ban, mode.logprobs, penalties: as in `verify_step`;
+    seen / counts cover the whole context up to the last forwarded token (the token picked
+    here follows it). mode.top_logprobs = k: also the top log-probs [B,P,k] and their ids
+    of the distribution after every forwarded token (position n_new-1: the one the next
+    token is picked from; padding positions past it hold junk): what a teacher needs over a
+    whole prompt (distillation).
 
-    sel [G] (optional): the block is for cache rows `sel` only; every per-row argument
-    (tokens, n_new, seed, row, suppress, seen, counts, row_sampling, row_penalties) and
-    output then has G rows. The step works on a copy of those rows' first `window` slots
-    and writes it back, so it costs G rows, not the cache's B: a mixed-length batch
-    prefills each group of similar lengths apart."""
+    inputs.sel [G] (optional): the block is for cache rows `sel` only; every per-row input
+    and output then has G rows (`StepInputs.rows`). The step works on a copy of those rows'
+    first `window` slots and writes it back, so it costs G rows, not the cache's B: a
+    mixed-length batch prefills each group of similar lengths apart."""
+    mode.check(inputs)
+    x = inputs
+    tokens, n_new, sel, window, top_logprobs = x.tokens, x.n_new, x.sel, mode.window, mode.top_logprobs
     full = None
     if sel is not None:
         full = cache
@@ -250,11 +251,11 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)
     last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)  # [B,1,D]
     raw = logits_from_hidden(params, last, config)  # [B,1,V]
-    logits = penalize(raw, row_penalties if row_penalties is not None else penalties, seen, counts)
-    logits = banned(logits, (length + n_new - 1)[:, None], suppress, ban)
-    sp = row_sampling if row_sampling is not None else sampling
-    nxt = select_tokens(logits, sp, seed, row, (length + n_new)[:, None])[:, 0]
-    keep = n_new if emit else jnp.maximum(n_new - 1, 0)
+    logits = penalize(raw, x.penalties, x.seen, x.counts)
+    logits = banned(logits, (length + n_new - 1)[:, None], x.suppress, mode.ban)
+    sp = GREEDY if x.sampling is None else x.sampling
+    nxt = select_tokens(logits, sp, x.seed, x.row, (length + n_new)[:, None])[:, 0]
+    keep = n_new if mode.emit else jnp.maximum(n_new - 1, 0)
     cache = advance(cache, keep)
     if full is not None:  # the rows' slots back into the (donated) whole cache
         cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
@@ -266,8 +267,8 @@ def extend_step(params, cache: KVCache, tokens, n_new, seed, row, suppress=None,
         # at n_new - 1 the very logits the pick above came from (a [B,P] matmul may round differently)
         last_pos = (jnp.arange(P)[None, :] == jnp.maximum(n_new - 1, 0)[:, None])[..., None]  # [B,P,1]
         top = top_k_logprobs(jnp.where(last_pos, raw, every), top_logprobs)
-    return ExtendOut(nxt, token_logprobs(raw, nxt[:, None])[:, 0] if logprobs else None,
-                     last[:, 0] if hidden else None, *top), cache
+    return ExtendOut(nxt, token_logprobs(raw, nxt[:, None])[:, 0] if mode.logprobs else None,
+                     last[:, 0] if mode.hidden else None, *top), cache
 
 
 class StepsOut(NamedTuple):
@@ -278,28 +279,29 @@ class StepsOut(NamedTuple):
     logprobs: Optional[jax.Array] = None  # [B,K] f32 of the tokens (logprobs=True), 0 past n
 
 
-def plain_steps(params, cache: KVCache, tokens, parent, depth, anc, active, seed, row, remaining, stop_ids,
-                suppress=None, seen=None, counts=None, sampling=None, *, config: ModelConfig, rule, window: int,
-                steps: int, ban: tuple = (), logprobs: bool = False):
-    """Up to `steps` plain decode steps in one call: a `lax.while_loop` of the verify step
-    of a root-only block (tokens [B,1], the rows' roots; parent / depth / anc its constant
-    rows), so the host is woken once per `steps` tokens instead of once per token. Each
-    iteration is exactly `verify_step` on that block (the same tokens and log-probs as
-    `steps` separate calls); a row stops after emitting one of its `stop_ids` [B,E] (-1
-    pads) or `remaining` [B] tokens, and the loop ends when every row has stopped or
-    after `steps` iterations. window: static, covers every active row's length + steps.
-    No penalties (seen / counts change every token; the caller takes single steps then).
-    Returns (`StepsOut`, cache advanced by each row's n)."""
-    if seen is not None or counts is not None:
+def plain_steps(params, cache: KVCache, inputs: StepInputs, *, config: ModelConfig, rule, mode: StepMode):
+    """Up to `mode.steps` plain decode steps in one call: a `lax.while_loop` of the verify
+    step of a root-only block (tokens [B,1], the rows' roots; parent / depth / mask its
+    constant rows), so the host is woken once per `steps` tokens instead of once per token.
+    Each iteration is exactly `verify_step` on that block (the same tokens and log-probs as
+    `steps` separate calls); a row stops after emitting one of its `inputs.stop_ids` [B,E]
+    (-1 pads) or `inputs.remaining` [B] tokens, and the loop ends when every row has
+    stopped or after `steps` iterations. mode.window: covers every active row's length +
+    steps. No penalties (seen / counts change every token; the caller takes single steps
+    then). Returns (`StepsOut`, cache advanced by each row's n)."""
+    if inputs.penalties is not None or inputs.seen is not None or inputs.counts is not None:
         raise ValueError("plain_steps takes no penalties")
-    B = tokens.shape[0]
-    root = tokens[:, 0]
+    steps, logprobs = mode.steps, mode.logprobs
+    one = mode._replace(steps=0)  # each iteration's verify step
+    B = inputs.tokens.shape[0]
+    root = inputs.tokens[:, 0]
+    remaining, stop_ids = inputs.remaining, inputs.stop_ids
+    x = inputs._replace(remaining=None, stop_ids=None)
 
     def body(carry):
         i, cache, root, live, out, lps, n = carry
-        o, cache = verify_step(params, cache, root[:, None], parent, depth, anc, live, seed, row, None,
-                               suppress, None, None, sampling, config=config, rule=rule, window=window,
-                               ban=ban, logprobs=logprobs)
+        o, cache = verify_step(params, cache, x._replace(tokens=root[:, None], active=live), config=config,
+                               rule=rule, mode=one)
         new = o.tokens[:, 0]
         out = out.at[:, i].set(jnp.where(live, new, -1))
         if logprobs:
@@ -312,7 +314,7 @@ def plain_steps(params, cache: KVCache, tokens, parent, depth, anc, active, seed
     def cond(carry):
         return (carry[0] < steps) & carry[3].any()
 
-    live = active.astype(bool) & (remaining > 0)
+    live = x.active.astype(bool) & (remaining > 0)
     init = (jnp.int32(0), cache, root, live, jnp.full((B, steps), -1, jnp.int32),
             jnp.zeros((B, steps), jnp.float32) if logprobs else None, jnp.zeros((B,), jnp.int32))
     _, cache, _, _, out, lps, n = jax.lax.while_loop(cond, body, init)
@@ -321,29 +323,25 @@ def plain_steps(params, cache: KVCache, tokens, parent, depth, anc, active, seed
 
 @functools.lru_cache(maxsize=None)
 def jitted_plain_steps(config: ModelConfig, rule):
-    """jit(plain_steps) for one (config, rule); the cache donated; window / steps static."""
+    """jit(plain_steps) for one (config, rule); the cache donated, the mode static."""
     return jax.jit(functools.partial(plain_steps, config=config, rule=rule), donate_argnums=(1,),
-                   static_argnames=("window", "steps", "ban", "logprobs"))
+                   static_argnames=("mode",))
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_extend(config: ModelConfig, sampling: SamplingParams):
-    """jit(extend_step) for one (config, sampling); cache donated, window/emit static."""
-    return jax.jit(functools.partial(extend_step, config=config, sampling=sampling),
-                   donate_argnums=(1,), static_argnames=("window", "emit", "ban", "logprobs", "penalties", "hidden",
-                                                        "top_logprobs"))
+def jitted_extend(config: ModelConfig):
+    """jit(extend_step) for one config; the cache donated, the mode static."""
+    return jax.jit(functools.partial(extend_step, config=config), donate_argnums=(1,), static_argnames=("mode",))
 
 
 @functools.lru_cache(maxsize=None)
 def jitted_verify_step(config: ModelConfig, rule):
     """jit(verify_step) for one (config, acceptance rule); the cache (argument 1) is donated
-    and `window` (keyword) is static: one compilation per (tree bucket, window)."""
+    and the mode (keyword) is static: one compilation per (tree bucket, mode)."""
     if isinstance(rule, SamplingParams):  # the rule every strategy used before rules existed
         rule = TokenMatch(rule)
-    return jax.jit(
-        functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
-        static_argnames=("window", "ban", "logprobs", "penalties", "hidden", "top_logprobs"),
-    )
+    return jax.jit(functools.partial(verify_step, config=config, rule=rule), donate_argnums=(1,),
+                   static_argnames=("mode",))
 
 
 WINDOW_MIN = 128

@@ -13,6 +13,7 @@ from ..core.acceptance import TokenMatch
 from ..core.decode import prompt_bucket
 from ..core.drafts import DraftBatch
 from ..core.engine import engine_for
+from ..core.inputs import StepInputs, StepMode
 from ..core.sampling import SamplingParams
 from ..core.tree import verify_block
 from ..core.verify import window_for
@@ -44,8 +45,8 @@ def teacher_chunk(model, prompt_ids: Sequence[Sequence[int]], gen_tokens: int, s
     seeds, rowids = engine.put(np.zeros(B, np.uint32)), engine.put(np.arange(B, dtype=np.int32))
     # the prompt forward from an empty cache (it reads only its own P slots); top-k after
     # every prompt token, the last one's the distribution the first new token comes from
-    first, cache = engine.extend(engine.init_cache(B, seq_len), toks, lengths, seeds, rowids,
-                                 sampling=greedy, window=P, top_logprobs=k)
+    first, cache = engine.extend(engine.init_cache(B, seq_len), StepInputs(toks, seeds, rowids, n_new=lengths),
+                                 StepMode(window=P, top_logprobs=k))
     nxt, v, i = first.tokens, np.asarray(first.top_logprobs), np.asarray(first.top_ids)
     vs = [[v[r, :lens[r]]] for r in range(n)]  # positions 0..len-1 of the prompt
     is_ = [[i[r, :lens[r]]] for r in range(n)]
@@ -63,8 +64,8 @@ def teacher_chunk(model, prompt_ids: Sequence[Sequence[int]], gen_tokens: int, s
             break
         active = np.array([not d for d in done] + [False] * (B - n))
         window = window_for(int(lengths[active].max()) + 1, seq_len)
-        out, cache = engine.verify(cache, verify_block(nxt, no_drafts, 0), active, seeds,
-                                   rowids, rule=rule, window=window, top_logprobs=k)
+        out, cache = engine.verify(cache, StepInputs.tree(verify_block(nxt, no_drafts, 0), active, seeds, rowids),
+                                   StepMode(window=window, top_logprobs=k), rule=rule)
         lengths = lengths + np.asarray(out.n)
         nxt = np.asarray(out.tokens)[:, 0]
         v, i = np.asarray(out.top_logprobs)[:, 0], np.asarray(out.top_ids)[:, 0]  # [B,k]: where each row's token was chosen

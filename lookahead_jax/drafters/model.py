@@ -57,7 +57,8 @@ import numpy as np
 from ..core.drafts import EMPTY, Draft, DraftBatch
 from ..models import advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
-from ..core.sampling import RowSampling, SamplingParams, filter_logits, position_keys
+from ..core.inputs import StepInputs, StepMode
+from ..core.sampling import RowSampling, filter_logits, position_keys
 from ..core.verify import window_for
 
 # a depth-4 chain: on a 2-core CPU the draft's forwards (one per level) dominate a step, and
@@ -362,10 +363,8 @@ class ModelDrafter:
             block[i, :n[i]] = state.context(b)[int(self.dlen[b]):int(upto[b])]
         start = self.dlen if whole else self.dlen[rows]
         window = P if not start.any() else window_for(int((self.dlen + n_new)[rows].max()), S)
-        if whole:
-            seeds, rowids, kw = self.seeds, self.rowids, {}
-        else:
-            seeds, rowids, kw = np.asarray(self.seeds)[rows], np.asarray(self.rowids)[rows], {"sel": rows}
-        _, self.cache = self.engine.extend(self.cache, block, n, seeds, rowids, sampling=SamplingParams(),
-                                           window=window, **kw)
+        x = StepInputs(block, self.seeds, self.rowids, n_new=n)  # greedy: the draft's own picks are not used
+        if not whole:
+            x = x.rows(rows)  # (the block and n_new have these rows already)
+        _, self.cache = self.engine.extend(self.cache, x, StepMode(window=window))
         self.base = self.base + n_new

@@ -297,12 +297,12 @@ class KnnRun:
 
     def _choose_options(self, state):
         """(the arguments after the positions, the static options) of `choose` for this state."""
-        s, opts = self.strat, state.step_options()
-        args = () if "suppress" not in opts else (self.engine.arg(opts["suppress"]),)
+        s, suppress = self.strat, state.suppress()
+        args = () if suppress is None else (self.engine.arg(suppress),)
         static = dict(lam=float(s.knn_lambda), temperature=float(s.knn_temperature), sampling=state.sampling,
-                      logprobs=bool(opts.get("logprobs")))
-        if "suppress" in opts:
-            static["ban"] = tuple(int(t) for t in opts["ban"])
+                      logprobs=bool(state.logprobs))
+        if suppress is not None:
+            static["ban"] = tuple(int(t) for t in state.ban)
         return args, static
 
     def _choose(self, state, h, logits, ids, pos, opts=None, host: bool = True):
