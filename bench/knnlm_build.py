@@ -41,7 +41,7 @@ def main(argv=None):
     import lookahead_jax as lj
     from lookahead_jax.core.buckets import prompt_bucket
     from lookahead_jax.core.engine import engine_for
-    from lookahead_jax.knnlm import datastore as DS
+    from lookahead_jax.knnlm import build as DS
 
     print(host_line(), flush=True)
     lines = Path(a.corpus).read_text().splitlines()

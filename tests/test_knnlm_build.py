@@ -1,4 +1,4 @@
-"""The resumable KNN-LM datastore build (lookahead_jax/knnlm/datastore.py) on the tiny llama.
+"""The resumable KNN-LM datastore build (lookahead_jax/knnlm/build.py) on the tiny llama.
 
 A build killed for real (SIGKILL to a subprocess) and rerun gives the store of an
 uninterrupted build bit for bit (keys, values, offsets, meta) and forwards only the passages
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import lookahead_jax.loading as loading
-from lookahead_jax.knnlm import datastore as D
+from lookahead_jax.knnlm import build as D
 from lookahead_jax.knnlm import BuildInterrupted, build_datastore, load_datastore
 from lookahead_jax.retrieval import Corpus
 from tiny import tiny_model
@@ -107,7 +107,7 @@ KILLED_BUILD = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from lookahead_jax.core.compile import enable_compilation_cache
-from lookahead_jax.knnlm import datastore as D
+from lookahead_jax.knnlm import build as D
 from tiny import ByteTokenizer, tiny_model
 enable_compilation_cache("xla-tests")  # as conftest does: the shapes the reference build compiled
 D.BATCH_TOKENS, D.COMMIT_S = {batch}, 0.0

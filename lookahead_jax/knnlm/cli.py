@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .datastore import KEY_DTYPES, MAX_TOKENS
+from .build import MAX_TOKENS
+from .datastore import KEY_DTYPES
 
 __all__ = ["main"]
 
@@ -49,9 +50,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from ..retrieval.corpus import CorpusError, load_corpus
-    from .datastore import (
-        BuildInterrupted, DatastoreUnavailable, read_meta, build_datastore, datastore_dir, load_datastore,
-    )
+    from .build import BuildInterrupted, build_datastore
+    from .datastore import DatastoreUnavailable, read_meta, datastore_dir, load_datastore
 
     args = _parser().parse_args(argv)
     if args.max_passages is not None and args.max_passages < 1:
