@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"lookahead_jax": ROOT / "lookahead_jax", "lookahead_jax.models": ROOT / "models",
             "lookahead_jax.convert": ROOT / "convert"}
 MAX_LINES = 600
-HOST_ONLY = ("lookahead_jax.drafters.ngram_trie", "lookahead_jax.drafters.suffix", "lookahead_jax.drafters.trie_drafts", "lookahead_jax.core.drafts", "lookahead_jax.prompts",
+HOST_ONLY = ("lookahead_jax.drafters.ngram_trie", "lookahead_jax.drafters.ngram_counts", "lookahead_jax.drafters.suffix",
+             "lookahead_jax.drafters.trie_drafts", "lookahead_jax.core.drafts", "lookahead_jax.prompts",
              "lookahead_jax.retrieval.remote", "lookahead_jax.retrieval.server")
 
 
