@@ -460,7 +460,7 @@ def test_os3_plain_rounds_keep_tokens_and_measure_g(model, tok, ds, monkeypatch)
     """Where OS3 picks s = 0 (forced here after the first rounds), rows decode by real steps
     between speculative rounds; the tokens are plain KNN-LM's, and the shadow checks of the
     plain rounds keep g measured (outcomes noted while nothing is speculated)."""
-    from lookahead_jax.strategies import knnlm as knn_strategy
+    from lookahead_jax.strategies import knnlm_runs as knn_strategy
 
     kw = dict(logprobs=True, min_new_tokens=2, stop_token_ids=[116, 158])
     plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), **kw)
@@ -489,7 +489,7 @@ def test_os3_measures_carry_across_calls(model, tok, ds, monkeypatch):
     """OS3's measurements live on the engine per datastore and settings: a second call
     consults OS3 from its first round (the first call ran default strides until it had
     measured a round), and another k starts afresh."""
-    from lookahead_jax.strategies import knnlm as knn_strategy
+    from lookahead_jax.strategies import knnlm_runs as knn_strategy
 
     engine_for(model).stores.knnlm_os3.clear()
     consulted = []

@@ -47,7 +47,7 @@ class Stores:
     models by name, the drafts already warned about, and its auto budget's measurements
     (strategies/specinfer.py); the
     KNN-LM index in use, with the datastore identity it was built from, and speculative
-    KNN-LM's OS3 measurements per datastore and settings (strategies/knnlm.py)."""
+    KNN-LM's OS3 measurements per datastore and settings (strategies/knnlm_runs.py)."""
 
     tries: dict = dataclasses.field(default_factory=dict)  # branch_length -> NgramTrie
     acceptance: dict = dataclasses.field(default_factory=dict)  # drafter geometry -> AcceptanceStats

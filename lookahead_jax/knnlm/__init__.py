@@ -8,7 +8,8 @@
 `datastore.py` the datastore (hidden state -> next token) on disk: load, the errors
 naming the build command, its faiss indexes; `build.py` its resumable build; `search.py` the device side: canonical distances, exact / subset
 search, faiss candidates, the mixed distribution and the token pick, the model step;
-`cli.py` the command line. The strategy and its runs: `strategies/knnlm.py`.
+`cli.py` the command line. The strategy and its runs: `strategies/knnlm.py`,
+`strategies/knnlm_runs.py`.
 """
 
 from .build import BuildInterrupted, build_datastore

@@ -412,7 +412,7 @@ class FinalTextStream:
 
 
 class SuccessorCache:
-    """Speculative KNN-LM's cache (strategies/knnlm.py), per row: for each neighbour a real
+    """Speculative KNN-LM's cache (strategies/knnlm_runs.py), per row: for each neighbour a real
     search returned, the `next_n` datastore entries after it (id+1 .. id+next_n, those
     below `size`), the newest `capacity` kept."""
 
