@@ -1,7 +1,8 @@
 """The package's shape, checked from its source with `ast` (no imports executed):
 
 * imports run one way: no circle between the package's modules (function-level imports
-  included: a lazy import is still a dependency);
+  included: a lazy import is still a dependency; so is `from . import X` / `from .. import X`
+  of a name that a package's `__init__` holds: that is an import of the `__init__`);
 * no module imports another module's private (`_name`) names;
 * nothing imports the CLI (`lookahead_jax.cli`) but the `python -m` entry modules;
 * `models/` and `convert/` are imported under one name only (`lookahead_jax.models`,
@@ -89,8 +90,13 @@ def _parents(m: str) -> set:
 def test_no_import_circles():
     graph = _graph()
     # strongly connected components (Tarjan), over imports and their parent packages'
-    # __init__ (a package importing its own submodules is how packages work: not counted)
-    edges = {m: {t for t in deps | set().union(*(_parents(d) for d in deps)) if not m.startswith(t + ".")}
+    # __init__ (a package importing its own submodules is how packages work: the __init__
+    # of a module's own packages, run before it, is not counted as a parent of what it
+    # imports). An import that names a package's __init__ itself counts, the module's own
+    # package included: `from . import X` (X not a submodule: `_imports` resolves it to the
+    # package) in a submodule that the __init__ imports is a circle, lazy or not.
+    edges = {m: {t for t in deps if t != m}
+             | {t for t in set().union(*(_parents(d) for d in deps)) if not m.startswith(t + ".")}
              for m, deps in graph.items()}
     index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
 

@@ -132,7 +132,7 @@ class RaLM(StrategyBase):
         return self.lookahead != 0
 
     def _lookahead(self):
-        from . import Lookahead
+        from .lookahead import Lookahead
 
         return None if self.lookahead == 0 else Lookahead(decoding_length=self.lookahead)
 
