@@ -82,6 +82,15 @@ def cpu_id() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+def cache_root() -> Path:
+    """The package's cache folder: $LOOKAHEAD_JAX_CACHE, else ~/.cache/lookahead_jax (not
+    created here). Read here as `lookahead_jax.presets.cache_root` reads it, because models/
+    imports nothing from the package above it (tests/test_cpu_kernels.py checks the two
+    agree)."""
+    env = os.environ.get("LOOKAHEAD_JAX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lookahead_jax"
+
+
 def _build(flags: tuple = ()) -> Path:
     """Compile cpu_kernels.cc (cached); `flags` are extra compiler flags (tests build the
     AVX2 variant on an AVX-512 machine with ("-mno-avx512f",))."""
@@ -91,8 +100,6 @@ def _build(flags: tuple = ()) -> Path:
         raise RuntimeError(f"no C++ compiler found ({'CXX=' + asked if asked else 'c++, g++, clang++'}); "
                            "install g++ or set CXX")
     src = SOURCE.read_bytes()
-    from ..presets import cache_root  # the package's cache folder (a host-only module)
-
     key = hashlib.sha1(src + cpu_id().encode() + platform.machine().encode() + jax.__version__.encode()
                        + cxx.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / key / "libcpu_kernels.so"

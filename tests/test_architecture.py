@@ -7,6 +7,7 @@
 * nothing imports the CLI (`lookahead_jax.cli`) but the `python -m` entry modules;
 * `models/` and `convert/` are imported under one name only (`lookahead_jax.models`,
   `lookahead_jax.convert`), never as top-level `models` / `convert`;
+* `models/` imports nothing from the package above it (the rest of `lookahead_jax`);
 * the host/device split: the trie and the draft containers import no jax;
 * package files stay readable: none over MAX_LINES lines.
 """
@@ -152,6 +153,16 @@ def test_models_and_convert_have_one_import_name():
             bad += [f"{p.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
                     if n.split(".")[0] in ("models", "convert")]
     assert not bad, "import lookahead_jax.models / lookahead_jax.convert instead:\n" + "\n".join(bad)
+
+
+def test_models_import_nothing_from_the_package_above():
+    """`models/` (installed as lookahead_jax.models) stands on its own: no module of it
+    imports a lookahead_jax module outside it (convert/ and the package build on models,
+    never the other way)."""
+    models = ["lookahead_jax", "models"]
+    bad = [f"{m}:{line} imports {t}" for m in MODULES if m.split(".")[:2] == models
+           for t, _, line in _imports(m) if t.split(".")[0] == "lookahead_jax" and t.split(".")[:2] != models]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("name", HOST_ONLY)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +120,20 @@ def test_a_failing_build_falls_back_to_dot(tmp_path):
     warnings = [ln for ln in out.stderr.splitlines() if "CPU kernels off" in ln]
     assert len(warnings) == 1 and "no C++ compiler found" in warnings[0], out.stderr[-2000:]
     assert "LOOKAHEAD_JAX_CPU_KERNELS=0" in warnings[0]
+
+
+def test_kernel_cache_is_the_package_cache(monkeypatch, tmp_path):
+    """models/ reads LOOKAHEAD_JAX_CACHE itself (it imports nothing from the package above
+    it): the kernels' cache folder is `lookahead_jax.presets.cache_root`'s, set or not."""
+    from lookahead_jax.presets import cache_root
+
+    for value in (str(tmp_path / "x"), "~/y", None):
+        if value is None:
+            monkeypatch.delenv("LOOKAHEAD_JAX_CACHE", raising=False)
+        else:
+            monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", value)
+        assert ck.cache_root() == cache_root(), value
+    assert ck.cache_root() == Path.home() / ".cache" / "lookahead_jax"
 
 
 @needs_kernel
