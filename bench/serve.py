@@ -2,7 +2,8 @@
 bench serve` measures it: requests arrive by a Poisson process (`--rate` per second, inf =
 all at once) with at most `--concurrency` in flight; per level and strategy the output
 throughput, time to first token (TTFT), time per output token after the first (TPOT) and
-inter-chunk latency (ITL) p50 / p99, and from the server's /metrics the acceptance rate
+inter-chunk latency (ITL) p50 / p99 / max and each stream's own gaps (p50 / p99 / max, with
+its arrival, start and end times: `streams` in the JSON), and from the server's /metrics the acceptance rate
 (accepted / draft tokens) and mean acceptance length (1 + accepted / drafts).
 
     python bench/serve.py --strategies greedy lookahead --concurrency 1 4 8 --requests 16
@@ -111,7 +112,8 @@ async def one(http, url: str, kind: str, prompt, max_tokens: int, model: str, st
                     text.append(delta)
     t1 = time.perf_counter()
     return dict(ok=True, tokens=n, text="".join(text), ttft=(times[0] - t0) if times else t1 - t0, e2e=t1 - t0,
-                itl=list(np.diff(times)), tpot=(t1 - times[0]) / (n - 1) if times and n > 1 else None)
+                itl=list(np.diff(times)), tpot=(t1 - times[0]) / (n - 1) if times and n > 1 else None,
+                start=t0, end=t1)
 
 
 async def load(url: str, prompts: list, rate: float, concurrency: int, max_tokens: int, model: str, seed: int):
@@ -121,8 +123,13 @@ async def load(url: str, prompts: list, rate: float, concurrency: int, max_token
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 8)) as http:
         async def task(kind, p):
+            arrival = time.perf_counter() - t0
             async with sem:
-                return await one(http, url, kind, p, max_tokens, model)
+                r = await one(http, url, kind, p, max_tokens, model)
+            r["arrival_s"] = round(arrival, 3)  # when it arrived (it may wait for a connection slot)
+            if "start" in r:
+                r["start_s"], r["end_s"] = round(r.pop("start") - t0, 3), round(r.pop("end") - t0, 3)
+            return r
         tasks = []
         t0 = time.perf_counter()
         for kind, p in prompts:
@@ -156,6 +163,7 @@ def summarize(res, wall, before, after) -> dict:
     itl = [x for r in ok for x in r["itl"]]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     ttft = [r["ttft"] for r in ok]
+    gap_max = [max(r["itl"]) for r in ok if r["itl"]]  # each stream's largest gap between two chunks
     digest = hashlib.sha256(json.dumps([r.get("text") for r in res]).encode()).hexdigest()[:16]
     return dict(
         requests=len(res), failed=len(res) - len(ok), output_tokens=toks, outputs_sha256=digest,
@@ -164,6 +172,14 @@ def summarize(res, wall, before, after) -> dict:
         ttft_p50_ms=pct(ttft, 50) * 1e3, ttft_p99_ms=pct(ttft, 99) * 1e3,
         tpot_p50_ms=pct(tpot, 50) and pct(tpot, 50) * 1e3, tpot_p99_ms=pct(tpot, 99) and pct(tpot, 99) * 1e3,
         itl_p50_ms=pct(itl, 50) and pct(itl, 50) * 1e3, itl_p99_ms=pct(itl, 99) and pct(itl, 99) * 1e3,
+        itl_max_ms=max(itl) * 1e3 if itl else None,
+        stream_gap_max_p50_ms=pct(gap_max, 50) and pct(gap_max, 50) * 1e3,
+        stream_gap_max_p99_ms=pct(gap_max, 99) and pct(gap_max, 99) * 1e3,
+        streams=[dict(arrival_s=r.get("arrival_s"), start_s=r.get("start_s"), end_s=r.get("end_s"),
+                      ttft_ms=round(r["ttft"] * 1e3, 1),
+                      gap_p50_ms=round(pct(r["itl"], 50) * 1e3, 1) if r["itl"] else None,
+                      gap_p99_ms=round(pct(r["itl"], 99) * 1e3, 1) if r["itl"] else None,
+                      gap_max_ms=round(max(r["itl"]) * 1e3, 1) if r["itl"] else None) for r in ok],
         spec_drafts=drafts, spec_draft_tokens=draft_tokens, spec_accepted_tokens=acc,
         acceptance_rate=acc / draft_tokens if draft_tokens else None,
         mean_acceptance_length=1 + acc / drafts if drafts else None)
@@ -256,7 +272,8 @@ def main(argv=None) -> None:
                 result["reps"][strat].setdefault(str(c), []).append(s)
                 print(f"{strat:9s} c={c:2d} rep {rep}: {s['output_tokens_per_s']:7.1f} tok/s  TTFT p50 "
                       f"{s['ttft_p50_ms']:7.0f} p99 {s['ttft_p99_ms']:7.0f} ms  TPOT p50 {s['tpot_p50_ms'] or 0:6.1f} "
-                      f"p99 {s['tpot_p99_ms'] or 0:6.1f} ms  accept {s['acceptance_rate'] or 0:.3f} "
+                      f"p99 {s['tpot_p99_ms'] or 0:6.1f} ms  ITL p99 {s['itl_p99_ms'] or 0:6.0f} max "
+                      f"{s['itl_max_ms'] or 0:6.0f} ms  accept {s['acceptance_rate'] or 0:.3f} "
                       f"len {s['mean_acceptance_length'] or 1:.2f}  failed {s['failed']}  (warm-up {warm_s:.0f} s, "
                       f"{len(s['compiled_while_measuring'])} compiled while measuring)", flush=True)
                 uv.should_exit = True
