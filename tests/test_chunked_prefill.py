@@ -6,6 +6,8 @@ one block of C tokens per step while the other slots keep decoding.
 * While it prefills, every decoding slot gets tokens on each step, the long one none, for
   ceil((L - 1) / (C - 1)) - 1 steps after its insert; its first token comes in one event.
 * Many requests of mixed lengths queue their blocks (oldest first) and all equal alone.
+* A step budget (`step_budget=k`): no block at insert while others decode, and each step
+  carries the blocks that fit in k decode steps; the tokens are unchanged.
 * Prompts at the edges of a block; free() of a prefilling slot cancels it and the slot
   is reused; with no request decoding (one slot, an idle server) a prompt is prefilled
   at insert; bad chunk sizes are errors.
@@ -199,6 +201,74 @@ def test_nothing_decoding_means_a_whole_prefill(model, tok):
     while slots.busy:
         got += slots.step()[0].tokens
     assert got == alone(model, tok, LONG[0], 0, 8)
+
+
+@pytest.mark.parametrize("budget", [None, 3, 1e9])
+def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
+    """With a step budget k, a prompt inserted while another request decodes gets no block
+    at insert, and each step carries the blocks that fit in k decode steps of the running
+    batch (a fake clock: a decode step costs 1, a block 1: k = 3 fits the decode and two
+    blocks, a huge k every block in one step; None: the first block at insert, then one a
+    step). Both requests give their tokens alone."""
+    import lookahead_jax.core.slots as slots_mod
+
+    now = [0.0]
+    real_step = slots_mod.step
+
+    def decode_step(*a, **kw):
+        now[0] += 1.0
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(slots_mod, "step", decode_step)
+    slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=C,
+                  step_budget=budget)
+    slots._clock = lambda: now[0]
+    forward, counts = slots._forward_chunks, [0]
+
+    def block(ss):
+        now[0] += 1.0
+        counts[-1] += 1
+        return forward(ss)
+
+    slots._forward_chunks = block
+    got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), 200, sampling_row=0))[0].tokens), 1: []}
+    rows = {}
+
+    def take(events):
+        for ev in events:
+            got[ev.slot] += ev.tokens
+            if ev.finish:
+                rows[ev.slot] = slots.free(ev.slot)
+
+    for _ in range(3):  # the running request's decode steps: the budget's unit
+        take(slots.step())
+    long_ids = tok.encode(LONG[0])
+    counts.append(0)
+    take(slots.insert(1, Request(long_ids, 8, sampling_row=1)))
+    at_insert = counts[-1]
+    per_step = []
+    while 1 in slots.prefilling:
+        counts.append(0)
+        take(slots.step())
+        per_step.append(counts[-1])
+    assert 0 not in rows  # the first request decoded all along
+    n = blocks(len(long_ids))
+    if budget is None:
+        assert at_insert == 1 and per_step == [1] * (n - 1)
+    elif budget == 3:
+        assert at_insert == 0 and per_step == [2] * (n // 2) + [1] * (n % 2)
+    else:
+        assert at_insert == 0 and per_step == [n]
+    while slots.busy:
+        take(slots.step())
+    assert got[0] == rows[0].ids == alone(model, tok, SHORT[2], 0, 200)
+    assert got[1] == rows[1].ids == alone(model, tok, LONG[0], 1, 8)
+
+
+@pytest.mark.parametrize("budget", [0, 0.5, "3", -1, True])
+def test_step_budget_must_be_one_or_more(model, tok, budget):
+    with pytest.raises(ValueError, match="step_budget must be a number >= 1"):
+        Slots(engine_for(model), tok, 2, 256, prefill_chunk=C, step_budget=budget)
 
 
 @pytest.mark.parametrize("chunk", [0, 1, -4, 2.5, "16", True])

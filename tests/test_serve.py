@@ -339,6 +339,16 @@ def test_bad_prefill_chunk_is_an_error():
         parse(["--prefill-chunk", "1"])
 
 
+def test_step_budget_option():
+    """--step-budget K reaches the slots (0, the default: one prefill block a step); below
+    1 it is an error naming the flag."""
+    from lookahead_jax.serve.__main__ import parse
+
+    assert parse([]).step_budget is None and parse(["--step-budget", "3"]).step_budget == 3.0
+    with pytest.raises(ValueError, match="--step-budget must be >= 1"):
+        make_server(ServeConfig(step_budget=0.5))
+
+
 def test_a_stopped_server_is_freed():
     """A server started, asked once and stopped is garbage once its caller drops it: the
     app's routes (which FastAPI keeps in process-wide caches) must not hold the Server, or

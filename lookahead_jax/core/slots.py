@@ -49,7 +49,11 @@ slot (one block of at most C tokens per step, first come first served). A block 
 cached prefix (`forward_rows`, as `decode.extend`), and its last token stays uncached as
 the row's root, re-forwarded first in the next block (the row's invariant holds between
 blocks): a prompt of L > C tokens takes ceil((L - 1) / (C - 1)) blocks, the insert's and
-one per step after it. The last block gives the first token exactly as a whole prefill
+one per step after it. With a `step_budget` k a step forwards more blocks (oldest prefilling
+slot first) while it stays within k x a decode step of the running batch (the median of
+the last few), at least one; and while other slots decode, `insert` forwards none (its
+blocks go with the steps, so an admission never holds the running requests longer than a
+step's budget). The last block gives the first token exactly as a whole prefill
 (same position, same sampling key), that step's events carry it, and the drafter begins
 the request then (a draft model prefills the whole prompt in its `begin`). `free` cancels
 a prefilling slot like any other. A retrieval run's slots prefill whole prompts.
@@ -137,13 +141,15 @@ class Slots:
     tokens forwarded per block of a longer prompt (module docstring; a retrieval run's slots
     always prefill whole prompts: `self.prefill_chunk` is then None). overlap: a step's
     budget scoring (and a deferrable drafter update) runs while the next step computes
-    (`decode.step`; insert, free, close and a run's step run it first). Call `close()` when
-    done (a run's workers stop)."""
+    (`decode.step`; insert, free, close and a run's step run it first). step_budget: None
+    (one prefill block a step) or k >= 1: a step's prefill blocks fill it up to k x a decode
+    step of the running batch (module docstring). Call `close()` when done (a run's workers
+    stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
-                 overlap: bool = False, fallback: bool = False):
+                 overlap: bool = False, fallback: bool = False, step_budget: Optional[float] = None):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
@@ -152,6 +158,10 @@ class Slots:
             raise ValueError(f"prefill_chunk must be an integer >= 2 (prompt tokens forwarded per block; each "
                              f"block re-forwards the last token of the one before) or None (whole prompts), "
                              f"got {prefill_chunk!r}")
+        if step_budget is not None and (isinstance(step_budget, bool) or not isinstance(step_budget, (int, float))
+                                        or not step_budget >= 1):
+            raise ValueError(f"step_budget must be a number >= 1 (a step with prefill blocks may take that many "
+                             f"times a decode step of the running batch) or None, got {step_budget!r}")
         if strategy is not None and strategy.runs_own_loop and run is None:
             run = strategy.start(tokenizer, n_slots, engine=engine)
         self.run = run
@@ -189,6 +199,10 @@ class Slots:
         self._prefill: dict = {}  # slot -> its whole prompt, while prefilling (oldest first)
         self._refs: dict = {}  # slot -> its request's references, until the drafter begins it
         self.last_step = None  # the last step's StepResult (None: a retrieval run's turn)
+        self.step_budget = None if step_budget is None else float(step_budget)
+        self._decode_s: list = []  # the last decode steps' seconds (the step budget's unit)
+        self._block_s: Optional[float] = None  # the last prefill block's seconds
+        self._clock = time.perf_counter  # the budget's clock (tests give steps fixed costs)
         self.warm = None  # the last warm_up's `programs.WarmUp` (progress of its compilations)
 
     # ------------------------------------------------------------------ queries
@@ -265,7 +279,8 @@ class Slots:
         else:  # every prompt enters as prefilling; those of at most C tokens finish in this block
             for s in slots:
                 self._prefill[s], st.rows[s].finish = st.rows[s].prompt_ids, PREFILL
-            self._forward_chunks(slots)
+            if not decoding or self.step_budget is None:  # (with a budget the steps take every block)
+                self._forward_chunks(slots)
             while not decoding and (rest := [s for s in slots if s in self._prefill]):
                 self._forward_chunks(rest)  # nobody waits: every block now, the first token out at once
         return [self._event(s) for s in slots]
@@ -280,7 +295,9 @@ class Slots:
         if not busy:
             return []
         self.last_step = None  # no verify step (only prefilling), or a run's turn (it may hold several)
-        if self.state.active.any():
+        t0 = self._clock()
+        decoding = bool(self.state.active.any())
+        if decoding:
             drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain \
                 else self.drafter
             if self.run is not None:
@@ -291,9 +308,27 @@ class Slots:
                 self.last_step = plain_steps(self.engine, self.state, self.rule, self.device_steps)
             else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
                 self.last_step = step(self.engine, self.state, drafter, self.rule, self.budget)
-        if self._prefill:
-            self._forward_chunks([next(iter(self._prefill))])
+        if decoding:
+            self._decode_s = (self._decode_s + [self._clock() - t0])[-8:]
+        self._prefill_blocks(t0)
         return [self._event(b) for b in busy]
+
+    def _prefill_blocks(self, t0: float) -> None:
+        """A step's prefill: the next block of the oldest prefilling slot; with a
+        `step_budget` k, more blocks (the oldest slot first) while the step, begun at t0,
+        stays within k x a decode step of the running batch (the median of the last ones):
+        a block is forwarded when the last block's time still fits. At least one block a
+        step (every prompt progresses); with no slot decoding, every block at once."""
+        while self._prefill:
+            t = self._clock()
+            self._forward_chunks([next(iter(self._prefill))])
+            self._block_s = self._clock() - t
+            if self.step_budget is None:
+                return
+            if self.state.active.any() and self._decode_s:
+                limit = self.step_budget * float(np.median(self._decode_s))
+                if self._clock() - t0 + self._block_s > limit:
+                    return
 
     @property
     def _block_steps(self) -> int:

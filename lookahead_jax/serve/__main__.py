@@ -13,7 +13,7 @@ import sys
 
 from ..strategies import REGISTRY
 
-from .server import DEFAULT_PREFILL_CHUNK, ServeConfig, make_server, run
+from .server import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_BUDGET, ServeConfig, make_server, run
 
 
 def _value(text: str):
@@ -55,6 +55,10 @@ def parse(argv=None) -> ServeConfig:
                    help="prompt tokens forwarded per prefill block: a longer prompt is prefilled one block "
                    "per step while the running requests keep decoding (0 or none: whole prompts at once; "
                    f"default {DEFAULT_PREFILL_CHUNK})")
+    p.add_argument("--step-budget", type=float, default=DEFAULT_STEP_BUDGET or 0, metavar="K",
+                   help="experimental: while requests decode, a step forwards prefill blocks of the waiting "
+                   "prompts up to K times the running batch's recent decode step (at least one block), and an "
+                   "insert forwards none; 0 (the default): one block a step, the first at insert")
     p.add_argument("--no-logprobs", action="store_true", help="decode without log-probabilities")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--served-model-name", default=None)
@@ -81,7 +85,8 @@ def parse(argv=None) -> ServeConfig:
                     + (", ".join(fields) or "none"))
         opts.append((k, _value(v.strip())))
     return ServeConfig(a.model, a.strategy, tuple(opts), a.max_batch, a.max_len, a.max_waiting, not a.no_logprobs,
-                       a.dtype, a.served_model_name, a.host, a.port, a.warmup, a.prefill_chunk)
+                       a.dtype, a.served_model_name, a.host, a.port, a.warmup, a.prefill_chunk,
+                       a.step_budget or None)
 
 
 def main(argv=None) -> None:

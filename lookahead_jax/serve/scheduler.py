@@ -111,15 +111,17 @@ class Scheduler:
     (module docstring). metrics: a `metrics.Metrics` (or None); max_waiting: jobs that may
     wait for a slot before `submit` raises QueueFull; logprobs: build the slots with
     log-probabilities on (a job may then ask for them); prefill_chunk: prompt tokens forwarded
-    per block (`Slots(prefill_chunk=)`; None: whole prompts at insert). A prefilling job holds
+    per block (`Slots(prefill_chunk=)`; None: whole prompts at insert); step_budget: the
+    prefill blocks a step carries, in decode steps of the running batch (`Slots(step_budget=)`;
+    None: one block a step). A prefilling job holds
     its slot (not free) and gets its first output, TTFT included, when its last block is out."""
 
     def __init__(self, engine, tokenizer, strategy=None, *, max_batch: int = 8, max_len: int = 2048,
                  max_waiting: int = 256, eos_ids=(), logprobs: bool = True, metrics=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, step_budget: Optional[float] = None):
         self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.step_budget = prefill_chunk, step_budget
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
         self.eos_ids, self.logprobs, self.metrics = tuple(eos_ids), logprobs, metrics
         self.slots = self._new_slots(sampling, penalties)
@@ -414,7 +416,7 @@ class Scheduler:
             old.run.close()
         return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
                      sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids,
-                     prefill_chunk=self.prefill_chunk, fallback=True)
+                     prefill_chunk=self.prefill_chunk, fallback=True, step_budget=self.step_budget)
 
     def _gauges(self) -> None:
         if self.metrics is not None:

@@ -13,6 +13,10 @@ log = logging.getLogger("lookahead_jax.serve")
 # a block of 64 prompt tokens costs ~5-7 decode steps of 4 slots (SmolLM2-135M f32 on the
 # 2-core CPU, docs/serving.md): a long prompt holds running requests that long per step
 DEFAULT_PREFILL_CHUNK = 64
+# off by default: measured, a budget of 3 or 4 decode steps with 16- or 32-token chunks left
+# the stream's largest gap at 1.3-1.9 s against 0.9 s for one 64-token block a step
+# (bench/results/admission.json; docs/serving.md, "Admission")
+DEFAULT_STEP_BUDGET = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,7 @@ class ServeConfig:
     port: int = 8000
     warmup: str = "greedy"  # none | greedy | all: the steps compiled before serving (`Scheduler.warm_up`)
     prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill block (None / 0: whole prompts)
+    step_budget: Optional[float] = DEFAULT_STEP_BUDGET  # prefill blocks a step carries, in decode steps (None: one)
 
 
 def make_server(cfg: ServeConfig, model=None, tokenizer=None):
@@ -52,6 +57,9 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None):
     strategy = resolve(cfg.strategy, **dict(cfg.strategy_options))
     if cfg.prefill_chunk not in (None, 0) and not (isinstance(cfg.prefill_chunk, int) and cfg.prefill_chunk >= 2):
         raise ValueError(f"--prefill-chunk must be 0 (whole prompts) or an integer >= 2, got {cfg.prefill_chunk!r}")
+    if cfg.step_budget is not None and not cfg.step_budget >= 1:
+        raise ValueError(f"--step-budget must be >= 1 (decode steps a step with prefill may take) or 0 for one "
+                         f"block a step, got {cfg.step_budget!r}")
     if model is None:
         model, tokenizer = load(cfg.model, cfg.dtype)
     engine = engine_for(model)
@@ -61,7 +69,7 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None):
     eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
     sched = Scheduler(engine, tokenizer, strategy, max_batch=cfg.max_batch, max_len=cfg.max_len,
                       max_waiting=cfg.max_waiting, eos_ids=eos, logprobs=cfg.logprobs, metrics=metrics,
-                      prefill_chunk=cfg.prefill_chunk or None)
+                      prefill_chunk=cfg.prefill_chunk or None, step_budget=cfg.step_budget)
     server = Server(sched, tokenizer, name, metrics, vocab=int(engine.config.vocab_size),
                     max_position=int(engine.config.max_position))
     server.model = model  # the engine holds its model weakly
