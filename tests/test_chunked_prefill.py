@@ -57,6 +57,17 @@ def blocks(n_tokens: int) -> int:
     return math.ceil((n_tokens - 1) / (C - 1))
 
 
+def collector(slots, got: dict, rows: dict):
+    """A function taking a step's events: each slot's tokens appended to got[slot], a
+    finished slot freed into rows[slot]."""
+    def take(events):
+        for ev in events:
+            got[ev.slot] += ev.tokens
+            if ev.finish:
+                rows[ev.slot] = slots.free(ev.slot)
+    return take
+
+
 STRATEGIES = {
     "greedy": lambda model: (None, None),
     "lookahead": lambda model: (Lookahead(decoding_length=7), None),
@@ -75,12 +86,7 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(model, tok, kind):
     texts, max_new = {0: SHORT[0], 1: SHORT[1], 2: LONG[0]}, {0: 40, 1: 48, 2: 24}
     got = {b: [] for b in texts}
     rows = {}
-
-    def take(events):
-        for ev in events:
-            got[ev.slot] += ev.tokens
-            if ev.finish:
-                rows[ev.slot] = slots.free(ev.slot)
+    take = collector(slots, got, rows)
 
     first = slots.insert([0, 1], [Request(tok.encode(texts[b]), max_new[b], seed=seed, sampling_row=b)
                                   for b in (0, 1)])
@@ -233,12 +239,7 @@ def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
     slots._forward_chunks = block
     got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), 200, sampling_row=0))[0].tokens), 1: []}
     rows = {}
-
-    def take(events):
-        for ev in events:
-            got[ev.slot] += ev.tokens
-            if ev.finish:
-                rows[ev.slot] = slots.free(ev.slot)
+    take = collector(slots, got, rows)
 
     for _ in range(3):  # the running request's decode steps: the budget's unit
         take(slots.step())
