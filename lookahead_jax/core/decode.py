@@ -416,8 +416,7 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
 
     def verify(T2, blk=None, ahead=None):  # the verify step of bucket T2 (blk None: an empty tree's shapes)
         blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2) if blk is None else blk
-        inputs = x._replace(tokens=blk.tokens, parent=blk.parents, depth=blk.depth, mask=blk.mask,
-                            draft_probs=fit_draft_probs(drafts.probs, T2))
+        inputs = x.with_block(blk)._replace(draft_probs=fit_draft_probs(drafts.probs, T2))
         return engine.verify(state.cache, inputs, state.step_mode(engine.window(L + 1 + T2, S, 1 + T2)), rule=rule,
                              ahead=ahead)
 

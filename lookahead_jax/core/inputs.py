@@ -56,8 +56,12 @@ class StepInputs(NamedTuple):
     @classmethod
     def tree(cls, block, active, seed, row, **fields) -> "StepInputs":
         """The inputs of a verify step of a packed `tree.VerifyBlock` (root + nodes)."""
-        return cls(block.tokens, seed, row, parent=block.parents, depth=block.depth, mask=block.mask,
-                   active=active, **fields)
+        return cls(None, seed, row, active=active, **fields).with_block(block)
+
+    def with_block(self, block) -> "StepInputs":
+        """These inputs with the packed `tree.VerifyBlock` `block` as their block (tokens,
+        parent, depth, mask)."""
+        return self._replace(tokens=block.tokens, parent=block.parents, depth=block.depth, mask=block.mask)
 
     def rows(self, sel) -> "StepInputs":
         """These inputs cut to the cache rows `sel` (a prefill over those rows only: `sel`
@@ -66,10 +70,6 @@ class StepInputs(NamedTuple):
         cut = {k: jax.tree.map(lambda a: np.asarray(a)[sel], v) for k, v in self._asdict().items()
                if v is not None and k not in ("tokens", "n_new", "sel")}
         return self._replace(sel=sel, **cut)
-
-    def without_options(self) -> "StepInputs":
-        """Without penalties and the ban's positions (a prefill whose pick is not kept)."""
-        return self._replace(penalties=None, seen=None, counts=None, suppress=None)
 
 
 class StepMode(NamedTuple):

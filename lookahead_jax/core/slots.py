@@ -201,7 +201,6 @@ class Slots:
         self.last_step = None  # the last step's StepResult (None: a retrieval run's turn)
         self.step_budget = None if step_budget is None else float(step_budget)
         self._decode_s: list = []  # the last decode steps' seconds (the step budget's unit)
-        self._block_s: Optional[float] = None  # the last prefill block's seconds
         self._clock = time.perf_counter  # the budget's clock (tests give steps fixed costs)
         self.warm = None  # the last warm_up's `programs.WarmUp` (progress of its compilations)
 
@@ -322,12 +321,12 @@ class Slots:
         while self._prefill:
             t = self._clock()
             self._forward_chunks([next(iter(self._prefill))])
-            self._block_s = self._clock() - t
+            block_s = self._clock() - t
             if self.step_budget is None:
                 return
             if self.state.active.any() and self._decode_s:
                 limit = self.step_budget * float(np.median(self._decode_s))
-                if self._clock() - t0 + self._block_s > limit:
+                if self._clock() - t0 + block_s > limit:
                     return
 
     @property

@@ -201,8 +201,7 @@ class DecodeState:
     def tree_inputs(self, block, active, **fields) -> StepInputs:
         """`step_inputs` of a verify step of the packed `tree.VerifyBlock` `block` (fields:
         e.g. draft_probs, or plain_steps' remaining / stop_ids)."""
-        return self.step_inputs(block.tokens, parent=block.parents, depth=block.depth, mask=block.mask,
-                                active=active, **fields)
+        return self.step_inputs(None, active=active, **fields).with_block(block)
 
     def step_mode(self, window: int, options: bool = True, **static) -> StepMode:
         """This step's `inputs.StepMode`: the window, and with `options` the rows' ban ids
