@@ -9,6 +9,7 @@ for one they can do without.
 * Fallback slots (`Slots(fallback=True)`, the server's): while no tree size is compiled the
   steps decode plainly and queue the trees' compilation in the background, nothing
   compiles on the request path, and the tokens are greedy's; once compiled, trees verify.
+  A draft model's programs (SpecInfer) the same: no drafts until they are compiled.
 * `warm_up(wait="minimum")` returns with the minimum set compiled, the rest queued.
 """
 
@@ -143,6 +144,40 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
     assert max(sizes) > 0  # the trees compiled in the background are verified
     assert [c for c in eng.compiled.compilations if c.startswith("verify(")
             and not c.startswith("verify(1x1,")] == []  # ... never compiled on the request path
+
+
+def test_a_draft_model_never_compiles_on_the_request_path(model, tok):
+    """SpecInfer on fallback slots with a fresh draft model: while the draft's programs
+    (its catch-up prefill, its tree step) are not compiled, steps draft nothing and queue
+    them in the background; the draft compiles nothing on the request path, the tokens are
+    greedy's, and once they are compiled the draft's trees are verified."""
+    from lookahead_jax.strategies import SpecInfer
+
+    eng = Engine(model)
+    prompt = tok.encode(PROMPTS[3][:60] * 3)
+    want = generate(model, tok, [prompt], max_new_tokens=40).token_ids[0]
+    strat = SpecInfer(draft_model=tiny_model("llama", seed=7), expansion=(1, 1, 2), budget="fixed")
+    slots = Slots(eng, tok, 1, 1024, strat, fallback=True)
+    draft = slots.drafter.engine
+
+    def decode():  # the request alone in the slots: (its tokens, the draft nodes verified)
+        slots.insert(0, Request(prompt, 40))
+        drafted = 0
+        while slots.busy:
+            slots.step()
+            drafted += int(slots.last_step.drafted.sum())
+        return slots.free(0).ids, drafted
+
+    got, drafted = decode()
+    assert got == want and drafted == 0
+    assert draft.compiled.compilations == []  # queued, not compiled in place
+    for attempt in range(3):  # each round compiles what the one before queued
+        draft.compiled.settle()
+        eng.compiled.settle()
+        got, drafted = decode()
+        assert got == want
+    assert drafted > 0  # the draft's trees, compiled in the background, are verified
+    assert draft.compiled.compilations == []
 
 
 def test_warm_up_minimum_returns_with_the_minimum_set(model, tok):

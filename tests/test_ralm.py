@@ -455,6 +455,39 @@ def test_slots_insert_mid_decode_equals_alone(model, tok, bm25, strat):
         assert st["speculation_checks"] > 0 and st["speculation_checks"] <= st["speculations"]
 
 
+@pytest.mark.parametrize("strat", [
+    pytest.param(RaLM(stride=2, query_tokens=16), id="ralm"),
+    pytest.param(RaLMSpec(stride=2, query_tokens=16, speculation_stride=2), id="ralmspec")])
+def test_server_slots_run_only_listed_programs(model, tok, bm25, strat):
+    """A retrieval run's slots as the server builds them (prefill_chunk, fallback, penalty
+    rows): prompts and re-prefills go in blocks of the chunk's fixed shape (a passage longer
+    than a block in several), so once `warm_up` compiled the listed programs nothing
+    compiles in place, and every request gives its tokens and passages alone."""
+    import dataclasses
+
+    from lookahead_jax.core.engine import Engine
+    from lookahead_jax.core.slots import Request, Slots
+    from tiny import drive_slots
+
+    strat = dataclasses.replace(strat, retriever=bm25)
+    eng = Engine(model)  # its own table: what compiles is this test's
+    slots = Slots(eng, tok, 2, 1024, strat, prefill_chunk=16, fallback=True, penalty_rows=True)
+    slots.warm_up(wait="all")
+    n = len(eng.compiled.compilations)
+    assert slots.state.block == 16 and any(p.kind == "verify" for p in slots.programs())
+    idx = [4, 0, 7]
+    try:
+        got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), MAX_NEW) for i in idx])
+    finally:
+        slots.close()
+    assert eng.compiled.compilations[n:] == []
+    for i, (row, streamed) in zip(idx, got):
+        one = run(model, tok, [PROMPTS[i]], strat)
+        assert row.ids == streamed == one.token_ids[0], f"prompt {i}"
+        assert row.retrieval["passages"] == one.rows[0].retrieval["passages"]
+    assert slots.run.summary()["reprefills"] > 0
+
+
 def test_slots_take_only_their_strategy(model, tok, bm25):
     from lookahead_jax.core.slots import Request, Slots
     from lookahead_jax.strategies import Greedy

@@ -121,11 +121,11 @@ def test_row_values_compute_what_each_rows_own_static_values_compute():
 
 
 # ----------------------------------------------------------------------------- one batch
-@pytest.mark.parametrize("strategy", ["plain", "lookahead"])
-def test_mixed_batch_inserted_mid_decode_equals_alone(model, tok, ids, strategy):
+@pytest.mark.parametrize("strategy,penalty_rows", [("plain", False), ("lookahead", False), ("lookahead", True)])
+def test_mixed_batch_inserted_mid_decode_equals_alone(model, tok, ids, strategy, penalty_rows):
     strat = {"plain": None, "lookahead": Lookahead(decoding_length=7)}[strategy]
     engine = engine_for(model)
-    slots = Slots(engine, tok, 2, CACHE, strat, eos_ids=tok.eos_token_ids)
+    slots = Slots(engine, tok, 2, CACHE, strat, eos_ids=tok.eos_token_ids, penalty_rows=penalty_rows)
     got = drive(slots, ids, [0, 1, 2, 3, 4])
     kw = {} if strat is None else dict(strategy="lookahead", decoding_length=7)
     for i in range(len(TEXTS)):
@@ -218,3 +218,41 @@ def test_greedy_and_sampled_batches_share_one_step(model, tok, ids):
     texts = [e.as_text() for e in greedy]
     assert all("sort" in t for t in texts)  # the top-p branch is compiled in ...
     assert not any("sort" in _unconditional(t) for t in texts)  # ... and runs only when taken
+
+
+@pytest.mark.parametrize("strategy", ["plain", "lookahead"])
+def test_penalty_rows_share_the_steps_of_requests_without(model, tok, ids, strategy):
+    """With `penalty_rows` (the server's slots) penalties are data like sampling values: a
+    batch with repetition / presence / frequency penalties runs the very steps a batch
+    without any compiled (nothing compiles for it, its tokens are each request's own), and
+    the penalty work (the tree's path counts) sits in a branch a batch without penalties
+    does not take."""
+    strat = {"plain": None, "lookahead": Lookahead(decoding_length=7)}[strategy]
+    engine = engine_for(model)
+
+    def run(requests):
+        before = {id(e) for name in ("prefill", "verify") for e in engine.compiled.executables(name)}
+        slots = Slots(engine, tok, 2, 512, strat, penalty_rows=True)
+        slots.insert([0, 1], requests)
+        while slots.busy:
+            slots.step()
+        out = [slots.free(s).ids for s in range(2)]
+        return out, [e for name in ("prefill", "verify") for e in engine.compiled.executables(name)
+                     if id(e) not in before]
+
+    plain, compiled = run([Request(ids[0][:40], 8), Request(ids[1][:40], 8)])
+    n = len(engine.compiled.compilations)
+    pens = [Penalties(1.3), Penalties(1.0, 0.4, 0.6)]
+    got, again = run([Request(ids[0][:40], 8, penalties=pens[0]), Request(ids[1][:40], 8, penalties=pens[1])])
+    assert compiled and again == [] and engine.compiled.compilations[n:] == []
+    kw = {} if strat is None else dict(strategy="lookahead", decoding_length=7)
+    for i, pen in enumerate(pens):
+        want = generate(engine.model, tok, [tok.decode(ids[i][:40])], max_new_tokens=8, max_cache_len=512,
+                        repetition_penalty=pen.repetition, presence_penalty=pen.presence,
+                        frequency_penalty=pen.frequency, **kw).token_ids[0]
+        assert got[i] == want, pen
+    assert got != plain  # the penalties did change the tokens
+    if strategy == "lookahead":  # trees of T > 0: their path counts, s32[B,1+T,V], only when taken
+        counts = re.compile(rf"s32\[2,\d+,{engine.config.vocab_size}\]")
+        texts = [e.as_text() for e in compiled if counts.search(e.as_text())]
+        assert texts and not any(counts.search(_unconditional(t)) for t in texts)

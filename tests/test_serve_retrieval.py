@@ -227,8 +227,43 @@ def test_knnlm_concurrent_requests_equal_plain_knnlm(model, tok, datastore, spec
         assert "lookahead_jax:retrieval_speculations_total" not in m
 
 
+def test_knnlm_steps_compile_in_the_warm_up(tok, corpus_path, tmp_path):
+    """KNN-LM's own jitted steps (forward, search, mixture), which the program inventory
+    cannot list, are compiled by the warm-up's rehearsal request (on slots of its own), so
+    requests compile nothing; /health reports none compiled in them. (Speculative KNN-LM's
+    verification search compiles once per round length at first use: not tested here.)"""
+    speculative = False
+    from lookahead_jax.knnlm import build_datastore
+    from tiny import tiny_model
+
+    fresh = tiny_model("llama", seed=11)  # an engine of its own: what compiles is this test's
+    ds = build_datastore(fresh, tok, str(corpus_path), path=tmp_path / "ds", progress=False)
+    srv = make_server(serve_parse(flags("knnlm", datastore=ds, knn_k=4, speculative=speculative,
+                                        speculation_stride=3)), fresh, tok)
+    compiled = srv.scheduler.engine.compiled
+    srv.scheduler.warm_up(wait="all")
+    n = len(compiled.compilations)
+    uv, thread, url = start_in_thread(srv)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        got = concurrently(client, [(PROMPTS[1], False, {}), (chats([2])[0], True, {}), (PROMPTS[3], False, {})])
+        health = httpx.get(url + "/health").json()
+        run = srv.scheduler.slots.run.summary()["retrieval"]
+    finally:
+        uv.should_exit = True
+        thread.join(60)
+    assert all(ids for ids, *_ in got) and run["searches"] > 0
+    assert compiled.compilations[n:] == []
+    assert health["compiled_in_requests"] == 0
+
+
 # ------------------------------------------------------------------------- startup errors
 def test_a_missing_index_stops_the_server_at_startup(model, tok, corpus_path, monkeypatch, capsys):
+    """The command (`main`) on an index, corpus or datastore that is not there: the `error:`
+    line naming the fix, exit status 2 (a missing retriever before it listens; the rest
+    once the port is open and the server is built behind it, which then stops)."""
+    import socket
+
     import lookahead_jax.loading as loading
 
     other = corpus_path.parent / "unindexed.jsonl"
@@ -236,16 +271,20 @@ def test_a_missing_index_stops_the_server_at_startup(model, tok, corpus_path, mo
     with pytest.raises(R.IndexNotBuilt, match=r"python -m lookahead_jax\.retrieval build .*--retriever bm25"):
         make_server(serve_parse(flags("ralmspec", retriever="bm25", corpus=other)), model, tok)
     monkeypatch.setattr(loading, "load", lambda *a, **k: (model, tok))  # `--model tiny`
+    monkeypatch.setattr(loading, "vocab_size", lambda name: None)  # (its name checked before listening)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = ["--port", str(sock.getsockname()[1]), "--warmup", "none"]
     cases = [(flags("ralm", retriever="bm25", corpus=other), "lookahead_jax.retrieval build"),
              (flags("ralm", retriever="bm25", corpus=other.parent / "nope.jsonl"), "corpus file not found"),
              (flags("ralm"), "needs a retriever"),
              (flags("knnlm", datastore=other.parent / "no-datastore"), "lookahead_jax.knnlm build")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:
-            serve_main(argv)
+            serve_main(argv + port)
         assert e.value.code == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and message in err, err
+        err = "\n" + capsys.readouterr().err  # (uvicorn's lines first, where it listened)
+        assert "\nerror: " in err and message in err[err.index("\nerror: "):], err
     with pytest.raises(SystemExit):
         serve_parse(flags("ralm", retriever="bm25", decoding_length=7))
     assert "not an option of strategy 'ralm'" in capsys.readouterr().err

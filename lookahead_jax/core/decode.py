@@ -161,14 +161,41 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     (a row's tokens do not depend on its block: the lossless tests compare batches with
     rows alone). When all of the batch's rows share one block it is the plain whole-batch
     step. With `state.block` (Slots' chunked prefill) each row is a block of its own of
-    `block` tokens (at least) at one of `Engine.window`'s few windows: a few compiled
-    programs serve every prompt length."""
+    exactly `block` tokens at one of `Engine.window`'s few windows, a longer context in
+    pieces of `block` (each but the last commits all its tokens but the last, which the next
+    piece forwards again, as Slots' chunks do): a few compiled programs serve every prompt
+    length, a retrieval run's re-prefills included."""
     state.flush()  # a step's deferred bookkeeping before the edit
-    B, S = state.batch, state.max_len
+    S = state.max_len
     blocks = {b: state.context(b)[int(state.lengths[b]):] for b in rows}
     need = int(max(state.lengths[b] + len(blk) for b, blk in blocks.items()))
     if need + 1 > S:
         raise ValueError(f"extend needs {need + 1} cache slots but the cache holds {S}")
+    C = state.block
+    while C and any(len(blk) > C for blk in blocks.values()):  # the long rows' next pieces
+        long = {b: blk for b, blk in blocks.items() if len(blk) > C}
+        _forward_blocks(engine, state, {b: blk[:C] for b, blk in long.items()}, emit=False)
+        blocks.update({b: blk[C - 1:] for b, blk in long.items()})
+    nxt_all, lps_all = _forward_blocks(engine, state, blocks, emit)
+    state.steps += 1  # one step of the batch, whatever its blocks (each row forwarded once)
+    for b in rows:
+        r = state.rows[b]
+        r.steps += 1
+        if not emit:
+            state.root[b] = state.context(b)[-1]
+            continue
+        r.accept([nxt_all[b]], None if lps_all is None else [lps_all[b]])
+        state.root[b] = nxt_all[b]
+    state.mark_finished()
+    return nxt_all[rows]
+
+
+def _forward_blocks(engine, state: DecodeState, blocks: dict, emit: bool):
+    """Forward `blocks` (row -> its tokens, from the row's committed length) and commit
+    them (emit=False: all but each row's last); returns each row's next token [B] and,
+    with emit and log-probabilities, its log-probability [B] (None otherwise)."""
+    B, S = state.batch, state.max_len
+    rows = list(blocks)
     nxt_all = np.zeros(B, np.int32)
     lps_all = np.zeros(B, np.float32) if emit and state.logprobs else None
     groups = [[b] for b in rows] if state.block else prefill_groups({b: len(blk) for b, blk in blocks.items()}, S)
@@ -204,17 +231,7 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
         for b in group:
             lengths[b] += n_new[at[b]] if emit else max(int(n_new[at[b]]) - 1, 0)
         state.lengths = lengths
-    state.steps += 1  # one step of the batch, whatever its blocks (each row forwarded once)
-    for b in rows:
-        r = state.rows[b]
-        r.steps += 1
-        if not emit:
-            state.root[b] = state.context(b)[-1]
-            continue
-        r.accept([nxt_all[b]], None if lps_all is None else [lps_all[b]])
-        state.root[b] = nxt_all[b]
-    state.mark_finished()
-    return nxt_all[rows]
+    return nxt_all, lps_all
 
 
 def accept(state: DecodeState, rows: Sequence[int], tokens, logprobs=None, cache=None) -> list:

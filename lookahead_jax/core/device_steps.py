@@ -32,10 +32,10 @@ def plain_steps_inputs(state: DecodeState, active) -> StepInputs:
     for b, ids in enumerate(stops):
         stop_ids[b, :len(ids)] = ids
     blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, 0)
-    x = state.tree_inputs(blk, active, remaining=remaining, stop_ids=stop_ids)
-    if x.penalties is not None:
+    if state.row_penalties() is not None:
         raise ValueError("plain_steps takes no penalties: decode with step()")
-    return x
+    x = state.tree_inputs(blk, active, remaining=remaining, stop_ids=stop_ids)
+    return x._replace(penalties=None, seen=None, counts=None)  # (`penalty_rows`' neutral ones)
 
 
 def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:

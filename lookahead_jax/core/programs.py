@@ -2,15 +2,18 @@
 the requests.
 
 A compiled step is one program per shape and static mode. What a configuration can run is
-`inventory(slots)`: prefill blocks (Slots with `prefill_chunk`: one row of exactly the
-chunk's bucket of tokens, at each of a few attention windows, committing its last token
-or not; without chunks: one request's whole prompt per prompt bucket), verify steps (one
+`inventory(slots)`: prefill blocks (Slots with `prefill_chunk`, a retrieval run's too: one
+row of exactly the chunk's bucket of tokens, at each of a few attention windows,
+committing its last token or not; without chunks: one request's whole prompt per prompt
+bucket), verify steps (one
 per tree size the budget may pick, at each window a step of that size may take: on CPU
 with the attention kernel only the whole cache, `Engine.window`) and plain decoding's
-multi-token blocks (`device_steps`). Sampling, `min_new_tokens` and each row's values are
-data (`sampling.select_tokens`, `DecodeState.step_inputs`), so they add no programs;
-what still does (penalties, `top_logprobs`, a draft model's own steps, a retrieval run's)
-compiles at first use.
+multi-token blocks (`device_steps`). Sampling, `min_new_tokens`, each row's values and,
+on slots with `penalty_rows` (the server's), penalties are data (`sampling.select_tokens`,
+`sampling.penalize`, `DecodeState.step_inputs`), so they add no programs. A draft model's
+steps (SpecInfer) compile in the background at first sight while the steps go without
+drafts (`ModelDrafter.propose`); `top_logprobs` and a retrieval run's own steps compile
+at first use.
 
 The minimum set (`Program.minimum`) is what every request can be served with: plain
 decoding at every window it may need and the prefill blocks at the widest window (a block
@@ -19,6 +22,11 @@ compilation in the background (`CompiledFunctions.prefetch`), the minimum set fi
 and returns once the minimum set is compiled (`wait="minimum"`; "all": every program);
 the rest finish while requests are served, and until a tree size is compiled the steps
 do without it (`DecodeState.fallback`).
+
+A run that picks every token with jitted steps of its own (KNN-LM's forward, search and
+mixture, its speculative rounds) runs programs the inventory cannot list;
+`Slots.rehearse` decodes a short request on slots built like the serving ones (and then
+dropped), so that they are compiled before anything is served.
 """
 
 from __future__ import annotations
@@ -60,19 +68,21 @@ def inventory(slots) -> list:
     st, eng = slots.state, slots.engine
     S, B = st.max_len, slots.n_slots
     progs = []
+    # a run that picks every token itself (knnlm) prefills without a pick and verifies nothing
+    own_picks = slots.run is not None and slots.run.picks_first_token
     if st.block:  # chunked prefill: one row of `block` tokens per call (the batch's own row at B = 1)
         P = st.block
         wins = windows(S, eng, P)
         for W in sorted(wins, reverse=True):
-            progs += [Program("prefill", P, 1, W, emit, minimum=W == wins[-1]) for emit in (True, False)]
+            progs += [Program("prefill", P, 1, W, emit, minimum=W == wins[-1])
+                      for emit in ((False,) if own_picks else (True, False))]
     else:  # one request's whole prompt, per prompt bucket (a fresh prefill reads its own P slots)
-        emit = slots.run is None or not slots.run.picks_first_token
-        progs += [Program("prefill", P, 1, P, emit, minimum=True)
+        progs += [Program("prefill", P, 1, P, not own_picks, minimum=True)
                   for P in PROMPT_BUCKETS if P + slots.max_nodes + 2 <= S]
     K = slots._block_steps
     if K:
         progs += [Program("steps", K, B, W, minimum=True) for W in windows(S, eng, 1)]
-    buckets = slots.budget.buckets if slots.run is None else ()
+    buckets = () if own_picks else slots.budget.buckets  # (a retrieval run's turns verify with them)
     for T in sorted(buckets):
         progs += [Program("verify", 1 + T, B, W, minimum=T == 0 and not K) for W in windows(S, eng, 1 + T)]
     # the minimum set, then the tree sizes up to 15 (the speedup), the narrower prefill
@@ -161,3 +171,4 @@ def track(slots, warm: WarmUp, progress: Optional[Callable[[WarmUp], None]] = No
         if progress is not None:
             progress(warm)
     return n
+

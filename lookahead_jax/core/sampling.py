@@ -163,21 +163,34 @@ def penalize(logits, pen, seen=None, counts=None, path=None):
 
     seen [B,V] bool: the ids of each row's context up to the block's root (root included);
     counts [B,V] int32: each id's count among the row's generated ids up to the root;
-    path [B,T,V] int32 or None: each id's count among the nodes below the root on node t's
-    own path (t included), which are all generated tokens. So node t is penalized by
-    exactly the context plain decoding would have at its position."""
+    path [B,T,V] int32, a function returning it, or None: each id's count among the nodes
+    below the root on node t's own path (t included), which are all generated tokens. So
+    node t is penalized by exactly the context plain decoding would have at its position.
+
+    Each row's values (`RowPenalties`) are data: the work (and `path`, when a function)
+    runs under a `lax.cond` only when some row's values are not neutral (repetition 1,
+    presence and frequency 0, which leave a row's logits exactly as they are), so a step
+    that carries every row's penalties costs nothing where nobody asked for any."""
     if pen is None or not pen.on:
         return logits
-    if pen.uses_context:
-        hit = seen[:, None, :] if path is None else seen[:, None, :] | (path > 0)  # [B,T,V]
-        r = jnp.asarray(_per_row(pen.repetition, logits), logits.dtype)
-        logits = jnp.where(hit, jnp.where(logits > 0, logits / r, logits * r), logits)
-    if pen.uses_counts:
-        c = counts[:, None, :] if path is None else counts[:, None, :] + path  # [B,T,V]
-        freq, pres = _per_row(pen.frequency, c), _per_row(pen.presence, c)
-        sub = freq * c.astype(jnp.float32) + pres * (c > 0).astype(jnp.float32)
-        logits = logits - sub.astype(logits.dtype)
-    return logits
+
+    def apply(logits):
+        p = path() if callable(path) else path
+        if pen.uses_context:
+            hit = seen[:, None, :] if p is None else seen[:, None, :] | (p > 0)  # [B,T,V]
+            r = jnp.asarray(_per_row(pen.repetition, logits), logits.dtype)
+            logits = jnp.where(hit, jnp.where(logits > 0, logits / r, logits * r), logits)
+        if pen.uses_counts:
+            c = counts[:, None, :] if p is None else counts[:, None, :] + p  # [B,T,V]
+            freq, pres = _per_row(pen.frequency, c), _per_row(pen.presence, c)
+            sub = freq * c.astype(jnp.float32) + pres * (c > 0).astype(jnp.float32)
+            logits = logits - sub.astype(logits.dtype)
+        return logits
+
+    if not isinstance(pen, RowPenalties):
+        return apply(logits)
+    some = jnp.any((pen.repetition != 1.0) | (pen.presence != 0.0) | (pen.frequency != 0.0))
+    return jax.lax.cond(some, apply, lambda x: x, logits)
 
 
 def position_keys(seed, row, position):

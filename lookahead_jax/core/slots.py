@@ -22,8 +22,10 @@ Each request brings its own sampling parameters and penalties (`Request.sampling
 (`sampling.RowSampling`, `RowPenalties`), so greedy, sampled (any temperature / top-k /
 top-p / seed) and penalized requests share one batch and values never recompile; whether
 a row samples or cuts is data too (one program for greedy and sampled rows, the argmax
-alone where none samples: `sampling.select_tokens`), only which penalties some row needs
-is compiled in. What one verify step
+alone where none samples: `sampling.select_tokens`); with `penalty_rows` (the server's
+slots) every step carries every row's penalties, neutral where a request has none, so
+penalized requests share those programs too (otherwise which penalties some row needs
+is compiled in). What one verify step
 compiles in is shared by the slots: the acceptance rule, whether log-probabilities are
 returned, the ids that `min_new_tokens` bans; and a retrieval run (below) decodes with
 the slots' sampling and penalties. A request asking for other values of these gets a
@@ -139,17 +141,21 @@ class Slots:
     prefill), its compilation excluded, and the first insert's setup of the strategy (e.g.
     auto's calibration). prefill_chunk: None (a prompt is forwarded whole at insert) or C >= 2
     tokens forwarded per block of a longer prompt (module docstring; a retrieval run's slots
-    always prefill whole prompts: `self.prefill_chunk` is then None). overlap: a step's
+    always prefill whole prompts at insert: `self.prefill_chunk` is then None, but its
+    prompts and re-prefills go in blocks of C, `DecodeState.block`). overlap: a step's
     budget scoring (and a deferrable drafter update) runs while the next step computes
     (`decode.step`; insert, free, close and a run's step run it first). step_budget: None
     (one prefill block a step) or k >= 1: a step's prefill blocks fill it up to k x a decode
-    step of the running batch (module docstring). Call `close()` when done (a run's workers
-    stop)."""
+    step of the running batch (module docstring). penalty_rows: every step carries each
+    row's penalties as data (`DecodeState.penalty_rows`; not with a run or a strategy
+    without penalties), so a request with penalties compiles nothing of its own. Call
+    `close()` when done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
-                 overlap: bool = False, fallback: bool = False, step_budget: Optional[float] = None):
+                 overlap: bool = False, fallback: bool = False, step_budget: Optional[float] = None,
+                 penalty_rows: bool = False):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
@@ -181,8 +187,10 @@ class Slots:
             vocab=int(engine.config.vocab_size))
         self.state.overlap = bool(overlap)  # bookkeeping overlapped with the next step (`decode.step`)
         self.state.fallback = bool(fallback)  # steps do without programs not compiled yet
-        if self.prefill_chunk is not None:  # every block one row of the chunk's bucket: a few programs
-            self.state.block = prompt_bucket(self.prefill_chunk, max_len)
+        self.state.penalty_rows = bool(penalty_rows) and run is None and (
+            strategy is None or strategy.supports_penalties)
+        if prefill_chunk is not None:  # every block one row of the chunk's bucket: a few programs (a
+            self.state.block = prompt_bucket(int(prefill_chunk), max_len)  # run's whole prompts and re-prefills too)
         self.state.set_row_values(engine.put)
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
@@ -390,6 +398,27 @@ class Slots:
         self.warm = warm_programs(self, wait, ticks)
         self.state.compile_s += self.engine.compiled.compile_s - c0
         return self.warm.queued
+
+    @property
+    def rehearses(self) -> bool:
+        """Whether the run picks its tokens with jitted steps of its own (knnlm), which the
+        inventory cannot list: only a rehearsal (`rehearse`) compiles them ahead."""
+        return self.run is not None and self.run.picks_first_token
+
+    def rehearse(self, max_new_tokens: int = 8) -> int:
+        """Decode one short request in every slot to its end and free them: whatever these
+        slots' steps run is compiled by it, a run's own jitted steps included (`rehearses`).
+        For slots built for this, configured as the serving ones (a run's counters count
+        it; the caller closes them). Returns the number of programs that compiled."""
+        n = len(self.engine.compiled.compilations)
+        V = int(self.engine.config.vocab_size)
+        prompt = [t % V for t in range(1, 17)]  # any ids: only the shapes count
+        self.insert(list(range(self.n_slots)), [Request(prompt, max_new_tokens) for _ in range(self.n_slots)])
+        while self.busy:
+            self.step()
+        for b in range(self.n_slots):
+            self.free(b)
+        return len(self.engine.compiled.compilations) - n
 
     def close(self) -> None:
         """Done with these slots: the drafter ends every row, the run stops its workers."""

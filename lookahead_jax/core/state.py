@@ -82,6 +82,12 @@ class DecodeState:
     # overlap: a step's bookkeeping runs while the next step's forward computes (`step`)
     overlap: bool = False
     deferred: Optional[Callable[[], None]] = None
+    # penalty_rows: every step but plain_steps' carries each row's penalties as data, rows
+    # without any at their neutral values (the step skips the work when no row has any:
+    # `sampling.penalize`), so requests with and without penalties share one compiled
+    # step (a server's slots: a request's penalties never compile a program of their own)
+    penalty_rows: bool = False
+    _zeros: dict = dataclasses.field(default_factory=dict, repr=False)  # (shape, dtype) -> host zeros
 
     def flush(self) -> None:
         """Run the bookkeeping a step deferred (`overlap`); every state edit between steps
@@ -151,15 +157,57 @@ class DecodeState:
 
     def row_penalties(self) -> Optional[RowPenalties]:
         """Each row's penalties for a step (None: no live row has any); static only which
-        of `seen` / `counts` some live row needs."""
+        of `seen` / `counts` some live row needs (both with `penalty_rows`, so the step's
+        program does not depend on which)."""
         live = [self.penalties_of(b) for b in range(self.batch) if self.rows[b].finish is None]
         used = [p for p in live if p.on]
         if not used:
             return None
         if self.row_penalty_values is None:
             self.set_row_values(np.asarray)
-        return dataclasses.replace(self.row_penalty_values, uses_context=any(p.uses_context for p in used),
-                                   uses_counts=any(p.uses_counts for p in used))
+        every = self.penalty_rows
+        return dataclasses.replace(self.row_penalty_values, uses_context=every or any(p.uses_context for p in used),
+                                   uses_counts=every or any(p.uses_counts for p in used))
+
+    def step_penalties(self, rows=None) -> dict:
+        """The penalty fields of a step over `rows` (default: the batch; a list: a prefill
+        block of those rows only): `penalties` with `seen` / `counts` as each row's context
+        stands (prompt + generated, its last token the root or the last token an extend
+        forwards), recounted every step, so rollback / replace_prompt / extend need no
+        bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t occurs in the
+        generated ids. {} when no live row has penalties, unless `penalty_rows`: then
+        every row's values (neutral ones leave its logits exactly as they are) with zero
+        seen / counts, host arrays built once per shape."""
+        pen = self.row_penalties()
+        if pen is None and not self.penalty_rows:
+            return {}
+        idx = list(range(self.batch)) if rows is None else [int(b) for b in rows]
+        G, V = len(idx), self.vocab
+        zero = pen is None  # nobody has penalties: the step's cond skips them (no host work)
+        if zero:
+            if self.row_penalty_values is None:
+                self.set_row_values(np.asarray)
+            pen = dataclasses.replace(self.row_penalty_values, uses_context=True, uses_counts=True)
+        if rows is not None:  # the block's rows' values
+            pen = jax.tree.map(lambda a: np.asarray(a)[np.asarray(idx)], pen)
+        if zero:
+            return dict(penalties=pen, seen=self._zero((G, V), bool), counts=self._zero((G, V), np.int32))
+        out = dict(penalties=pen)
+        if pen.uses_context:
+            seen = np.zeros((G, V), bool)
+            for g, b in enumerate(idx):
+                seen[g, np.asarray(self.context(b), np.int64)] = True
+            out["seen"] = seen
+        if pen.uses_counts:
+            out["counts"] = np.stack([np.bincount(np.asarray(self.rows[b].ids, np.int64), minlength=V)[:V]
+                                      for b in idx]).astype(np.int32)
+        return out
+
+    def _zero(self, shape: tuple, dtype) -> np.ndarray:
+        key = (shape, np.dtype(dtype).str)
+        if key not in self._zeros:
+            self._zeros[key] = np.zeros(shape, dtype)
+        return self._zeros[key]
 
     def suppress(self) -> Optional[np.ndarray]:
         """[B] int32 each row's position below which a token's successor may not be a `ban`
@@ -175,28 +223,16 @@ class DecodeState:
         """This step's `inputs.StepInputs`: the block (`tokens` and `block`'s arrays: a
         prefill's n_new, or a tree's parent / depth / mask and active: `tree_inputs`) with
         each row's seed, id and sampling values (`step_sampling`) and, with `options`, the
-        options' arrays: `suppress`, and with penalties each row's `RowPenalties` with its
-        context as it stands (prompt + generated, its last token the root or the last token
-        an extend forwards), recounted every step, so rollback / replace_prompt / extend
-        need no bookkeeping: seen[b, t] = t occurs in it, counts[b, t] = how often t occurs
-        in the generated ids. rows: a prefill block of those rows only (`StepInputs.rows`:
-        `tokens` and n_new have their rows, everything else is cut to them)."""
+        options' arrays: `suppress`, and each row's penalties (`step_penalties`). rows: a
+        prefill block of those rows only (`StepInputs.rows`: `tokens` and n_new have their
+        rows, everything else is cut to them)."""
         x = StepInputs(tokens, self.seeds, self.rowids, sampling=self.step_sampling(), **block)
+        pen = {}
         if options:
             x = x._replace(suppress=self.suppress())
-            pen = self.row_penalties()
-            if pen is not None:
-                B, V = self.batch, self.vocab
-                x = x._replace(penalties=pen)
-                if pen.uses_context:
-                    seen = np.zeros((B, V), bool)
-                    for b in range(B):
-                        seen[b, np.asarray(self.context(b), np.int64)] = True
-                    x = x._replace(seen=seen)
-                if pen.uses_counts:
-                    x = x._replace(counts=np.stack([np.bincount(np.asarray(r.ids, np.int64), minlength=V)[:V]
-                                                    for r in self.rows]).astype(np.int32))
-        return x if rows is None else x.rows(rows)
+            pen = self.step_penalties(rows)
+        x = x if rows is None else x.rows(rows)
+        return x._replace(**pen)
 
     def tree_inputs(self, block, active, **fields) -> StepInputs:
         """`step_inputs` of a verify step of the packed `tree.VerifyBlock` `block` (fields:

@@ -170,11 +170,8 @@ def verify_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)  # [B,1+T,D]
     raw = logits_from_hidden(params, h, config)  # [B,1+T,V]
     pen = x.penalties
-    if pen is not None and pen.on:
-        path = path_counts(tokens, anc, raw.shape[-1]) if T1 > 1 else None
-        logits = penalize(raw, pen, x.seen, x.counts, path)
-    else:
-        logits = raw
+    path = (lambda: path_counts(tokens, anc, raw.shape[-1])) if T1 > 1 else None
+    logits = penalize(raw, pen, x.seen, x.counts, path)
     logits = banned(logits, positions, x.suppress, mode.ban)
     best, bonus = rule(logits, tokens, parent, depth, anc, positions, x.seed, x.row, x.draft_probs,
                        sampling=GREEDY if x.sampling is None else x.sampling)

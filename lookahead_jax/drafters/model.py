@@ -240,6 +240,7 @@ class ModelDrafter:
         # step's catch-up stays small; None: every active row drafts
         self.probe_lag = None
         self.drafted = np.zeros(0, bool)  # the rows the last propose drafted for
+        self._ready: set = set()  # (mode, window, rows) of tree steps found compiled (`_compiled`)
 
     # ------------------------------------------------------------------ protocol
     def begin(self, state, references=None, rows=None) -> None:
@@ -266,11 +267,19 @@ class ModelDrafter:
             active = active & (lag <= CATCH_UP + self.probe_lag)
             active[int(np.argmin(lag))] = True
         self.probe_lag = None
-        self.drafted = active
         behind = active & (L + 1 - self.dlen > CATCH_UP)  # a new request, plain steps or a rollback
+        upto = np.where(behind, L, self.dlen)
+        e = self.engine
+        sampling = state.row_sampling()  # each row's own values (None: every live row greedy)
+        mode = "greedy" if sampling is None else self.sampler
+        window = window_for(int(L[active].max()) + 2 + self.max_nodes, S)
+        if state.fallback and not self._compiled(state, upto if behind.any() else None, sampling, mode, window):
+            self.drafted = np.zeros(B, bool)  # no tree this step (the target decodes plainly): never
+            return DraftBatch.empty(B)  # wait for the draft's programs, which compile meanwhile
+        self.drafted = active
         if behind.any():  # those rows only (the others catch up inside the step): a prefill of what they missed
             t1, c1 = time.perf_counter(), self.engine.compiled.compile_s
-            self._catch_up(state, np.where(behind, L, self.dlen))
+            self._catch_up(state, upto)
             c2 = self.engine.compiled.compile_s
             state.compile_s += c2 - c1  # compilation is not decode time
             self.compile_s += c2 - c1
@@ -281,13 +290,8 @@ class ModelDrafter:
             new = state.context(b)[int(self.dlen[b]):int(L[b]) + 1]
             catch[b, :len(new)] = new
             n_catch[b] = len(new)
-        window = window_for(int(L[active].max()) + 2 + self.max_nodes, S)
-        e = self.engine
-        sampling = state.row_sampling()  # each row's own values (None: every live row greedy)
-        self.mode = "greedy" if sampling is None else self.sampler
-        fn = jitted_draft_tree(e.config, self.expansion, self.mode)
-        args = (e.params, self.cache, e.arg(catch), e.arg(n_catch), e.arg(self.commit_src),
-                e.arg(self.commit_n), self.seeds, self.rowids) + (() if sampling is None else (sampling,))
+        self.mode = mode
+        fn, args = self._tree_step(catch, n_catch, sampling)
         c0 = e.compiled.compile_s
         tokens, q, self.cache = e.compiled("draft", fn, *args, window=window)
         state.compile_s += e.compiled.compile_s - c0  # compilation is not decode time
@@ -342,18 +346,46 @@ class ModelDrafter:
         """Context tokens of each row in the draft cache, pending commits included."""
         return self.base + self.commit_n
 
-    def _catch_up(self, state, upto) -> None:
-        """Forward context[dlen:upto] of every row into the draft cache (prefill)."""
+    def _tree_step(self, catch, n_catch, sampling) -> tuple:
+        """The draft's tree step (`draft_tree_step` of `self.mode`) and its arguments."""
+        e = self.engine
+        fn = jitted_draft_tree(e.config, self.expansion, self.mode)
+        return fn, (e.params, self.cache, e.arg(catch), e.arg(n_catch), e.arg(self.commit_src),
+                    e.arg(self.commit_n), self.seeds, self.rowids) + (() if sampling is None else (sampling,))
+
+    def _compiled(self, state, upto, sampling, mode: str, window: int) -> bool:
+        """Whether the programs this step's drafting runs are compiled (`DecodeState.fallback`):
+        the catch-up of the rows behind (`upto`; None: none) and the tree step of `mode` at
+        `window`. The ones that are not are queued in the background (the target decodes
+        without drafts until they are: the same tokens)."""
+        e, B = self.engine, state.batch
+        ready = True
+        if upto is not None:
+            step = self._catch_up_inputs(state, upto)
+            if step is not None and not e.extend(self.cache, *step, ahead="check"):
+                e.extend(self.cache, *step, ahead="compile")
+                ready = False
+        if (mode, window, B) in self._ready:
+            return ready
+        was, self.mode = self.mode, mode
+        fn, args = self._tree_step(np.zeros((B, CATCH_UP), np.int32), np.zeros(B, np.int32), sampling)
+        self.mode = was
+        if e.compiled.ready("draft", fn, *args, window=window):
+            self._ready.add((mode, window, B))
+        else:
+            e.compiled.prefetch("draft", fn, *args, compile=True, window=window)
+            ready = False
+        return ready
+
+    def _catch_up_inputs(self, state, upto):
+        """The prefill that forwards context[dlen:upto] of the rows behind into the draft
+        cache: (`StepInputs`, `StepMode`), or None when no row is behind."""
         from ..core.decode import prompt_bucket
 
         B, S = state.batch, state.max_len
-        if self.commit_n.any():
-            self.cache = _commit_only(self.cache, jnp.asarray(self.commit_src), jnp.asarray(self.commit_n))
-            self.base = self.base + self.commit_n
-            self.commit_n = np.zeros(B, np.int32)
         n_new = np.maximum(np.asarray(upto, np.int64) - self.dlen, 0).astype(np.int32)
         if not n_new.any():
-            return
+            return None
         rows = np.flatnonzero(n_new)  # only these rows are forwarded (a new request: its own row)
         whole = len(rows) == B
         n = n_new if whole else n_new[rows]
@@ -366,5 +398,18 @@ class ModelDrafter:
         x = StepInputs(block, self.seeds, self.rowids, n_new=n)  # greedy: the draft's own picks are not used
         if not whole:
             x = x.rows(rows)  # (the block and n_new have these rows already)
-        _, self.cache = self.engine.extend(self.cache, x, StepMode(window=window))
+        return x, StepMode(window=window)
+
+    def _catch_up(self, state, upto) -> None:
+        """Forward context[dlen:upto] of every row into the draft cache (prefill)."""
+        B = state.batch
+        if self.commit_n.any():  # (dlen = base + commit_n stays: the catch-up's block is the same)
+            self.cache = _commit_only(self.cache, jnp.asarray(self.commit_src), jnp.asarray(self.commit_n))
+            self.base = self.base + self.commit_n
+            self.commit_n = np.zeros(B, np.int32)
+        n_new = np.maximum(np.asarray(upto, np.int64) - self.dlen, 0).astype(np.int32)
+        step = self._catch_up_inputs(state, upto)
+        if step is None:
+            return
+        _, self.cache = self.engine.extend(self.cache, *step)
         self.base = self.base + n_new

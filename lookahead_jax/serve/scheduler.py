@@ -135,6 +135,7 @@ class Scheduler:
         self.ready.set()
         self._thread: Optional[threading.Thread] = None
         self.per_request_sampling: Optional[bool] = None  # learnt from the first insert that needs it
+        self.warm_compilations = 0  # programs the warm-up compiled in place (a rehearsal's)
         self.steps = 0
         self.errors = 0
 
@@ -164,7 +165,15 @@ class Scheduler:
                  "\n  ".join(map(str, self.slots.programs())))
         try:
             n = self.slots.warm_up(sampled=sampled, progress=progress, wait=wait)
+            if self.slots.rehearses:  # a run's own jitted steps: one short request on slots of their own
+                rehearsal = self._build_slots(self.slots.state.sampling, self.slots.state.penalties)
+                try:
+                    log.info("warm-up: the %s run's own steps (a rehearsal request): %d programs compiled",
+                             self.slots.strategy.name, rehearsal.rehearse())
+                finally:
+                    rehearsal.close()
         finally:
+            self.warm_compilations = len(self.engine.compiled.compilations)  # (not in requests)
             self.ready.set()
         warm = self.slots.warm
         log.info("warm-up: %d of %d programs compiled in %.0f s (minimum set: %d)%s", warm.ready, warm.total,
@@ -184,7 +193,8 @@ class Scheduler:
         return dict(ready=self.ready.is_set(), programs_ready=warm.ready if warm else None,
                     programs_total=warm.total if warm else None, programs_minimum=warm.minimum if warm else None,
                     warm_up_s=round(time.perf_counter() - warm.t0, 1) if warm else None,
-                    compile_s=round(c.compile_s + c.background_s, 1), compiled_in_requests=len(c.compilations))
+                    compile_s=round(c.compile_s + c.background_s, 1),
+                    compiled_in_requests=len(c.compilations) - self.warm_compilations)
 
     @property
     def alive(self) -> bool:
@@ -414,9 +424,14 @@ class Scheduler:
             old.drafter.end()
         if old is not None and old.run is not None:
             old.run.close()
+        return self._build_slots(sampling, penalties)
+
+    def _build_slots(self, sampling: SamplingParams, penalties: Penalties) -> Slots:
+        """Slots as this scheduler serves with (the slots it serves with are untouched)."""
         return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
                      sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids,
-                     prefill_chunk=self.prefill_chunk, fallback=True, step_budget=self.step_budget)
+                     prefill_chunk=self.prefill_chunk, fallback=True, step_budget=self.step_budget,
+                     penalty_rows=True)
 
     def _gauges(self) -> None:
         if self.metrics is not None:
