@@ -34,7 +34,8 @@ second process on that same directory.
 * `--mixed`: a fresh cold server (then, with `--mixed-warm`, a restart on its dir): one
   streaming greedy chat completion of `--stream-tokens` (ignore_eos) and, while it
   streams, `--mixed-requests` sampled requests one after another, each with a longer
-  prompt (data/ passages + an NQ question); every chunk's arrival time, the gaps between
+  prompt (data/ passages + an NQ question), every other one with presence / frequency /
+  repetition penalties; every chunk's arrival time, the gaps between
   consecutive chunks (p50 / p99 / max), the gaps over 0.5 s with the compilations the
   server logged during them, and each sampled request's latency.
 
@@ -487,6 +488,8 @@ async def mixed_load(a, url: str, t_start: float) -> dict:
             prompt = rag_prompt(MIXED_CHARS[k % len(MIXED_CHARS)] * (1 + k // len(MIXED_CHARS)), k + 1)
             body = dict(model=a.model, messages=[{"role": "user", "content": prompt}], temperature=1.0,
                         max_tokens=a.mixed_tokens, ignore_eos=True, seed=k)
+            if k % 2:  # every other one with penalties (data on the server's steps: no program of its own)
+                body.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
             t0 = time.time()
             r = await http.post(url + "/v1/chat/completions", json=body)
             t1 = time.time()
@@ -494,7 +497,7 @@ async def mixed_load(a, url: str, t_start: float) -> dict:
             sampled.append(dict(start=round(t0 - t_start, 3), end=round(t1 - t_start, 3), latency_s=round(t1 - t0, 3),
                                 status=r.status_code, prompt_tokens=(usage or {}).get("prompt_tokens"),
                                 completion_tokens=(usage or {}).get("completion_tokens"),
-                                during_stream=not task.done()))
+                                penalties=bool(k % 2), during_stream=not task.done()))
         await task
     return dict(stream_status=info.get("status"), stream_tokens=info.get("tokens"), chunks=len(chunks),
                 stream_start=round(info["start"] - t_start, 3), chunk_t=[round(t - t_start, 4) for t in chunks],
