@@ -9,6 +9,7 @@
   `lookahead_jax.convert`), never as top-level `models` / `convert`;
 * `models/` imports nothing from the package above it (the rest of `lookahead_jax`);
 * the host/device split: the trie and the draft containers import no jax;
+* no code tells errors apart by their text (`"..." in str(e)`): by their type;
 * package files stay readable: none over MAX_LINES lines.
 """
 
@@ -177,6 +178,29 @@ def test_host_modules_import_no_jax(name):
         todo += graph[m]
     jax_users = [f"{m} imports {t}" for m in seen for t, _, _ in _imports(m) if t.split(".")[0] in ("jax", "flax")]
     assert not jax_users, jax_users
+
+
+def _mentions(node, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def test_nothing_matches_error_text():
+    """Inside `except ... as e:`, no test of e's text (`"x" in str(e)`, `str(e).startswith`,
+    `== str(e)`): an error another part must tell apart is a type of its own (e.g.
+    `core.slots.NeedsOwnSlots`), so rewording a message never changes behaviour."""
+    bad = []
+    for m, (p, _) in MODULES.items():
+        for handler in ast.walk(ast.parse(p.read_text(), str(p))):
+            if not isinstance(handler, ast.ExceptHandler) or not handler.name:
+                continue
+            for node in (n for stmt in handler.body for n in ast.walk(stmt)):
+                text = isinstance(node, ast.Compare) and _mentions(node, handler.name) and any(
+                    isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq)) for op in node.ops)
+                prefix = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                          and node.func.attr in ("startswith", "endswith") and _mentions(node.func.value, handler.name))
+                if text or prefix:
+                    bad.append(f"{m}:{node.lineno}")
+    assert not bad, "errors told apart by their text: " + ", ".join(bad)
 
 
 def test_files_stay_short():

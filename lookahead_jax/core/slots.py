@@ -88,6 +88,13 @@ FREE = "free"  # finish reason of a row no request holds
 PREFILL = "prefill"  # finish marker of a row whose prompt is still forwarded in chunks (prefill_chunk)
 
 
+class NeedsOwnSlots(ValueError):
+    """A request these slots cannot decode beside their others (a retrieval run's slots and
+    other sampling values or penalties, another drafting strategy, min_new_tokens with
+    other EOS ids): decode it on `Slots` of its own (the server's scheduler waits for the
+    running requests and rebuilds the slots with its values)."""
+
+
 @dataclasses.dataclass
 class Request:
     """One generation request, prompt already encoded.
@@ -503,7 +510,7 @@ class Slots:
             raise ValueError(f"Request.penalties must be a Penalties or None, got {req.penalties!r}")
         if self.run is not None and ((req.sampling is not None and req.sampling != self.state.sampling) or
                                      (req.penalties is not None and req.penalties != self.state.penalties)):
-            raise ValueError(f"these slots run strategy {self.strategy.name!r} (retrieval between steps), which "
+            raise NeedsOwnSlots(f"these slots run strategy {self.strategy.name!r} (retrieval between steps), which "
                              f"decodes with the slots' sampling {self.state.sampling} and penalties "
                              f"{self.state.penalties}: a request with others needs Slots of its own")
         strat = self.strategy if req.strategy is None else req.strategy
@@ -512,14 +519,14 @@ class Slots:
         if self._plain_request(req) and (self.run is not None or req.strategy.runs_own_loop
                                          or req.strategy.drafter(self.engine) is not None):
             only = ("only its own requests" if self.run is not None else "only plain decoding shares them")
-            raise ValueError(f"these slots run strategy {getattr(self.strategy, 'name', 'greedy')!r}; a "
+            raise NeedsOwnSlots(f"these slots run strategy {getattr(self.strategy, 'name', 'greedy')!r}; a "
                              f"{req.strategy.name!r} request needs Slots of its own ({only})")
         if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
         if not 0 <= req.min_new_tokens <= req.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={req.max_new_tokens}]")
         if req.min_new_tokens and req.eos_ids is not None and not set(req.eos_ids) <= set(self.eos_ids):
-            raise ValueError("min_new_tokens bans the slots' eos_ids: a request with other eos_ids and "
+            raise NeedsOwnSlots("min_new_tokens bans the slots' eos_ids: a request with other eos_ids and "
                              "min_new_tokens needs Slots of its own")
         ids = list(req.prompt_ids)
         V = self.state.vocab

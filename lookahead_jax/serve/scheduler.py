@@ -15,7 +15,7 @@ EOS and stop cut), log-probabilities and finish reason, freeing finished slots a
 
 What one step compiles in (sampling parameters, penalties) is per request on `Slots`
 that accept it per request; on `Slots` that refuse another request's values (a
-ValueError from `insert` naming "Slots of its own"), such a job waits until the running
+`NeedsOwnSlots` from `insert`), such a job waits until the running
 ones finish and the slots are rebuilt with its values (correct, only slower).
 
 Failures stay local: a job whose insert raises is failed (400 for a ValueError, its own
@@ -34,7 +34,7 @@ import time
 from typing import Callable, Optional
 
 from ..core.sampling import Penalties, SamplingParams
-from ..core.slots import Request, Slots
+from ..core.slots import NeedsOwnSlots, Request, Slots
 
 log = logging.getLogger("lookahead_jax.serve")
 
@@ -294,7 +294,7 @@ class Scheduler:
                         self.per_request_sampling = True
                     free = [s for s in self.slots.free_slots if s not in {b for b, _ in batch}]
                     continue
-                except _NeedsOwnSlots:
+                except NeedsOwnSlots:
                     self.per_request_sampling = False
             if self.running or batch:  # FIFO: it waits until the batch drains
                 with self._cond:
@@ -315,8 +315,8 @@ class Scheduler:
         try:
             events = self.slots.insert(slots, [j.request() for j in jobs])
         except Exception as e:
-            if probe and isinstance(e, ValueError) and "of its own" in str(e):
-                raise _NeedsOwnSlots() from e
+            if probe and isinstance(e, NeedsOwnSlots):  # the caller's answer: slots of its own
+                raise
             self._clear(slots)
             if len(batch) > 1:  # find the culprit: each alone
                 for item in batch:
@@ -437,6 +437,3 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.queue(len(self.running), len(self.waiting))
 
-
-class _NeedsOwnSlots(Exception):
-    pass
