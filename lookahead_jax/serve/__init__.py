@@ -4,7 +4,8 @@
 
 `scheduler.Scheduler` (the engine thread: one `core.slots.Slots`, requests inserted
 between steps), `app.build_app` (FastAPI routes), `protocol` (request bodies, errors),
-`metrics.Metrics` (Prometheus, vLLM's names with the `lookahead_jax:` prefix). See
+`metrics.Metrics` (Prometheus, vLLM's names with the `lookahead_jax:` prefix),
+`startup.Startup` (the port opens at once: 503s while the server is built behind it). See
 docs/serving.md. Needs the `serve` extra (fastapi, uvicorn, prometheus-client).
 """
 

@@ -1,8 +1,11 @@
 """`python -m lookahead_jax.serve --model smollm2-135m [--strategy lookahead] ...`
 
-A configuration the server cannot start with (bad options, a retrieval index or KNN-LM
-datastore not built, a missing corpus file) is one `error:` line naming the fix, exit
-status 2, before anything listens."""
+The port opens at once, the model loads behind it (/health: 503 while it loads and warms
+up, then 200). A configuration the server cannot start with is one `error:` line naming
+the fix, exit status 2: bad options or an unknown model name before anything listens;
+what shows only as the server is built (a malformed checkpoint, a preset not fetched, a
+retrieval index or KNN-LM datastore not built, a missing corpus file) once the port is
+open, which then closes. Any other failure of the build: its traceback, exit status 1."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import sys
 
 from ..strategies import REGISTRY
 
-from .server import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_BUDGET, ServeConfig, make_server, run
+from .server import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_BUDGET, ServeConfig, check, run
+
+log = logging.getLogger("lookahead_jax.serve")
 
 
 def _value(text: str):
@@ -90,21 +95,30 @@ def parse(argv=None) -> ServeConfig:
 
 
 def main(argv=None) -> None:
-    from ..retrieval import EncoderUnavailable, IndexUnavailable
-
-    from ..core.compile import enable_compilation_cache
-
     # force: an import (absl, via jax) may have configured the root logger at WARNING first,
     # which would hide the server's own INFO lines (warm-up progress, engine errors)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
-    cfg = parse(argv)
-    enable_compilation_cache()  # the server owns its process: compiled steps go to JAX's persistent cache
+    serve(parse(argv))
+
+
+def serve(cfg: ServeConfig, build=None) -> None:
+    """Serve `cfg` until interrupted, as the command does: `check(cfg)`, then `run` (the
+    port opens at once; `build(stage)`, by default `make_server`, builds the server behind
+    it). A configuration it cannot start with: the `error:` line and SystemExit(2); any
+    other failure of the build: logged with its traceback, SystemExit(1)."""
+    from ..core.compile import enable_compilation_cache
+    from ..retrieval import EncoderUnavailable, IndexUnavailable
+
     try:
-        server = make_server(cfg)
+        check(cfg)
+        enable_compilation_cache()  # the server owns its process: compiled steps go to JAX's persistent cache
+        run(cfg, build=build)
     except (ValueError, OSError, IndexUnavailable, EncoderUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    run(cfg, server)
+    except Exception:
+        log.exception("the server could not start")
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""Building a server from a configuration (`make_server`) and running it under uvicorn
-(`run`, or `start_in_thread` on a free local port); `__main__` parses the command line
-into a `ServeConfig`, and tests and the benchmark call the same functions."""
+"""Building a server from a configuration (`check`, then `make_server`) and running it
+under uvicorn (`run`: the port opens at once and the server is built behind it,
+`lazy_app`; or `start_in_thread` on a free local port); `__main__` parses the command
+line into a `ServeConfig`, and tests and the benchmark call the same functions."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 log = logging.getLogger("lookahead_jax.serve")
 
@@ -37,20 +39,13 @@ class ServeConfig:
     step_budget: Optional[float] = DEFAULT_STEP_BUDGET  # prefill blocks a step carries, in decode steps (None: one)
 
 
-def make_server(cfg: ServeConfig, model=None, tokenizer=None):
-    """A `Server` (its scheduler not yet started: the app's lifespan starts it). `model` /
-    `tokenizer`: already loaded ones (tests), else `load(cfg.model)`.
-
-    The strategy's options are checked before the model loads; a retrieval strategy
-    (ralm, ralmspec: `retriever=KIND corpus=PATH`; knnlm: `datastore=DIR` or `corpus=PATH`)
-    loads its index or datastore here, once (slots rebuilt later reuse it): one not built
-    is an `IndexUnavailable` whose message gives the command that builds it."""
-    from ..core.engine import engine_for
-    from ..loading import load
+def check(cfg: ServeConfig, model_name: bool = True):
+    """The checks that cost nothing, made before anything loads or listens: the options,
+    the strategy's (`resolve`: returns the strategy), and with `model_name` that
+    `cfg.model` names what `load` can load (a preset, an existing path or an HF hub id;
+    `loading.vocab_size` reads no weights). A ValueError names the flag or the model."""
+    from ..loading import vocab_size
     from ..strategies import resolve
-    from .app import Server
-    from .metrics import Metrics
-    from .scheduler import Scheduler
 
     if cfg.max_batch < 1 or cfg.max_len < 16 or cfg.max_waiting < 0:
         raise ValueError("--max-batch must be >= 1, --max-len >= 16 and --max-waiting >= 0")
@@ -60,8 +55,34 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None):
     if cfg.step_budget is not None and not cfg.step_budget >= 1:
         raise ValueError(f"--step-budget must be >= 1 (decode steps a step with prefill may take) or 0 for one "
                          f"block a step, got {cfg.step_budget!r}")
+    if model_name:
+        vocab_size(cfg.model)
+    return strategy
+
+
+def make_server(cfg: ServeConfig, model=None, tokenizer=None, stage: Optional[Callable[[str], None]] = None):
+    """A `Server` (its scheduler not yet started: the app's lifespan starts it). `model` /
+    `tokenizer`: already loaded ones (tests), else `load(cfg.model)`. `stage(name)` is told
+    what it is doing ("model": loading it, "engine": the rest; `Startup`'s /health shows it).
+
+    `check(cfg)` runs first (without `model`: its name checked too); a retrieval strategy
+    (ralm, ralmspec: `retriever=KIND corpus=PATH`; knnlm: `datastore=DIR` or `corpus=PATH`)
+    loads its index or datastore here, once (slots rebuilt later reuse it): one not built
+    is an `IndexUnavailable` whose message gives the command that builds it."""
+    from ..core.engine import engine_for
+    from ..loading import load
+    from .app import Server
+    from .metrics import Metrics
+    from .scheduler import Scheduler
+
+    stage = stage or (lambda name: None)
+    strategy = check(cfg, model_name=model is None)
     if model is None:
+        stage("model")
+        t0 = time.perf_counter()
         model, tokenizer = load(cfg.model, cfg.dtype)
+        log.info("model %s loaded in %.1f s", cfg.model, time.perf_counter() - t0)
+    stage("engine")
     engine = engine_for(model)
     strategy = None if strategy.drafter(engine) is None and not strategy.runs_own_loop else strategy
     name = cfg.served_model_name or cfg.model
@@ -76,18 +97,38 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None):
     return server
 
 
-def run(cfg: ServeConfig, server=None) -> None:
-    """Serve until interrupted (SIGINT / SIGTERM: uvicorn stops accepting, open requests
-    finish, then the engine thread drains and stops)."""
-    import uvicorn
-
+def lazy_app(cfg: ServeConfig, build: Optional[Callable] = None):
+    """The app `run` serves, a `startup.Startup`: once it listens, a background thread
+    runs `build(stage)` (default `make_server(cfg, stage=stage)`), starts the warm-up
+    (`cfg.warmup`) and mounts `build_app` of the server it built. Until then every
+    request gets a 503 at once (/health: {"status": "loading", "stage", "seconds"})."""
     from .app import build_app
+    from .startup import Startup
 
-    server = server or make_server(cfg)
-    if cfg.warmup != "none":  # in the background: the port opens now, /health says 503 until it is done
-        warm_up_in_background(server.scheduler)
-    uvicorn.run(build_app(server), host=cfg.host, port=cfg.port, log_level="info",
-                timeout_graceful_shutdown=60)
+    build = build or (lambda stage: make_server(cfg, stage=stage))
+
+    def app(stage):
+        server = build(stage)
+        if cfg.warmup != "none":  # /health says 503 with the progress until the minimum set is compiled
+            warm_up_in_background(server.scheduler)
+        return build_app(server)
+
+    return Startup(app)
+
+
+def run(cfg: ServeConfig, server=None, build: Optional[Callable] = None) -> None:
+    """Serve until interrupted (SIGINT / SIGTERM: uvicorn stops accepting, open requests
+    finish, then the engine thread drains and stops). The port opens at once; the server
+    (`server` if given, else `build(stage)`, by default `make_server(cfg)`: the model
+    load) is built behind it (`lazy_app`). A build that raises stops serving, and its
+    exception is raised here once uvicorn has stopped."""
+    startup = lazy_app(cfg, build if server is None else (lambda stage: server))
+    try:
+        startup.uvicorn(host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=60).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled (as `uvicorn.run` does: stopped)
+        pass
+    if startup.error is not None:
+        raise startup.error
 
 
 def warm_up_in_background(scheduler, wait: str = "minimum"):
@@ -111,24 +152,30 @@ def warm_up_in_background(scheduler, wait: str = "minimum"):
 
 
 def start_in_thread(server):
-    """Serve `server` under uvicorn on a free port of 127.0.0.1 in a daemon thread (tests,
-    benchmarks); returns once it accepts: (uvicorn.Server, thread, base URL). Stop it with
+    """Serve `server` (a `Server`, or a `lazy_app`: then the port opens before it is built)
+    under uvicorn on a free port of 127.0.0.1 in a daemon thread (tests, benchmarks);
+    returns once it accepts: (uvicorn.Server, thread, base URL). Stop it with
     `uv.should_exit = True` and `thread.join()` (the lifespan drains the engine thread)."""
     import socket
     import threading
-    import time
 
     import uvicorn
 
     from .app import build_app
+    from .startup import Startup
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
+    if isinstance(server, Startup):
+        uv = server.uvicorn(host="127.0.0.1", port=port, log_level="warning")
+    else:
+        uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     while not uv.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"uvicorn stopped before it listened on 127.0.0.1:{port}")
         time.sleep(0.05)
     return uv, thread, f"http://127.0.0.1:{port}"
