@@ -22,7 +22,8 @@ import pytest
 
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.sampling import SamplingParams
-from lookahead_jax.core.slots import PREFILL, Request, Slots
+from lookahead_jax.core.rows import Phase
+from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.generate import generate
 from lookahead_jax.strategies import Lookahead, SpecInfer
 from tiny import ByteTokenizer, drive_slots, load_prompts, tiny_model
@@ -98,7 +99,7 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(model, tok, kind):
     ev = slots.insert(2, Request(long_ids, max_new[2], seed=seed, sampling_row=2))
     assert ev[0].tokens == [] and ev[0].finish is None
     assert slots.prefilling == [2] and slots.busy == [0, 1, 2] and slots.free_slots == []
-    assert slots.row(2).finish == PREFILL and not slots.state.active[2]
+    assert slots.row(2).phase is Phase.PREFILLING and slots.row(2).finish is None and not slots.state.active[2]
     steps = 0
     while True:
         decoding = [b for b in (0, 1) if b not in rows]
@@ -169,7 +170,7 @@ def test_free_a_prefilling_slot_and_reuse_it(model, tok):
     slots.insert(1, Request(tok.encode(SHORT[2]), 40, sampling_row=2))  # decoding beside it
     slots.insert(0, Request(long_ids, 1, sampling_row=1))
     events = []
-    while slots.row(0).finish in (None, PREFILL):
+    while slots.row(0).finish is None:
         events += [e for e in slots.step() if e.slot == 0]
     assert [(e.tokens, e.finish) for e in events][-1] == (alone(model, tok, LONG[0], 1, 1), "length")
     assert all(not e.tokens and e.finish is None for e in events[:-1]) and len(events) == blocks(len(long_ids)) - 1

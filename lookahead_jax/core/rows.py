@@ -1,10 +1,25 @@
 """Host state of one batch row (`RowState`): its prompt, generated ids, finish reason and
-streamed text. Its fields are edited only through `decode.py` (the loop and the state
-edits), which holds the rows of a batch in `DecodeState`."""
+streamed text, and what the row is doing (`Phase`: free, prefilling, decoding). Its
+fields are edited only through `decode.py` (the loop and the state edits) and `Slots`,
+which hold the rows of a batch in `DecodeState`."""
 
 from __future__ import annotations
 
+import enum
 from typing import Optional, Sequence
+
+
+class Phase(enum.Enum):
+    """What a row of the batch is doing, apart from why its request ended (`RowState.finish`).
+
+    FREE: no request holds it (a `Slots` slot to insert into); PREFILLING: its request's
+    prompt is still forwarded in chunks (`Slots(prefill_chunk=)`: neither free nor
+    decoding); DECODING: its request is in the decode loop, live until `finish` is set.
+    A batch of `generate` is DECODING from its prefill on."""
+
+    FREE = "free"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
 
 
 def stop_holdback(text: str, end: int, stops, floor: int = 0) -> int:
@@ -56,7 +71,8 @@ class RowState:
         self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
         # the row's own SamplingParams / Penalties (None: the batch's; DecodeState.set_row_values)
         self.sampling = self.penalties = None
-        self.finish: Optional[str] = None
+        self.finish: Optional[str] = None  # why the request ended: "eos" | "stop" | "length" | "abort"
+        self.phase = Phase.DECODING
         self.steps = 0
         self.retrieval: Optional[dict] = None  # a retrieval strategy's record of the request (Slots.free)
         self.text = ""
@@ -64,6 +80,11 @@ class RowState:
         self._sent = 0  # characters of _buf handed to on_text
         stream = getattr(tokenizer, "stream", None)
         self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(tokenizer)
+
+    @property
+    def live(self) -> bool:
+        """Whether the decode loop steps this row: a request decoding, not finished."""
+        return self.phase is Phase.DECODING and self.finish is None
 
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

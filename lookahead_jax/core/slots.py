@@ -44,8 +44,8 @@ Chunked prefill (`prefill_chunk=C`): a prompt longer than C tokens would stall e
 running request for its whole prefill; so `insert` forwards its first block of C tokens
 (every block one row of the chunk's bucket of tokens: a few compiled programs for every
 prompt length, `DecodeState.block`; with no other request decoding, all its blocks at
-once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its finish marker is
-`PREFILL`, so the decode step, the drafter and the budget skip it), and each `step`, after
+once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its row's phase is
+`Phase.PREFILLING`, so the decode step, the drafter and the budget skip it), and each `step`, after
 its verify step over the decoding slots, forwards the next block of the oldest prefilling
 slot (one block of at most C tokens per step, first come first served). A block reads the
 cached prefix (`forward_rows`, as `decode.extend`), and its last token stays uncached as
@@ -80,12 +80,10 @@ from .budget import FixedBudget
 from .decode import DecodeState, forward_rows, prompt_bucket, step
 from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
-from .rows import RowState
+from .rows import Phase, RowState
 from .drafts import EMPTY, DraftBatch
 from .sampling import Penalties, SamplingParams
 
-FREE = "free"  # finish reason of a row no request holds
-PREFILL = "prefill"  # finish marker of a row whose prompt is still forwarded in chunks (prefill_chunk)
 
 
 class NeedsOwnSlots(ValueError):
@@ -134,7 +132,7 @@ class SlotEvent:
 
 def _free_row(slot: int, tokenizer) -> RowState:
     row = RowState(slot, [0], tokenizer, set(), (), 1, None)
-    row.finish = FREE
+    row.phase = Phase.FREE
     return row
 
 
@@ -226,13 +224,13 @@ class Slots:
 
     @property
     def free_slots(self) -> list:
-        return [b for b, r in enumerate(self.state.rows) if r.finish == FREE]
+        return [b for b, r in enumerate(self.state.rows) if r.phase is Phase.FREE]
 
     @property
     def busy(self) -> list:
         """Slots whose request is not finished: it decodes, or its prompt is still being
         prefilled (`prefilling`)."""
-        return [b for b, r in enumerate(self.state.rows) if r.finish is None or r.finish == PREFILL]
+        return [b for b, r in enumerate(self.state.rows) if r.phase is Phase.PREFILLING or r.live]
 
     @property
     def prefilling(self) -> list:
@@ -292,7 +290,7 @@ class Slots:
             self._activate(slots)
         else:  # every prompt enters as prefilling; those of at most C tokens finish in this block
             for s in slots:
-                self._prefill[s], st.rows[s].finish = st.rows[s].prompt_ids, PREFILL
+                self._prefill[s], st.rows[s].phase = st.rows[s].prompt_ids, Phase.PREFILLING
             if not decoding or self.step_budget is None:  # (with a budget the steps take every block)
                 self._forward_chunks(slots)
             while not decoding and (rest := [s for s in slots if s in self._prefill]):
@@ -355,12 +353,12 @@ class Slots:
         retrieval strategy's record of the request in `row.retrieval`)."""
         self.state.flush()
         row = self.state.rows[slot]
-        if row.finish == FREE:
+        if row.phase is Phase.FREE:
             raise ValueError(f"slot {slot} is already free")
         began = slot not in self._prefill  # a prefilling row's drafter has not begun it
         if not began:
             row.prompt_ids = self._prefill.pop(slot)
-            row.finish = None
+            row.phase = Phase.DECODING
         if row.finish is None:
             row.finish = "abort"
         self._refs.pop(slot, None)
@@ -440,7 +438,7 @@ class Slots:
         r = self.state.rows[b]
         final = len(r.ids) if self.run is None or r.finish is not None else self.run.final_upto(self.state, b)
         tokens, self._sent[b] = list(r.ids[self._sent[b]:final]), max(final, self._sent[b])
-        return SlotEvent(b, tokens, None if r.finish == PREFILL else r.finish)
+        return SlotEvent(b, tokens, None if r.phase is Phase.PREFILLING else r.finish)
 
     def _forward_chunks(self, slots) -> None:
         """The next block of each prefilling slot's prompt: its cached rows end at
@@ -456,7 +454,7 @@ class Slots:
             prompt, r = self._prefill[s], st.rows[s]
             if len(prompt) - int(st.lengths[s]) <= C:
                 del self._prefill[s]
-                r.prompt_ids, r.finish = prompt, None
+                r.prompt_ids, r.phase = prompt, Phase.DECODING
                 st.finish_s.pop(s, None)
                 last.append(s)
             else:
@@ -502,7 +500,7 @@ class Slots:
     def _check(self, slot: int, req: Request) -> None:
         if not 0 <= slot < self.n_slots:
             raise ValueError(f"slot {slot} is not in [0, {self.n_slots})")
-        if self.state.rows[slot].finish != FREE:
+        if self.state.rows[slot].phase is not Phase.FREE:
             raise ValueError(f"slot {slot} holds a request: free({slot}) it first")
         if req.sampling is not None and not isinstance(req.sampling, SamplingParams):
             raise ValueError(f"Request.sampling must be a SamplingParams or None, got {req.sampling!r}")

@@ -103,7 +103,7 @@ class DecodeState:
 
     @property
     def active(self) -> np.ndarray:
-        return np.array([r.finish is None for r in self.rows])
+        return np.array([r.live for r in self.rows])
 
     def context(self, b: int) -> list:
         """Prompt + generated ids of row b (its last token is the root)."""
@@ -130,7 +130,7 @@ class DecodeState:
         argmax path), else their values with the mode (`filter`) of the live sampled ones.
         Values are arrays: changing them never recompiles; the mode does (3 variants)."""
         idx = range(self.batch) if rows is None else rows
-        live = [self.sampling_of(b) for b in idx if self.rows[b].finish is None]
+        live = [self.sampling_of(b) for b in idx if self.rows[b].live]
         sampled = [p for p in live if not p.greedy]
         if not sampled:
             return None
@@ -159,7 +159,7 @@ class DecodeState:
         """Each row's penalties for a step (None: no live row has any); static only which
         of `seen` / `counts` some live row needs (both with `penalty_rows`, so the step's
         program does not depend on which)."""
-        live = [self.penalties_of(b) for b in range(self.batch) if self.rows[b].finish is None]
+        live = [self.penalties_of(b) for b in range(self.batch) if self.rows[b].live]
         used = [p for p in live if p.on]
         if not used:
             return None
