@@ -227,21 +227,26 @@ def test_knnlm_concurrent_requests_equal_plain_knnlm(model, tok, datastore, spec
         assert "lookahead_jax:retrieval_speculations_total" not in m
 
 
-def test_knnlm_steps_compile_in_the_warm_up(tok, corpus_path, tmp_path):
-    """KNN-LM's own jitted steps (forward, search, mixture), which the program inventory
-    cannot list, are compiled by the warm-up's rehearsal request (on slots of its own), so
-    requests compile nothing; /health reports none compiled in them. (Speculative KNN-LM's
-    verification search compiles once per round length at first use: not tested here.)"""
-    speculative = False
+@pytest.mark.parametrize("strategy,speculative", [("knnlm", False), ("knnlm", True), ("ralmspec", None)])
+def test_retrieval_steps_compile_in_the_warm_up(tok, corpus_path, tmp_path, strategy, speculative):
+    """A retrieval run's own jitted steps, which the program inventory cannot list
+    (KNN-LM's forward, search, mixture and speculative rounds; ralmspec's are the listed
+    ones), are compiled by the warm-up's rehearsal request (on slots of its own), and for
+    speculative KNN-LM the verification search of every round length is queued there too,
+    so requests compile nothing; /health reports none compiled in them."""
     from lookahead_jax.knnlm import build_datastore
     from tiny import tiny_model
 
     fresh = tiny_model("llama", seed=11)  # an engine of its own: what compiles is this test's
-    ds = build_datastore(fresh, tok, str(corpus_path), path=tmp_path / "ds", progress=False)
-    srv = make_server(serve_parse(flags("knnlm", datastore=ds, knn_k=4, speculative=speculative,
-                                        speculation_stride=3)), fresh, tok)
+    if strategy == "knnlm":
+        ds = build_datastore(fresh, tok, str(corpus_path), path=tmp_path / "ds", progress=False)
+        argv = flags("knnlm", datastore=ds, knn_k=4, speculative=speculative, speculation_stride=3)
+    else:
+        argv = flags("ralmspec", **dict(RALM, corpus=corpus_path, speculation_stride=2))
+    srv = make_server(serve_parse(argv), fresh, tok)
     compiled = srv.scheduler.engine.compiled
     srv.scheduler.warm_up(wait="all")
+    compiled.settle()  # (what the warm-up queued in the background)
     n = len(compiled.compilations)
     uv, thread, url = start_in_thread(srv)
     try:
@@ -252,7 +257,7 @@ def test_knnlm_steps_compile_in_the_warm_up(tok, corpus_path, tmp_path):
     finally:
         uv.should_exit = True
         thread.join(60)
-    assert all(ids for ids, *_ in got) and run["searches"] > 0
+    assert all(ids for ids, *_ in got) and run["searches" if strategy == "knnlm" else "retrievals"] > 0
     assert compiled.compilations[n:] == []
     assert health["compiled_in_requests"] == 0
 

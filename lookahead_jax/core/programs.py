@@ -23,10 +23,11 @@ and returns once the minimum set is compiled (`wait="minimum"`; "all": every pro
 the rest finish while requests are served, and until a tree size is compiled the steps
 do without it (`DecodeState.fallback`).
 
-A run that picks every token with jitted steps of its own (KNN-LM's forward, search and
-mixture, its speculative rounds) runs programs the inventory cannot list;
+A retrieval run's own jitted steps (KNN-LM's forward, search and mixture, its speculative
+rounds; a dense retriever's encoder) are programs the inventory cannot list;
 `Slots.rehearse` decodes a short request on slots built like the serving ones (and then
-dropped), so that they are compiled before anything is served.
+dropped), and the run's `warm_up` queues the shapes it did not meet, so that they are
+compiled before anything is served.
 """
 
 from __future__ import annotations

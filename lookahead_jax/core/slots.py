@@ -406,15 +406,18 @@ class Slots:
 
     @property
     def rehearses(self) -> bool:
-        """Whether the run picks its tokens with jitted steps of its own (knnlm), which the
-        inventory cannot list: only a rehearsal (`rehearse`) compiles them ahead."""
-        return self.run is not None and self.run.picks_first_token
+        """Whether these slots run a retrieval run, whose own jitted steps (KNN-LM's forward,
+        search and mixture; a dense retriever's encoder and scoring) the inventory cannot
+        list: a rehearsal (`rehearse`) compiles them ahead."""
+        return self.run is not None
 
     def rehearse(self, max_new_tokens: int = 8) -> int:
         """Decode one short request in every slot to its end and free them: whatever these
-        slots' steps run is compiled by it, a run's own jitted steps included (`rehearses`).
-        For slots built for this, configured as the serving ones (a run's counters count
-        it; the caller closes them). Returns the number of programs that compiled."""
+        slots' steps run is compiled by it, a run's own jitted steps included (`rehearses`),
+        and a run's `warm_up(state)`, where it has one, queues the shapes a short request
+        does not reach (speculative KNN-LM's verification search per round length). For
+        slots built for this, configured as the serving ones (a run's counters count it;
+        the caller closes them). Returns the number of programs that compiled here."""
         n = len(self.engine.compiled.compilations)
         V = int(self.engine.config.vocab_size)
         prompt = [t % V for t in range(1, 17)]  # any ids: only the shapes count
@@ -423,6 +426,8 @@ class Slots:
             self.step()
         for b in range(self.n_slots):
             self.free(b)
+        if callable(getattr(self.run, "warm_up", None)):
+            self.run.warm_up(self.state)
         return len(self.engine.compiled.compilations) - n
 
     def close(self) -> None:

@@ -305,6 +305,28 @@ class KnnSpecRun(KnnRun):
         self.ivf_s += time.perf_counter() - t0
         return self.engine.arg(cand)
 
+    def warm_up(self, state) -> int:
+        """Queue the compilation, in the background, of the round's verification search for
+        every round length it may run (1 .. the stride, or OS3's largest with "auto"): its
+        T x B queries are one program per T (`_verify`, not padded). For `Slots.rehearse`;
+        returns how many were queued."""
+        from ..knnlm.search import exact_search, subset_search
+        from .speculation import MAX_SPECULATION_STRIDE
+
+        s, idx, eng, B = self.strat.speculation_stride, self.index, self.engine, state.batch
+        D = int(eng.config.d_model)
+        n = 0
+        for T in range(1, (MAX_SPECULATION_STRIDE if s == "auto" else int(s)) + 1):
+            h = eng.put(np.zeros((T * B, D), np.float32))  # the stacked steps' h: on the device, f32
+            if self.strat.knn_search == "exact":
+                n += eng.compiled.prefetch("knn_search", exact_search, idx.keys, h, idx.norms, idx.n_valid,
+                                           idx.xmax, compile=True, k=self.k)
+            else:
+                cand = eng.arg(np.full((T * B, 2 * self.k + 8), -1, np.int32))
+                n += eng.compiled.prefetch("knn_subset", subset_search, idx.keys, h, cand, idx.n_valid,
+                                           compile=True, k=self.k)
+        return n
+
     # ---- OS3
     def _stride(self, rows: int) -> int:
         s = self.strat.speculation_stride
