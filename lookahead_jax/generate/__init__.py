@@ -93,7 +93,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              first_index: int = 0, mesh=None, stop_token_ids=None, n: int = 1,
              min_new_tokens: int = 0, logprobs: bool = False, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, overlap: bool = False,
-             fallback: bool = False, **strategy_options) -> GenerateOutput:
+             fallback: bool = False, on_step: Optional[Callable[[], None]] = None,
+             **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -151,11 +152,13 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         largest compiled one (plain decoding at first) while it compiles in the background
         (`DecodeState.fallback`; the CLI's setting); the same tokens, tree sizes and step
         counts may differ. Off: every tree size compiles at its first use.
+    on_step(): called between two steps (after each), in the calling thread; what it raises
+        ends the call there (the CLI's Ctrl-C: a KeyboardInterrupt at a step boundary).
     """
     strat = resolve(strategy, **strategy_options)
     call = _Call.check(max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
                        repetition_penalty, presence_penalty, frequency_penalty, first_index, on_text)
-    call = dataclasses.replace(call, overlap=bool(overlap), fallback=bool(fallback))
+    call = dataclasses.replace(call, overlap=bool(overlap), fallback=bool(fallback), on_step=on_step)
     engine = engine_for(model, mesh)
     ids, spans = _encode(engine, tokenizer, prompts, chat, call, strat.uses_question_spans)
     B = len(ids)
@@ -196,6 +199,7 @@ class _Call:
     on_text: Optional[Callable]
     overlap: bool = False
     fallback: bool = False
+    on_step: Optional[Callable] = None
 
     @classmethod
     def check(cls, max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
@@ -288,6 +292,8 @@ def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: i
         state.prefill_s = state.elapsed()  # time to the first token (a run's first retrieval included)
         while slots.busy:
             slots.step()
+            if call.on_step is not None:
+                call.on_step()
         if log.isEnabledFor(logging.INFO):  # the CLI's -v: what this configuration compiles
             log.info("step programs of this call (%d):\n  %s", len(progs := slots.programs()),
                      "\n  ".join(map(str, progs)))
