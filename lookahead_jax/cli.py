@@ -20,6 +20,7 @@ from typing import Optional
 from .core.engine import engine_for
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
 from .generate import generate
+from .argparsing import Parser
 from .interrupt import EXIT_INTERRUPTED, CtrlC, exit_now
 from .prompts import check_messages
 from .strategies import REGISTRY, SpecInfer
@@ -174,9 +175,16 @@ def _token_ids(v: str) -> list:
 
 def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     """`prog`: the command's name in usage lines (default `python -m lookahead_jax.generate`)."""
+    ap, flags = build_parser(prog)
+    a = ap.parse_args(argv)
+    return _config(ap, flags, a)
+
+
+def build_parser(prog: Optional[str] = None):
+    """(the command's `argparsing.Parser`, its strategy flags: `_strategy_flags`)."""
     from .presets import DEFAULT_MODEL
 
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog=prog or "python -m lookahead_jax.generate",
         description="Generate text with a JAX decoder; --strategy lookahead gives the same "
         "tokens as greedy, faster.",
@@ -188,11 +196,12 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     ap.add_argument("--chat", action="store_true", help="apply the model's chat template to plain prompts")
     ap.add_argument("--strategy", default="greedy", choices=tuple(REGISTRY),
                     help="; ".join(f"{n}: {c.help}" for n, c in REGISTRY.items()))
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per answer at most")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top-k", type=int, default=0, help="sample from the k most likely ids only (0 = all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of ids whose "
+                    "probability reaches p (1 = all)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (each token's key: seed, row, position)")
     ap.add_argument("--n", "--num-return-sequences", dest="n", type=int, default=1, metavar="N",
                     help="samples per prompt (needs --temperature > 0); with --json each row has "
                     "its sample_index. Several samples are printed when done, not streamed")
@@ -224,8 +233,11 @@ def parse_args(argv=None, prog: Optional[str] = None) -> CliConfig:
     flags = _strategy_flags(ap)
     ap.add_argument("--references-field", help="lookahead: JSONL field whose text(s) it drafts from too")
     ap.add_argument("-v", "--verbose", action="store_true", help="log compilations and loading")
-    a = ap.parse_args(argv)
+    return ap, flags
 
+
+def _config(ap, flags: dict, a) -> CliConfig:
+    """The checked `CliConfig` of the parsed arguments `a` (`ap.error` on bad ones)."""
     if a.dtype not in ("float32", "bfloat16"):
         ap.error(f"--dtype must be float32 or bfloat16, got {a.dtype!r}")
     if a.max_new_tokens < 1:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import sys
 
+from ..argparsing import Parser
 from ..strategies import REGISTRY
 
 from .server import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_BUDGET, ServeConfig, check, run
@@ -44,8 +45,14 @@ def _chunk(text: str) -> int:
 
 
 def parse(argv=None) -> ServeConfig:
-    p = argparse.ArgumentParser(prog="python -m lookahead_jax.serve",
-                                description="OpenAI-compatible server with continuous batching")
+    p = parser()
+    a = p.parse_args(argv)
+    return _config(p, a)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's `argparsing.Parser` (every option's default in --help)."""
+    p = Parser(prog="python -m lookahead_jax.serve", description="OpenAI-compatible server with continuous batching")
     p.add_argument("--model", default="smollm2-135m", help="a preset name or a local path")
     p.add_argument("--strategy", default="greedy", help="greedy | lookahead | specinfer (a request may ask for "
                    "greedy on these) | ralm | ralmspec | knnlm (retrieval: their options name the index)")
@@ -65,17 +72,22 @@ def parse(argv=None) -> ServeConfig:
                    "prompts up to K times the running batch's recent decode step (at least one block), and an "
                    "insert forwards none; 0 (the default): one block a step, the first at insert")
     p.add_argument("--no-logprobs", action="store_true", help="decode without log-probabilities")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the weights' dtype")
+    p.add_argument("--served-model-name", default=None, help="the model name requests give and responses "
+                   "carry (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--warmup", default="greedy", choices=("none", "greedy", "all"),
                    help="compile this configuration's step programs (listed in the log) in the background: the "
                    "port opens at once, /health answers 503 with the progress until the minimum set is compiled, "
                    "the rest compile while requests are served and steps do without them meanwhile (greedy, the "
                    "default, and all are the same: sampling is data, one program serves both); none: each "
                    "program compiles at its first use")
-    a = p.parse_args(argv)
+    return p
+
+
+def _config(p, a) -> ServeConfig:
+    """The `ServeConfig` of the parsed arguments `a` (`p.error` on bad ones)."""
     if a.strategy not in REGISTRY:
         p.error(f"--strategy {a.strategy!r}: choose one of {', '.join(REGISTRY)}")
     fields = [f.name for f in dataclasses.fields(REGISTRY[a.strategy])]
