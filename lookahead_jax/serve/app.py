@@ -1,13 +1,19 @@
 """The HTTP layer (FastAPI): OpenAI's /v1/completions and /v1/chat/completions (SSE
-streaming and not), /v1/models, /health, /tokenize, /detokenize, /metrics.
+streaming and not), /v1/models (and /v1/models/{id}), /health, /tokenize, /detokenize,
+/tokenizer_info, /metrics.
 
 A request becomes one `scheduler.Job` per prompt and sample (choice index prompt * n +
 sample, sampling row the same, as `generate(prompts, n=n)` numbers its rows), whose
 outputs come back from the engine thread through an asyncio queue. Errors are OpenAI's
-shape: 400 for a body that does not validate or a request the slots cannot hold, 404
-for another model's name, 429 when the waiting queue is full, 503 while shutting down,
-500 when the engine failed this request (the server goes on). A client that disconnects
-cancels its jobs (their slots are freed before the next step).
+shape (`errors`): 400 for a body that does not validate or a request the slots cannot
+hold, 404 for another model's name or an unknown route, 429 when the waiting queue is
+full, 503 while shutting down, 500 when the engine failed this request (the server goes
+on). A client that disconnects cancels its jobs (their slots are freed before the next
+step) and leaves one INFO line in the log.
+
+The context length `/v1/models` advertises (`Server.max_model_len`) is the one a request
+may use: prompt + max_tokens up to it is accepted, one token more is a 400 (`--max-len`
+less the verify block and a retrieval strategy's passage).
 
 On a retrieval server (ralm, ralmspec, knnlm: a run drives the slots) each job carries its
 prompt's question span (the last user message of a chat, the text of a plain prompt, as
@@ -19,27 +25,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
 import weakref
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..core.sampling import Penalties, SamplingParams
 from ..prompts import encode_prompts
 from ..strategies import Greedy
-from .protocol import (FINISH, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       error_body)
+from . import errors
+from .chat import CannotRender, template_tokenizer
+from .errors import APIError
+from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .scheduler import Job, QueueFull, ShuttingDown
 
+log = logging.getLogger("lookahead_jax.serve")
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param=None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+
+class ClientGone(Exception):
+    """The client of a request closed its connection (its jobs are cancelled)."""
 
 
 class Server:
@@ -58,14 +66,32 @@ class Server:
         self.extra = run.extra_tokens if run is not None else 0  # prompt tokens it may add (a passage)
         self.corpus = getattr(run, "corpus", None)  # ralm / ralmspec: the passages' titles
 
+    @property
+    def max_model_len(self) -> int:
+        """The most prompt + completion tokens a request may ask for: the cache's slots
+        (`--max-len`, at most the model's positions) less the verify block and a
+        retrieval strategy's passage (what `/v1/models` advertises)."""
+        sched = self.scheduler
+        reserve = sched.max_nodes + 1  # the verify block
+        return min(sched.max_len - reserve, self.max_position or sched.max_len) - self.extra
+
+    def chat_tokenizer(self, messages: list, tools=None):
+        """The tokenizer to encode chat `messages` with (`chat.template_tokenizer`: a 400
+        when the model's chat template cannot render their tool calls, results or tools)."""
+        try:
+            return template_tokenizer(self.tokenizer, messages, tools)
+        except CannotRender as e:
+            raise APIError(400, str(e), e.param) from None
+
     # ------------------------------------------------------------------ request -> jobs
     def jobs(self, req, chat: bool, sink) -> list:
         sched = self.scheduler
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"The model `{req.model}` does not exist: this server serves "
                                 f"`{self.model_name}`", "model")
+        tok = self.chat_tokenizer(req.template_messages, req.template_tools) if chat else self.tokenizer
         try:
-            enc = encode_prompts(self.tokenizer, req.prompts[0] if chat else req.prompts, chat, spans=self.spans)
+            enc = encode_prompts(tok, req.prompts[0] if chat else req.prompts, chat, spans=self.spans)
         except ValueError as e:
             raise APIError(400, str(e), "messages" if chat else "prompt") from None
         ids_list, spans = enc if self.spans else (enc, [None] * len(enc))
@@ -88,12 +114,12 @@ class Server:
         if ext.return_retrieval and not self.retrieving:
             raise APIError(400, f"lookahead_jax.return_retrieval: this server runs {self.strategy_name!r}, which "
                                 "retrieves nothing (serve ralm, ralmspec or knnlm)", "lookahead_jax.return_retrieval")
-        refs = [self.tokenizer.encode(t, add_special_tokens=False) for t in ext.references] \
-            if self.drafting and plain is None else []
+        refs = [self.tokenizer.encode(t, add_special_tokens=False) for t in req.references] \
+            if self.drafting and plain is None else []  # (a chat's `prediction` among them)
         try:
             sampling = SamplingParams(1.0 if req.temperature is None else float(req.temperature),
                                       max(int(req.top_k or 0), 0), 1.0 if req.top_p is None else float(req.top_p))
-            penalties = Penalties(req.repetition_penalty, req.presence_penalty, req.frequency_penalty)
+            penalties = Penalties(*req.penalties)
         except ValueError as e:
             raise APIError(400, str(e)) from None
         if penalties.on and plain is None and sched.strategy is not None and not sched.strategy.supports_penalties:
@@ -113,15 +139,15 @@ class Server:
             raise APIError(400, "min_tokens with stop_token_ids other than the model's EOS ids is not supported",
                            "min_tokens")
         seed = req.seed if req.seed is not None else secrets.randbits(32)
-        reserve = sched.max_nodes + 1  # the verify block
-        less = f"{reserve} for verification" + (f" and {self.extra} for the retrieved passage" if self.extra else "")
+        less = f"{sched.max_nodes + 1} for verification" + \
+            (f" and {self.extra} for the retrieved passage" if self.extra else "")
         jobs = []
         for i, ids in enumerate(ids_list):
-            limit = req.token_limit if chat else req.max_tokens
-            room = min(sched.max_len - reserve, self.max_position or sched.max_len) - self.extra - len(ids)
+            limit = req.token_limit
+            room = self.max_model_len - len(ids)
             max_new = limit if limit is not None else room
             if max_new > room or room < 1:
-                raise APIError(400, f"This model's maximum context length is {sched.max_len - reserve - self.extra} "
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
                                     f"tokens (--max-len {sched.max_len} less {less}). However, you "
                                     f"requested {len(ids) + (limit or 1)} tokens ({len(ids)} in the prompt, "
                                     f"{limit or 1} for the completion). Please reduce the prompt or the "
@@ -184,14 +210,20 @@ def _sink(loop, queue):
 
 
 async def _next(queue, raw: HTTPRequest, jobs, sched):
-    """The next output; cancels the jobs when the client has gone."""
+    """The next output; cancels the jobs and raises ClientGone when the client has gone."""
     while True:
         try:
             return await asyncio.wait_for(queue.get(), 1.0)
         except asyncio.TimeoutError:
             if await raw.is_disconnected():
                 sched.cancel(jobs)
-                raise asyncio.CancelledError()
+                raise ClientGone() from None
+
+
+def _gone(rid: str, t0: float, jobs) -> None:
+    """The one log line of a request whose client went away."""
+    log.info("%s: the client went away after %.1f s; its %d sequence(s) cancelled", rid, time.perf_counter() - t0,
+             len(jobs))
 
 
 def _usage(prompt_lens: list, completion: int) -> dict:
@@ -219,17 +251,7 @@ def build_app(server: Server) -> FastAPI:
     ref = weakref.ref(server)
     del server
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_req, exc: RequestValidationError):
-        msgs = []
-        for e in exc.errors():
-            loc = ".".join(str(x) for x in e.get("loc", ())[1:])
-            msgs.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-        return JSONResponse(error_body("; ".join(msgs) or "invalid request", 400), status_code=400)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_req, exc: APIError):
-        return JSONResponse(error_body(exc.message, exc.status, exc.param), status_code=exc.status)
+    errors.install(app)
 
     @app.get("/health")
     async def health():
@@ -244,17 +266,31 @@ def build_app(server: Server) -> FastAPI:
             server.metrics.programs(body)
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    created = int(time.time())
+
+    def model_card(server) -> dict:
+        return dict(id=server.model_name, object="model", created=created, owned_by="lookahead-jax",
+                    max_model_len=server.max_model_len)
+
     @app.get("/v1/models")
     async def models():
+        return {"object": "list", "data": [model_card(ref())]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
         server = ref()
-        return {"object": "list", "data": [dict(id=server.model_name, object="model", created=int(time.time()),
-                                                owned_by="lookahead-jax", max_model_len=server.scheduler.max_len)]}
+        if model_id != server.model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist: this server serves `{server.model_name}`",
+                           "model")
+        return model_card(server)
 
     @app.get("/metrics")
     async def metrics():
         server = ref()
         if server.metrics is not None:
-            server.metrics.programs(server.scheduler.programs())
+            sched = server.scheduler
+            server.metrics.programs(sched.programs())
+            server.metrics.queue(len(sched.running), len(sched.waiting))  # now, not at the engine's last admission
         body = server.metrics.render() if server.metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -262,10 +298,28 @@ def build_app(server: Server) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         server = ref()
         if body.messages is not None:
-            ids = encode_prompts(server.tokenizer, [m.model_dump() for m in body.messages], True)[0]
+            msgs = [m.template() for m in body.messages]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            try:
+                ids = encode_prompts(server.chat_tokenizer(msgs, tools), [msgs], True)[0]
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from None
         else:
             ids = server.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return dict(tokens=ids, count=len(ids), max_model_len=server.scheduler.max_len)
+        return dict(tokens=ids, count=len(ids), max_model_len=server.max_model_len)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's shape: the tokenizer's configuration as tokenizer_config.json has it."""
+        server = ref()
+        tok = server.tokenizer
+        info = dict(tokenizer_class=type(tok).__name__, **dict(getattr(tok, "special_tokens_map", None) or {}),
+                    model_max_length=server.max_model_len)
+        if getattr(tok, "add_bos_token", None) is not None:
+            info["add_bos_token"] = bool(tok.add_bos_token)
+        if getattr(tok, "chat_template", None):
+            info["chat_template"] = tok.chat_template
+        return info
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -284,6 +338,7 @@ def build_app(server: Server) -> FastAPI:
 
     async def _serve(body, raw: HTTPRequest, chat: bool):
         server = ref()
+        t0 = time.perf_counter()
         queue: asyncio.Queue = asyncio.Queue()
         jobs = server.jobs(body, chat, _sink(asyncio.get_running_loop(), queue))
         server.submit(jobs)
@@ -292,9 +347,13 @@ def build_app(server: Server) -> FastAPI:
                     model=server.model_name)
         prompt_lens = [len(j.prompt_ids) for j in jobs[::body.n]]
         if body.stream:
-            return StreamingResponse(_stream(body, raw, chat, jobs, queue, head, prompt_lens),
+            return StreamingResponse(_stream(body, raw, chat, jobs, queue, head, prompt_lens, t0),
                                      media_type="text/event-stream")
-        return await _whole(body, raw, chat, jobs, queue, head, prompt_lens)
+        try:
+            return await _whole(body, raw, chat, jobs, queue, head, prompt_lens)
+        except ClientGone:  # nobody to answer: one log line, not a traceback
+            _gone(rid, t0, jobs)
+            return Response(status_code=499)  # (nginx's "client closed request"; never sent)
 
     async def _whole(body, raw, chat, jobs, queue, head, prompt_lens):
         server = ref()
@@ -318,9 +377,7 @@ def build_app(server: Server) -> FastAPI:
         choices = []
         for k, r in enumerate(res):
             text = "".join(r["text"])
-            lp = server.logprobs_block(chat, r["tokens"], r["lps"], bool(body.logprobs if not chat else
-                                                                         body.top_logprobs)) \
-                if body.wants_logprobs else None
+            lp = server.logprobs_block(chat, r["tokens"], r["lps"], body.top_logprob) if body.wants_logprobs else None
             c = dict(index=k, logprobs=lp, finish_reason=FINISH.get(r["finish"], r["finish"]))
             if chat:
                 c["message"] = dict(role="assistant", content=text)
@@ -336,12 +393,14 @@ def build_app(server: Server) -> FastAPI:
             out["prompt_token_ids"] = [j.prompt_ids for j in jobs[::body.n]]
         return out
 
-    async def _stream(body, raw, chat, jobs, queue, head, prompt_lens):
+    async def _stream(body, raw, chat, jobs, queue, head, prompt_lens, t0):
         server = ref()
         head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
         left, n_tokens, offsets = len(jobs), 0, [0] * len(jobs)
 
         def chunk(choices, **extra):
+            if body.continuous_usage and "usage" not in extra:  # vLLM's continuous_usage_stats: the usage so far
+                extra["usage"] = _usage(prompt_lens, n_tokens)
             return "data: " + json.dumps(dict(head, choices=choices, **extra)) + "\n\n"
 
         try:
@@ -359,8 +418,7 @@ def build_app(server: Server) -> FastAPI:
                     left -= 1
                 if not (out.text or out.tokens or out.finish):
                     continue
-                lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], bool(
-                    body.logprobs if not chat else body.top_logprobs), offsets[out.index]) \
+                lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], body.top_logprob, offsets[out.index]) \
                     if body.wants_logprobs and out.tokens else None
                 offsets[out.index] += len(out.text)
                 c = dict(index=out.index, logprobs=lp, finish_reason=FINISH.get(out.finish, out.finish))
@@ -374,6 +432,11 @@ def build_app(server: Server) -> FastAPI:
             if body.include_usage:
                 yield chunk([], usage=_usage(prompt_lens, n_tokens))
             yield "data: [DONE]\n\n"
+        except ClientGone:  # noticed by `_next`: the stream just ends
+            _gone(head["id"], t0, jobs)
+        except asyncio.CancelledError:  # Starlette noticed it first and cancels the stream
+            _gone(head["id"], t0, jobs)
+            raise
         finally:  # normal end, or the client went away: free the slots of unfinished jobs
             if left:
                 server.scheduler.cancel(jobs)

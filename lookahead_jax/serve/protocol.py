@@ -1,24 +1,82 @@
-"""The OpenAI-compatible request bodies (pydantic) and the error shape, as vLLM's server
-names them: `n`, `stop`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`,
-`logprobs`, the penalties, `min_tokens`, `stop_token_ids`, `ignore_eos`.
+"""The OpenAI-compatible request bodies (pydantic) and the error shape.
 
-Host only (no jax). Unknown fields are ignored, as OpenAI's API does; a wrong type or a
-value out of range is a 400 with pydantic's message naming the field. The project's own
-options ride in one extension field, `lookahead_jax` (the openai client sends it with
-`extra_body={"lookahead_jax": {...}}`):
+Every field of OpenAI's completion and chat completion requests is either applied or,
+when sent with another value than its default, refused with a 400 naming it (`param`):
+nothing is accepted and ignored. Refused, with what is not served: `logit_bias`
+(non-empty), `best_of` (other than `n`), `suffix`, `echo`, `response_format` (other than
+text), `tool_choice` other than "none" and `parallel_tool_calls` (tool calls are not
+parsed from the output), `audio` / `modalities` beyond text, the deprecated `functions` /
+`function_call`, `store`, `service_tier` (other than auto / default), `reasoning_effort`,
+`verbosity`, `web_search_options`, `moderation`, `prompt_cache_options` /
+`prompt_cache_retention`, `stream_options.include_obfuscation`. Taken as the labels
+OpenAI defines them as (no effect on the output): `user`, `metadata`,
+`safety_identifier`, `prompt_cache_key`. A field in neither OpenAI's nor vLLM's set this
+server serves (`top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
+`ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`) is a 400 too
+(unknown field). A wrong type or a value out of range is a 400 with pydantic's message
+naming the field. Chat messages: `chat.ChatMessage`.
+
+The project's own options ride in one extension field, `lookahead_jax` (the openai client
+sends it with `extra_body={"lookahead_jax": {...}}`):
 
     {"strategy": "greedy"}                  # plain decoding on a speculative server
     {"references": ["text lookahead drafts from too", ...]}
     {"return_token_ids": true}              # also vLLM's top-level `return_token_ids`
     {"return_retrieval": true}              # ralm / ralmspec / knnlm servers: each choice's
                                             # `retrieval` record (passages used, counters)
+
+Host only (no jax).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .chat import ChatMessage, Tool
+
+TOOLS_NOT_PARSED = ("tool calls are not parsed from the model's output yet: send tool_choice \"none\" to have the "
+                    "tools rendered into the prompt only")
+
+
+def _null(v, _data) -> bool:
+    return v is None
+
+
+# field -> (accepted(value, the fields validated before it), why another value is refused)
+NOT_SERVED = {
+    "logit_bias": (lambda v, _: not v, "logit_bias is not supported yet"),
+    "echo": (lambda v, _: not v, "echo is not supported (the prompt is not returned with the completion)"),
+    "suffix": (lambda v, _: not v, "suffix (text after the completion) is not supported"),
+    "best_of": (lambda v, d: v is None or v == d.get("n", 1),
+                "best_of other than n is not supported (no completions are generated to choose from)"),
+    "response_format": (lambda v, _: v is None or v == {"type": "text"},
+                        'structured output (json_object, json_schema) is not supported yet: only {"type": "text"}'),
+    "tool_choice": (lambda v, d: v in ("none", None) and (v == "none" or not d.get("tools")), TOOLS_NOT_PARSED),
+    "parallel_tool_calls": (_null, TOOLS_NOT_PARSED),
+    "audio": (_null, "audio output is not served: this server answers with text only"),
+    "modalities": (lambda v, _: v in (None, ["text"]), 'only the "text" modality is served'),
+    "functions": (_null, "the deprecated functions are not served: send tools"),
+    "function_call": (_null, "the deprecated function_call is not served: send tool_choice"),
+    "store": (lambda v, _: not v, "stored completions are not served: this server stores nothing"),
+    "service_tier": (lambda v, _: v in (None, "auto", "default"), 'only the "auto" / "default" tier is served'),
+    "reasoning_effort": (_null, "reasoning effort is not controlled by this server"),
+    "verbosity": (_null, "verbosity is not controlled by this server"),
+    "web_search_options": (_null, "web search is not served"),
+    "moderation": (_null, "moderation is not run by this server"),
+    "prompt_cache_options": (_null, "prompt cache options are not served: this server keeps no prompt cache"),
+    "prompt_cache_retention": (_null, "prompt cache retention is not served: this server keeps no prompt cache"),
+    "include_obfuscation": (lambda v, _: not v, "stream obfuscation is not implemented: send false or leave it out"),
+}
+
+
+def _refuse(value, info):
+    """The `NOT_SERVED` check of one field (a pydantic field validator's body)."""
+    accepted, why = NOT_SERVED[info.field_name]
+    if not accepted(value, info.data):
+        raise ValueError(why)
+    return value
 
 
 class Extension(BaseModel):
@@ -31,14 +89,26 @@ class Extension(BaseModel):
     return_retrieval: bool = False
 
 
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` (a last chunk with the usage), vLLM's
+    `continuous_usage_stats` (every chunk carries the usage so far)."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
+    include_obfuscation: Optional[bool] = None
+
+    _obfuscation = field_validator("include_obfuscation")(_refuse)
+
+
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=64)
-    stream: bool = False
-    stream_options: Optional[dict] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -46,13 +116,28 @@ class SamplingFields(BaseModel):
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(None, ge=-1)
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 32)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False
-    user: Optional[str] = None
+    user: Optional[str] = None  # a label (OpenAI: for abuse monitoring): no effect on the output
+    logit_bias: Optional[dict[str, float]] = None
     lookahead_jax: Extension = Field(default_factory=Extension)
+
+    _logit_bias = field_validator("logit_bias")(_refuse)
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _one(cls, value):
+        return 1 if value is None else value  # OpenAI's null: the default
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
 
     @model_validator(mode="after")
     def _stops(self):
@@ -73,7 +158,23 @@ class SamplingFields(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        """A last chunk with the whole request's usage."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def penalties(self) -> tuple:
+        """(repetition, presence, frequency), OpenAI's null as the default."""
+        return self.repetition_penalty, self.presence_penalty or 0.0, self.frequency_penalty or 0.0
+
+    @property
+    def references(self) -> list:
+        """Texts lookahead drafts from besides the prompt (`lookahead_jax.references`)."""
+        return list(self.lookahead_jax.references)
 
 
 class CompletionRequest(SamplingFields):
@@ -83,14 +184,16 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=1)
-    echo: bool = False
+    echo: Optional[bool] = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    _completion_not_served = field_validator("echo", "suffix", "best_of")(_refuse)
 
     @model_validator(mode="after")
     def _prompt(self):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
-        if self.echo:
-            raise ValueError("echo is not supported")
         return self
 
     @property
@@ -101,14 +204,34 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
     @property
+    def token_limit(self) -> Optional[int]:
+        return self.max_tokens
+
+    @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
+    @property
+    def top_logprob(self) -> bool:
+        return bool(self.logprobs)
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+
+class Prediction(BaseModel):
+    """`prediction` (OpenAI's predicted output): text the answer is expected to repeat,
+    which lookahead drafts from (a reference, as `lookahead_jax.references`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: Union[str, list[dict]]
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, content):
+        if isinstance(content, list):
+            if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+                raise ValueError('prediction content parts must be {"type": "text", "text": "..."}')
+            return "".join(p["text"] for p in content)
+        return content
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -117,16 +240,61 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=1)
+    tools: Optional[list[Tool]] = None  # rendered by the chat template, where it can (`chat.check_renders`)
+    tool_choice: Any = Field(None, validate_default=True)
+    prediction: Optional[Prediction] = None
+    # labels (OpenAI: for dashboards, abuse monitoring, cache routing): no effect on the output
+    metadata: Optional[dict[str, str]] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    # refused at any other value than their default (NOT_SERVED)
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    store: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+
+    _chat_not_served = field_validator(
+        "tool_choice", "parallel_tool_calls", "response_format", "audio", "modalities", "functions",
+        "function_call", "store", "service_tier", "reasoning_effort", "verbosity", "web_search_options",
+        "moderation", "prompt_cache_options", "prompt_cache_retention")(_refuse)
 
     @property
     def prompts(self) -> list:
-        return [[m.model_dump() for m in self.messages]]
+        return [self.template_messages]
+
+    @property
+    def template_messages(self) -> list:
+        """The messages as the chat template takes them (`chat.ChatMessage.template`)."""
+        return [m.template() for m in self.messages]
+
+    @property
+    def template_tools(self) -> Optional[list]:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def references(self) -> list:
+        return super().references + ([self.prediction.content] if self.prediction and self.prediction.content
+                                     else [])
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.logprobs
+        return bool(self.logprobs)
+
+    @property
+    def top_logprob(self) -> bool:
+        return bool(self.top_logprobs)
 
     @property
     def token_limit(self) -> Optional[int]:
@@ -136,10 +304,11 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     """POST /tokenize: a prompt, or chat messages (vLLM's shape)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[Tool]] = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -150,15 +319,18 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     tokens: list[int]
 
 
+KINDS = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+         429: "RateLimitError", 503: "ServiceUnavailableError"}
+
+
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict:
     """OpenAI's error shape."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
-            503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+    kind = KINDS.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
