@@ -362,6 +362,12 @@ def metric(srv, name: str) -> float:
 def test_running_gauge_returns_to_zero(server):
     r = post(server, "/v1/completions", dict(model=NAME, prompt="Hello", max_tokens=8, ignore_eos=True))
     assert r.status_code == 200
+    # the gauges themselves, set by the engine thread as requests finish (before any scrape,
+    # which reads the scheduler's counts again): within moments of the answer
+    m, deadline = server.metrics, time.time() + 10
+    while m.running.labels(m.name)._value.get() != 0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert m.running.labels(m.name)._value.get() == 0 and m.waiting.labels(m.name)._value.get() == 0
     assert metric(server, "num_requests_running") == 0 and metric(server, "num_requests_waiting") == 0
 
 

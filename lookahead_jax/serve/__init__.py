@@ -3,7 +3,9 @@
     python -m lookahead_jax.serve --model smollm2-135m --strategy lookahead --max-batch 8
 
 `scheduler.Scheduler` (the engine thread: one `core.slots.Slots`, requests inserted
-between steps), `app.build_app` (FastAPI routes), `protocol` (request bodies, errors),
+between steps), `app.build_app` (FastAPI routes), `protocol` (request bodies: what is
+served, what is refused), `chat` (chat messages through the model's template: parts,
+roles, tool calls), `errors` (OpenAI's error shape for everything the server answers),
 `metrics.Metrics` (Prometheus, vLLM's names with the `lookahead_jax:` prefix),
 `startup.Startup` (the port opens at once: 503s while the server is built behind it). See
 docs/serving.md. Needs the `serve` extra (fastapi, uvicorn, prometheus-client).

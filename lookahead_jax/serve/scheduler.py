@@ -266,11 +266,16 @@ class Scheduler:
             self._gauges()
 
     def _free_cancelled(self) -> None:
+        freed = False
         for slot, job in list(self.running.items()):
             if job.cancelled:
                 self.slots.free(slot)
                 del self.running[slot]
                 self._finish(job, "abort")
+                freed = True
+        if freed:
+            with self._cond:
+                self._gauges()
 
     def _admit(self) -> None:
         """Waiting jobs into free slots, in arrival order (only this thread pops)."""
@@ -303,10 +308,10 @@ class Scheduler:
             self.slots = self._new_slots(job.sampling, job.penalties)
             free = self.slots.free_slots
             batch.append((free.pop(0), job))
-        with self._cond:
-            self._gauges()
         for item in batch:  # one prefill each: fewer shapes to compile than blocks of 1..max_batch rows
             self._insert([item])
+        with self._cond:  # (after the inserts: the running count includes them)
+            self._gauges()
 
     def _insert(self, batch: list, probe: bool = False) -> bool:
         slots = [s for s, _ in batch]
@@ -387,6 +392,9 @@ class Scheduler:
                 job.sink(Output(job.index, list(ev.tokens), text, lps))
             if ev.finish:
                 self._finish(job, ev.finish)
+        if any(ev.finish for ev in events):  # the running count went down
+            with self._cond:
+                self._gauges()
 
     def _finish(self, job: Job, reason: str, error: Optional[str] = None, status: int = 200) -> None:
         if job.done:
