@@ -12,8 +12,9 @@ Resolution order for `name_or_path`:
 
 Memory: on one CPU device in float32 with the CPU kernels on, the model `load` returns
 holds its layer weights (and an untied lm_head) already packed for the matmul kernel
-(`models.transformer.pack_leaf`: each weight packed on the host as it is read from the
-checkpoint, largest first, and handed to the device without a copy): ONE copy of the
+(`core.packing` decides it and packs; `models.transformer.pack_leaf`: each weight packed
+on the host as it is read from the checkpoint, largest first, and handed to the device
+without a copy): ONE copy of the
 weights, which decode with bitwise the same logits, and a peak of about the weights plus
 one weight (the Qwen 1.5B: 6.6 GiB of f32 weights). A first load converts the GGUF,
 saves the checkpoint, drops the converted params and reads the checkpoint back that way. (An `Engine` over plain f32 params
@@ -46,6 +47,7 @@ from . import presets
 from .convert import checkpoint as ckpt
 from .convert import config_from_gguf, load_gguf, load_hf_dir, open_gguf
 from .convert.tokenizer import Tokenizer
+from .core import packing
 from .models.config import ModelConfig
 
 log = logging.getLogger("lookahead_jax")
@@ -131,26 +133,13 @@ def _is_saved(path: Path) -> bool:
     return (path / "LOOKAHEAD_JAX").exists()
 
 
-def _restore(path: Path, dtype, name: str, pack=False, packed_dtype=None):
-    """The saved model at `path`; pack: its weights packed for the CPU kernels as each is
-    read (`models.transformer.pack_leaf`), never a plain and a packed copy at once."""
-    put = None
-    if pack:
-        from .models.transformer import pack_leaf
-
-        def put(key, x, config):
-            return pack_leaf(key, x, config, packed_dtype)
-
+def _restore(path: Path, dtype, name: str, pack=None):
+    """The saved model at `path`; pack (a `packing.LoadPacking`): its weights packed for
+    the CPU kernels as each is read (`LoadPacking.put`), never a plain and a packed copy at
+    once."""
+    put = pack.put if pack is not None else None
     config, params = ckpt.restore_checkpoint(path / "params", dtype=dtype, put=put)
     return Model(config, params, name, dtype), Tokenizer.load(path / "tokenizer")
-
-
-def _packs(dtype) -> bool:
-    """Whether `Engine.params` would pack params of `dtype` placed on the default device
-    (one CPU device, f32, the CPU kernels on): then `load` packs them as it reads them."""
-    from .core.engine import packs
-
-    return packs({"probe": jnp.zeros((), dtype)})
 
 
 def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress: bool = True,
@@ -165,46 +154,29 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
     of the weights in memory).
     packed_dtype: how packed weights are stored: None (f32, the model's exact values) or
     "bfloat16" (half the memory and bytes per step, values rounded: for a draft model,
-    see `Engine.weight_dtype`)."""
+    see `Engine.weight_dtype`). Whether and how it packs: `core.packing.on_load`."""
     if packed_dtype is not None:
         packed_dtype = parse_dtype(packed_dtype)
-        packed_dtype = None if packed_dtype == jnp.float32 else packed_dtype
     if mesh is not None:
         from .core.sharding import shard_params
 
         model, tok = load(name_or_path, dtype, progress=progress, keep_unpacked=True)
         model.params = shard_params(model.params, model.config, mesh)
         return model, tok
-    pack = not keep_unpacked and _packs(parse_dtype(dtype))
-    model, tok = _load(name_or_path, dtype, progress, pack, packed_dtype)
-    if pack:
-        pack_for_cpu(model, packed_dtype)
+    pack = packing.on_load(parse_dtype(dtype), packed_dtype, keep_unpacked)
+    model, tok = _load(name_or_path, dtype, progress, pack)
+    if pack is not None:
+        pack.finish(model)
     return model, tok
 
 
-def pack_for_cpu(model, dtype=None) -> bool:
-    """Pack `model.params` in place for the CPU kernels where `Engine.params` would run a
-    packed copy (one CPU device, f32, kernels on): each weight is replaced by its packed
-    form as it is made (`pack_params(consume=True)`), so the model never holds two copies.
-    Returns whether it packed anything. `model.params` is rebound to the packed dict; the
-    dicts it held before are emptied of the packed weights (do not keep using them).
-    dtype: the packed weights' storage (`load`'s packed_dtype)."""
-    from .core.engine import is_packed, packs
-    from .models.transformer import pack_params
-
-    if is_packed(model.params) or not packs(model.params):
-        return False
-    model.params = pack_params(model.params, dtype, consume=True)
-    return True
-
-
-def _load(name_or_path, dtype, progress: bool, pack=False, packed_dtype=None):
+def _load(name_or_path, dtype, progress: bool, pack=None):
     dtype = parse_dtype(dtype)
     if not name_or_path or not str(name_or_path).strip():
         raise ValueError("empty model name; pass a preset name, a local path or an HF hub id")
     name = str(name_or_path)
     if name in presets.PRESETS:
-        return _load_preset(name, dtype, progress, pack, packed_dtype)
+        return _load_preset(name, dtype, progress, pack)
 
     path = Path(name).expanduser()
     if path.exists():
@@ -214,7 +186,7 @@ def _load(name_or_path, dtype, progress: bool, pack=False, packed_dtype=None):
             config, params = load_gguf(path, dtype=dtype, progress=progress)
             return Model(config, params, path.name, dtype), Tokenizer.from_gguf(path)
         if _is_saved(path):
-            return _restore(path, dtype, path.name, pack, packed_dtype)
+            return _restore(path, dtype, path.name, pack)
         if (path / "config.json").exists():
             config, params = load_hf_dir(path, dtype=dtype)
             return Model(config, params, path.name, dtype), Tokenizer.from_dir(path)
@@ -228,7 +200,7 @@ def _load(name_or_path, dtype, progress: bool, pack=False, packed_dtype=None):
     raise ValueError(_unknown(name))
 
 
-def _load_preset(name, dtype, progress: bool, pack=False, packed_dtype=None):
+def _load_preset(name, dtype, progress: bool, pack=None):
     """A preset: its cached checkpoint, restored; else its GGUF converted and saved (and, to
     pack, read back from the checkpoint). A checkpoint found saved is restored without a lock. Otherwise check, convert,
     save and rename run under `_conversion_lock`: of several processes loading a preset for
@@ -241,7 +213,7 @@ def _load_preset(name, dtype, progress: bool, pack=False, packed_dtype=None):
     seen = _marker(target)  # before the restore: the entry it read, whoever replaces it later
     if seen is not None:
         try:
-            return _restore(target, dtype, name, pack, packed_dtype)
+            return _restore(target, dtype, name, pack)
         except Exception as e:  # a half-written, truncated or stale cache entry: rebuild it
             reason = str(e).split(" See full TensorStore details")[0].splitlines()[0]
             log.warning("cached checkpoint at %s is unreadable (%s): rebuilding it from the GGUF",
@@ -257,12 +229,12 @@ def _load_preset(name, dtype, progress: bool, pack=False, packed_dtype=None):
             model, tok = _convert(name, target, dtype, progress, stale)
     if done:
         log.info("%s was converted by another process while this one waited: restoring it", target)
-        return _restore(target, dtype, name, pack, packed_dtype)
-    if not pack:
+        return _restore(target, dtype, name, pack)
+    if pack is None:
         return model, tok
     del model  # read back packed, leaf by leaf: never the converted and a packed copy at once
     release_memory()
-    return _restore(target, dtype, name, pack, packed_dtype)
+    return _restore(target, dtype, name, pack)
 
 
 def _marker(path: Path):

@@ -537,7 +537,7 @@ def test_load_keeps_one_copy_of_the_weights(tmp_path):
     from tiny import tiny_model
 
     import lookahead_jax as lj
-    from lookahead_jax.core.engine import is_packed
+    from lookahead_jax.core.packing import is_packed
     from lookahead_jax.models.transformer import PACKED_LEAVES, unpack_params
 
     t = tiny_model("llama", n_layers=4, d_ff=512)
@@ -581,7 +581,8 @@ def test_keep_packed_only_consume_packs_in_place():
     copying path, the old layer dicts emptied of them (nothing keeps the plain copy)."""
     from tiny import tiny_model
 
-    from lookahead_jax.core.engine import Engine, _packed_dtype
+    from lookahead_jax.core.engine import Engine
+    from lookahead_jax.core.packing import packed_dtype as _packed_dtype
 
     a, b = tiny_model("llama", seed=4), tiny_model("llama", seed=4)
     old_layer = b.params["layers"][0]

@@ -111,7 +111,7 @@ def test_bf16_draft_weights(model, tok, greedy, drafts):
     packed weights are bf16 (where the CPU kernels pack), the caller's draft model keeps
     its f32 params, the output is greedy's, and the target itself as a bf16 draft is
     still accepted almost always."""
-    from lookahead_jax.core.engine import _packed_dtype
+    from lookahead_jax.core.packing import packed_dtype as _packed_dtype
     from lookahead_jax.strategies.specinfer import draft_engine
 
     target = engine_for(model)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import packing
 from .compile import CompiledFunctions
 from .inputs import StepInputs, StepMode, place
 from ..models import KVCache, init_cache
@@ -110,9 +111,10 @@ class Engine:
         kernel (`models.transformer.pack_params`: ~2x faster weight reads, the same
         values; a second copy of those weights in memory; `LOOKAHEAD_JAX_CPU_KERNELS=0`
         turns kernels and packing off); otherwise `model.params` itself. A model from
-        `lj.load` comes packed already (`loading.pack_for_cpu`): then these ARE
+        `lj.load` comes packed already (`packing.on_load`): then these ARE
         `model.params`, one copy of the weights; a Model you build with plain arrays keeps
-        them and gets the packed copy beside them (`keep_packed_only` to drop them)."""
+        them and gets the packed copy beside them (`keep_packed_only` to drop them). What
+        is packed, cast or unpacked, `packing.py` decides and does."""
         leaves = jax.tree.leaves(self.model.params)
         if self._placed is not None and _same_leaves(self._placed[0], leaves):
             return self._placed[1]
@@ -120,20 +122,9 @@ class Engine:
         if self.mesh is not None:
             from .sharding import shard_params
 
-            if is_packed(out):  # packed for one CPU (`lj.load`): the rule table shards plain arrays
-                from ..models.transformer import unpack_params
-
-                out = unpack_params(out)
-            out = shard_params(out, self.config, self.mesh)
-        elif is_packed(out):  # `lj.load` or `keep_packed_only` made the packed copy the model's params
-            if self._weight_dtype is not None:
-                from ..models.transformer import cast_packed
-
-                out = cast_packed(out, self._weight_dtype)
-        elif _packable(leaves):
-            from ..models.transformer import pack_params
-
-            out = pack_params(out, self._weight_dtype)  # eager: the leaves it does not pack stay shared
+            out = shard_params(packing.unpacked(out), self.config, self.mesh)
+        else:
+            out = packing.packed_copy(out, self._weight_dtype)
         self._placed = (leaves, out)
         return out
 
@@ -149,13 +140,9 @@ class Engine:
 
     @weight_dtype.setter
     def weight_dtype(self, dtype):
-        dtype = None if dtype is None or jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
-        if dtype is not None and dtype != jnp.bfloat16:
-            raise ValueError(f"weight_dtype must be None, float32 or bfloat16, got {dtype}")
+        dtype = packing.weight_dtype(dtype)
         if dtype != self._weight_dtype:
-            if _packed_dtype(self.model.params) == jnp.bfloat16 and dtype != jnp.bfloat16:
-                raise ValueError("keep_packed_only() made the bf16 copy this engine's only weights: "
-                                 "reload the model to go back to float32")
+            packing.check_weight_dtype(self.model.params, dtype)
             self._weight_dtype = dtype
             self._placed = None  # repacked at the next use
 
@@ -169,14 +156,11 @@ class Engine:
         `consume`: then plain params are packed weight by weight into place
         (`pack_params(consume=True)`: the dicts of the old `model.params` are emptied of
         them; for params nobody else holds, e.g. a draft loaded by name)."""
-        if consume and self.mesh is None and not is_packed(self.model.params) and packs(self.model.params):
-            from ..models.transformer import pack_params
-
-            self.model.params = pack_params(self.model.params, self._weight_dtype, consume=True)
+        if consume and self.mesh is None:
+            packing.pack_for_cpu(self.model, self._weight_dtype)
         placed = self.params
-        if placed is self.model.params or self.mesh is not None:
+        if not packing.keep_only(self.model, placed, self.mesh):
             return False
-        self.model.params = placed
         self._placed = (jax.tree.leaves(placed), placed)
         return True
 
@@ -357,40 +341,6 @@ class Engine:
             floor = max(floor, self.verify_costs[keys[T]])
             out[T] = floor
         return out
-
-
-def _packed_dtype(params):
-    """The storage dtype of the params' packed layer weights (None: not packed)."""
-    from ..models import cpu_kernels
-
-    layers = params.get("layers") if isinstance(params, dict) else None
-    for v in (layers[0].values() if layers else ()):
-        if isinstance(v, cpu_kernels.PackedWeight):
-            return v.dtype
-    return None
-
-
-def is_packed(params) -> bool:
-    """Whether `params` hold packed layer weights (`pack_params`; e.g. from `load`)."""
-    return _packed_dtype(params) is not None
-
-
-def packs(params) -> bool:
-    """Whether `Engine.params` runs these params packed for the CPU kernels (f32 on one
-    CPU device, kernels on) rather than as they are."""
-    return _packable(jax.tree.leaves(params))
-
-
-def _packable(leaves) -> bool:
-    from ..models import cpu_kernels
-
-    if not leaves or any(getattr(x, "dtype", None) != jnp.float32 for x in leaves):
-        return False
-    for x in leaves:
-        devices = getattr(getattr(x, "sharding", None), "device_set", None)
-        if not devices or len(devices) != 1 or next(iter(devices)).platform != "cpu":
-            return False
-    return bool(cpu_kernels.vector_width())
 
 
 # one engine per (model object, mesh); the model is held weakly where it allows it
