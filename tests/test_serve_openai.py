@@ -54,22 +54,24 @@ def serve(tokenizer, **kw):
     return srv, uv, thread
 
 
-@pytest.fixture(scope="module")
-def server():
-    """A lookahead server whose chat template renders tools (`ToolTokenizer`)."""
-    srv, uv, thread = serve(ToolTokenizer())
+def served(tokenizer):
+    """`serve(tokenizer)` for a fixture: yields the server, stops it after the module."""
+    srv, uv, thread = serve(tokenizer)
     yield srv
     uv.should_exit = True
     thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A lookahead server whose chat template renders tools (`ToolTokenizer`)."""
+    yield from served(ToolTokenizer())
 
 
 @pytest.fixture(scope="module")
 def plain():
     """A server whose chat template renders no tools nor tool calls (`ByteTokenizer`'s)."""
-    srv, uv, thread = serve(ByteTokenizer())
-    yield srv
-    uv.should_exit = True
-    thread.join(60)
+    yield from served(ByteTokenizer())
 
 
 def post(srv, path, body, **kw):
