@@ -291,7 +291,7 @@ class ModelDrafter:
             catch[b, :len(new)] = new
             n_catch[b] = len(new)
         self.mode = mode
-        fn, args = self._tree_step(catch, n_catch, sampling)
+        fn, args = self._tree_step(catch, n_catch, sampling, mode)
         c0 = e.compiled.compile_s
         tokens, q, self.cache = e.compiled("draft", fn, *args, window=window)
         state.compile_s += e.compiled.compile_s - c0  # compilation is not decode time
@@ -346,10 +346,10 @@ class ModelDrafter:
         """Context tokens of each row in the draft cache, pending commits included."""
         return self.base + self.commit_n
 
-    def _tree_step(self, catch, n_catch, sampling) -> tuple:
-        """The draft's tree step (`draft_tree_step` of `self.mode`) and its arguments."""
+    def _tree_step(self, catch, n_catch, sampling, mode: str) -> tuple:
+        """The draft's tree step (`draft_tree_step` of `mode`) and its arguments."""
         e = self.engine
-        fn = jitted_draft_tree(e.config, self.expansion, self.mode)
+        fn = jitted_draft_tree(e.config, self.expansion, mode)
         return fn, (e.params, self.cache, e.arg(catch), e.arg(n_catch), e.arg(self.commit_src),
                     e.arg(self.commit_n), self.seeds, self.rowids) + (() if sampling is None else (sampling,))
 
@@ -367,9 +367,7 @@ class ModelDrafter:
                 ready = False
         if (mode, window, B) in self._ready:
             return ready
-        was, self.mode = self.mode, mode
-        fn, args = self._tree_step(np.zeros((B, CATCH_UP), np.int32), np.zeros(B, np.int32), sampling)
-        self.mode = was
+        fn, args = self._tree_step(np.zeros((B, CATCH_UP), np.int32), np.zeros(B, np.int32), sampling, mode)
         if e.compiled.ready("draft", fn, *args, window=window):
             self._ready.add((mode, window, B))
         else:
