@@ -146,7 +146,7 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
             and not c.startswith("verify(1x1,")] == []  # ... never compiled on the request path
 
 
-def test_a_draft_model_never_compiles_on_the_request_path(model, tok):
+def test_a_draft_model_never_compiles_on_the_request_path(model, tok, monkeypatch):
     """SpecInfer on fallback slots with a fresh draft model: while the draft's programs
     (its catch-up prefill, its tree step) are not compiled, steps draft nothing and queue
     them in the background; the draft compiles nothing on the request path, the tokens are
@@ -168,9 +168,20 @@ def test_a_draft_model_never_compiles_on_the_request_path(model, tok):
             drafted += int(slots.last_step.drafted.sum())
         return slots.free(0).ids, drafted
 
+    queued = []
+    real_prefetch = CompiledFunctions.prefetch
+
+    def record(self, name, jitted, *args, compile=False, later=False, **static):
+        if self is draft.compiled:  # the draft's programs stay uncompiled for this first request
+            queued.append(name)
+            return False
+        return real_prefetch(self, name, jitted, *args, compile=compile, later=later, **static)
+
+    monkeypatch.setattr(CompiledFunctions, "prefetch", record)
     got, drafted = decode()
     assert got == want and drafted == 0
-    assert draft.compiled.compilations == []  # queued, not compiled in place
+    assert "draft" in queued and draft.compiled.compilations == []  # asked for, not compiled in place
+    monkeypatch.setattr(CompiledFunctions, "prefetch", real_prefetch)  # the background compiles them now
     for attempt in range(3):  # each round compiles what the one before queued
         draft.compiled.settle()
         eng.compiled.settle()
