@@ -44,6 +44,7 @@ def percentile(xs, q):
 
 def run_config(slots_for, tok, chunk, budget, prompts, stream_tokens):
     """One pass: the stream plus each prompt's request; returns the measurements."""
+    from lookahead_jax.core.params import GenerationParams
     from lookahead_jax.core.slots import Request
 
     slots = slots_for(chunk, budget)
@@ -57,7 +58,7 @@ def run_config(slots_for, tok, chunk, budget, prompts, stream_tokens):
         blocks.append((time.perf_counter() - t, sum(int(slots.state.lengths[s]) for s in ss) - n0))
 
     slots._forward_chunks = timed_chunks
-    slots.insert(0, Request(tok.encode("Write a long story about a robot who learns to paint."), stream_tokens))
+    slots.insert(0, Request(tok.encode("Write a long story about a robot who learns to paint."), GenerationParams(max_new_tokens=stream_tokens)))
     for _ in range(6):  # the stream alone: its steps' times (the unit of the budget)
         slots.step()
     gaps, alone, steps, ttft = [], [], [], []
@@ -68,7 +69,7 @@ def run_config(slots_for, tok, chunk, budget, prompts, stream_tokens):
     for ids in prompts:
         t_in = time.perf_counter()
         blocks.clear()
-        slots.insert(1, Request(ids, 16))
+        slots.insert(1, Request(ids, GenerationParams(max_new_tokens=16)))
         pending = time.perf_counter() - t_in  # the insert holds the stream too
         first = None
         while slots.row(1).finish is None or 1 in slots.prefilling:

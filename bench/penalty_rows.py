@@ -45,6 +45,7 @@ def main(argv=None):
     import lookahead_jax as lj
     from common import cold_stores, dataset_prompts, save
     from lookahead_jax.core.compile import enable_compilation_cache
+    from lookahead_jax.core.params import GenerationParams
     from lookahead_jax.core.slots import Request, Slots
     from lookahead_jax.strategies import Greedy, Lookahead
 
@@ -60,7 +61,7 @@ def main(argv=None):
         slots = Slots(eng, tok, a.slots, a.max_len, strat, eos_ids=eos, prefill_chunk=a.prefill_chunk,
                       penalty_rows=penalty_rows)
         t0 = time.perf_counter()
-        slots.insert(list(range(len(prompts))), [Request(p, a.max_new) for p in prompts])
+        slots.insert(list(range(len(prompts))), [Request(p, GenerationParams(max_new_tokens=a.max_new)) for p in prompts])
         while slots.busy:
             slots.step()
         wall, steps = time.perf_counter() - t0, slots.state.steps

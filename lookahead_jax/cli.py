@@ -19,6 +19,7 @@ from typing import Optional
 
 from .core.engine import engine_for
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
+from .core.params import GenerationParams, ParamError
 from .generate import generate
 from .argparsing import Parser
 from .interrupt import EXIT_INTERRUPTED, CtrlC, exit_now
@@ -36,26 +37,14 @@ class CliConfig:
     references: tuple  # per prompt: tuple of texts
     chat: bool
     strategy: str
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
+    params: GenerationParams  # the request's options (length, stops, sampling, penalties, n, logprobs)
     dtype: str
     json: bool
-    stop: tuple
     batch_size: int
     options: tuple = ()  # (field, value) of the strategy's own options given on the command line
     verbose: bool = False
     mesh: Optional[tuple] = None  # (("data", n), ("model", m)) given with --mesh
     max_cache_len: Optional[int] = None
-    n: int = 1  # samples per prompt
-    stop_token_ids: tuple = ()
-    min_new_tokens: int = 0
-    logprobs: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
     references_field: Optional[str] = None
 
@@ -240,18 +229,19 @@ def _config(ap, flags: dict, a) -> CliConfig:
     """The checked `CliConfig` of the parsed arguments `a` (`ap.error` on bad ones)."""
     if a.dtype not in ("float32", "bfloat16"):
         ap.error(f"--dtype must be float32 or bfloat16, got {a.dtype!r}")
-    if a.max_new_tokens < 1:
-        ap.error("--max-new-tokens must be >= 1")
     if a.batch_size < 1:
         ap.error("--batch-size must be >= 1")
-    if a.n < 1:
-        ap.error("--n must be >= 1")
-    if a.n > 1 and a.temperature <= 0:
-        ap.error(f"--n {a.n} samples per prompt need --temperature > 0 (greedy gives {a.n} identical answers)")
     if a.max_cache_len is not None and a.max_cache_len < 2:
         ap.error("--max-cache-len must be >= 2")
-    if not 0 <= a.min_new_tokens <= a.max_new_tokens:
-        ap.error(f"--min-new-tokens must be in [0, --max-new-tokens={a.max_new_tokens}], got {a.min_new_tokens}")
+    try:  # the request's options, checked where every front end's are
+        params = GenerationParams(
+            max_new_tokens=a.max_new_tokens, min_new_tokens=a.min_new_tokens, temperature=a.temperature,
+            top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=tuple(a.stop),
+            stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), n=a.n, logprobs=a.logprobs,
+            repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+            frequency_penalty=a.frequency_penalty)
+    except ParamError as e:
+        ap.error(f"--{e.field.replace('_', '-')} {e.detail}")
     if a.logprobs and not a.json:
         ap.error("--logprobs needs --json (they are printed in each answer's JSON row)")
     mesh = None
@@ -294,14 +284,9 @@ def _config(ap, flags: dict, a) -> CliConfig:
         prompts, refs, sources = _read_prompts_file(a.prompts_file, a.references_field)
     return CliConfig(
         model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=a.chat,
-        strategy=a.strategy, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
-        top_k=a.top_k, top_p=a.top_p, seed=a.seed, dtype=a.dtype, json=a.json,
-        stop=tuple(a.stop), batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
-        mesh=mesh, max_cache_len=a.max_cache_len, n=a.n,
-        stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), sources=tuple(sources),
-        min_new_tokens=a.min_new_tokens, logprobs=a.logprobs, repetition_penalty=a.repetition_penalty,
-        presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
-        references_field=a.references_field,
+        strategy=a.strategy, params=params, dtype=a.dtype, json=a.json,
+        batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
+        mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources), references_field=a.references_field,
     )
 
 
@@ -368,11 +353,12 @@ def warn_unused_options(cfg: CliConfig, strategy) -> None:
         print(f"warning: --references-field is not used by --strategy {cfg.strategy} (references are drafted "
               "from: lookahead, specinfer with --lookahead-nodes, ralm/ralmspec with --lookahead): "
               "ignored", file=sys.stderr)
-    if cfg.temperature <= 0:  # greedy: the argmax, whatever the sampling filters keep
-        for flag, given in (("--top-k", cfg.top_k != 0), ("--top-p", cfg.top_p != 1.0)):
+    p = cfg.params
+    if p.greedy:  # greedy: the argmax, whatever the sampling filters keep
+        for flag, given in (("--top-k", p.top_k != 0), ("--top-p", p.top_p != 1.0)):
             if given:
                 print(f"warning: {flag} is not used at --temperature 0 (greedy decoding): ignored", file=sys.stderr)
-    unused = strategy.unused_options(cfg.temperature <= 0)
+    unused = strategy.unused_options(p.greedy)
     for field, _ in cfg.options:
         if field in unused:
             flag = type(strategy).cli_names.get(field, field.replace("_", "-"))
@@ -422,12 +408,8 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     kw = dict(
-        max_new_tokens=cfg.max_new_tokens, strategy=strategy, temperature=cfg.temperature,
-        top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed, stop=list(cfg.stop), chat=cfg.chat,
-        mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy), n=cfg.n,
-        stop_token_ids=list(cfg.stop_token_ids) or None, min_new_tokens=cfg.min_new_tokens,
-        logprobs=cfg.logprobs, repetition_penalty=cfg.repetition_penalty,
-        presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
+        params=cfg.params, strategy=strategy, chat=cfg.chat,
+        mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy),
         fallback=True,  # a tree size compiles in the background while the steps do without it
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
@@ -437,7 +419,7 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
     decode_tokens, decode_s = 0, 0.0  # tokens after each row's first, and the time after the first token
     retrieval = []  # per batch, the strategy's retrieval counters (knnlm, ralm, ralmspec)
     # one answer at a time streams; several samples of a prompt would interleave
-    streaming = not cfg.json and cfg.batch_size == 1 and cfg.n == 1
+    streaming = not cfg.json and cfg.batch_size == 1 and cfg.params.n == 1
     for start in range(0, len(cfg.prompts), cfg.batch_size):
         batch = list(cfg.prompts[start:start + cfg.batch_size])
         refs = [list(r) for r in cfg.references[start:start + cfg.batch_size]]
@@ -452,11 +434,11 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
             return 2
         for r in out.rows:
             if cfg.json:
-                print(json.dumps(_row_json(r, cfg.n), ensure_ascii=False), flush=True)
+                print(json.dumps(_row_json(r, cfg.params.n), ensure_ascii=False), flush=True)
             elif streaming:
                 print(flush=True)
             else:
-                sample = f", sample {r.sample_index}" if cfg.n > 1 else ""
+                sample = f", sample {r.sample_index}" if cfg.params.n > 1 else ""
                 print(f"--- prompt {r.prompt_index}{sample}\n{r.text}", flush=True)
         ctrl_c.check()  # a Ctrl-C after the batch's last step: its rows are out, stop here
         for k in totals:
@@ -492,7 +474,7 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
             f"{summary['tokens_per_s']:.1f} tok/s (first token {summary['ttft_s']:.2f} s, then "
             f"{summary['decode_tokens_per_s']:.1f} tok/s); {summary['forward_steps']} forward steps, "
             f"{summary['tokens_per_step']:.2f} tokens/step"
-            + (" per row" if cfg.batch_size > 1 or cfg.n > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
+            + (" per row" if cfg.batch_size > 1 or cfg.params.n > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
             + (f", calibration {summary['calibrate_s']:.1f} s" if summary["calibrate_s"] else "") + "]",
             file=sys.stderr,
         )
@@ -524,7 +506,7 @@ def _shared_cache_len(cfg, tok, model, strategy) -> Optional[int]:
         longest = max(len(x) for x in encode_prompts(tok, list(cfg.prompts), cfg.chat))
     except ValueError:  # a bad prompt: its batch's generate reports it, naming the prompt
         return None
-    need = longest + cfg.max_new_tokens + MAX_NODES + 1
+    need = longest + cfg.params.max_new_tokens + MAX_NODES + 1
     limit = max(model.config.max_position, need)
     return min(max(CACHE_ROUND, 1 << (need - 1).bit_length()), limit)
 

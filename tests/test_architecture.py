@@ -10,6 +10,9 @@
 * `models/` imports nothing from the package above it (the rest of `lookahead_jax`);
 * the host/device split: the trie and the draft containers import no jax;
 * no code tells errors apart by their text (`"..." in str(e)`): by their type;
+* a request's options are checked in one place (`core.params.GenerationParams`): no other
+  module words an error about one of its fields, and the server's protocol puts no range
+  on them;
 * package files stay readable: none over MAX_LINES lines.
 """
 
@@ -27,7 +30,7 @@ PACKAGES = {"lookahead_jax": ROOT / "lookahead_jax", "lookahead_jax.models": ROO
 MAX_LINES = 600
 HOST_ONLY = ("lookahead_jax.drafters.ngram_trie", "lookahead_jax.drafters.ngram_counts", "lookahead_jax.drafters.suffix",
              "lookahead_jax.drafters.trie_drafts", "lookahead_jax.core.drafts", "lookahead_jax.prompts",
-             "lookahead_jax.retrieval.remote", "lookahead_jax.retrieval.server")
+             "lookahead_jax.retrieval.remote", "lookahead_jax.retrieval.server", "lookahead_jax.core.params")
 
 
 def _modules() -> dict:
@@ -215,3 +218,51 @@ def test_every_package_import_resolves():
     bad = [f"{m}:{line} imports {t}" for m in MODULES for t, _, line in _imports(m)
            if t.startswith("lookahead_jax") and t not in MODULES]
     assert not bad, "\n".join(bad)
+
+
+def _option_spellings() -> list:
+    """Every name a request option goes by: `GenerationParams`' fields, their CLI flags
+    and the OpenAI fields the server maps onto them (read from the source, not imported)."""
+    tree = ast.parse((PACKAGES["lookahead_jax"] / "core" / "params.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenerationParams")
+    fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    assert "max_new_tokens" in fields and "temperature" in fields, fields
+    return [f for f in fields if f != "n"] + ["--" + f.replace("_", "-") for f in fields] + [
+        "max_tokens", "max_completion_tokens", "min_tokens"]  # (a bare "n" names other things too)
+
+
+# modules whose field of the same name is not a request's option
+OTHER_MEANING = {"lookahead_jax.knnlm.build": "max_tokens (the datastore's token budget)"}
+
+
+def _docstrings(tree) -> set:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+
+
+def test_request_options_are_checked_in_one_place():
+    """No module but `core/params.py` words an error about a request option (a string
+    such as "max_new_tokens must ..." or "--top-p must ..."), and the server's pydantic
+    protocol declares their types only (no ge / le / gt / lt on them): a second check of
+    the same field could drift from the first."""
+    import re
+
+    names = _option_spellings()
+    pattern = re.compile(r"(^|[\s`'\"(])(" + "|".join(map(re.escape, names)) + r")(`|'|\")? must\b")
+    bad = []
+    for m, (p, _) in MODULES.items():
+        if m == "lookahead_jax.core.params" or m in OTHER_MEANING:
+            continue
+        tree = ast.parse(p.read_text(), str(p))
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                    and pattern.search(node.value):
+                bad.append(f"{m}:{node.lineno}: {node.value.strip()[:80]!r}")
+    assert not bad, "request options checked outside core/params.py:\n" + "\n".join(bad)
+    tree = ast.parse((PACKAGES["lookahead_jax"] / "serve" / "protocol.py").read_text())
+    ranged = [f"protocol.py:{n.lineno}: {n.target.id}" for n in ast.walk(tree)
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id in names
+              and isinstance(n.value, ast.Call) and any(k.arg in ("ge", "gt", "le", "lt") for k in n.value.keywords)]
+    assert not ranged, f"the protocol puts ranges on request options: {ranged}"

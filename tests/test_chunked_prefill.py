@@ -23,6 +23,7 @@ import pytest
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.sampling import SamplingParams
 from lookahead_jax.core.rows import Phase
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.generate import generate
 from lookahead_jax.strategies import Lookahead, SpecInfer
@@ -89,14 +90,15 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(model, tok, kind):
     rows = {}
     take = collector(slots, got, rows)
 
-    first = slots.insert([0, 1], [Request(tok.encode(texts[b]), max_new[b], seed=seed, sampling_row=b)
+    first = slots.insert([0, 1], [Request(tok.encode(texts[b]), GenerationParams.of(sp, max_new_tokens=max_new[b], seed=seed),
+                                          sampling_row=b)
                                   for b in (0, 1)])
     assert [len(ev.tokens) for ev in first] == [1, 1] and slots.prefilling == []  # one block each: whole
     take(first)
     for _ in range(2):
         take(slots.step())
     long_ids = tok.encode(texts[2])
-    ev = slots.insert(2, Request(long_ids, max_new[2], seed=seed, sampling_row=2))
+    ev = slots.insert(2, Request(long_ids, GenerationParams.of(sp, max_new_tokens=max_new[2], seed=seed), sampling_row=2))
     assert ev[0].tokens == [] and ev[0].finish is None
     assert slots.prefilling == [2] and slots.busy == [0, 1, 2] and slots.free_slots == []
     assert slots.row(2).phase is Phase.PREFILLING and slots.row(2).finish is None and not slots.state.active[2]
@@ -128,7 +130,7 @@ def test_mixed_lengths_queue_their_blocks(model, tok):
     strat = Lookahead(decoding_length=7)
     slots = Slots(engine_for(model), tok, 3, CACHE, strat, prefill_chunk=C)
     texts = [LONG[0], SHORT[2], LONG[1], SHORT[0], LONG[2], SHORT[1]]
-    reqs = [Request(tok.encode(t), 20, sampling_row=i) for i, t in enumerate(texts)]
+    reqs = [Request(tok.encode(t), GenerationParams(max_new_tokens=20), sampling_row=i) for i, t in enumerate(texts)]
     seen = []
     step = slots.step
 
@@ -146,9 +148,9 @@ def test_mixed_lengths_queue_their_blocks(model, tok):
 
 def test_free_a_prefilling_slot_and_reuse_it(model, tok):
     slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=C)
-    slots.insert(0, Request(tok.encode(SHORT[0]), 30, sampling_row=0))
+    slots.insert(0, Request(tok.encode(SHORT[0]), GenerationParams(max_new_tokens=30), sampling_row=0))
     long_ids = tok.encode(LONG[0])
-    slots.insert(1, Request(long_ids, 16, sampling_row=1))
+    slots.insert(1, Request(long_ids, GenerationParams(max_new_tokens=16), sampling_row=1))
     for _ in range(3):
         assert all(not e.tokens for e in slots.step() if e.slot == 1)
     row = slots.free(1)  # cancelled mid-prefill
@@ -158,7 +160,7 @@ def test_free_a_prefilling_slot_and_reuse_it(model, tok):
         slots.free(1)
     got = {0: [], 1: []}
     rows = {}
-    got[1] += slots.insert(1, Request(tok.encode(LONG[1]), 16, sampling_row=1))[0].tokens  # reused
+    got[1] += slots.insert(1, Request(tok.encode(LONG[1]), GenerationParams(max_new_tokens=16), sampling_row=1))[0].tokens  # reused
     while slots.busy:
         for ev in slots.step():
             got[ev.slot] += ev.tokens
@@ -167,8 +169,8 @@ def test_free_a_prefilling_slot_and_reuse_it(model, tok):
     assert got[1] == rows[1].ids == alone(model, tok, LONG[1], 1, 16)
     assert rows[0].ids == alone(model, tok, SHORT[0], 0, 30)
     # a request whose first token is its last: finished in the step that ends its prefill
-    slots.insert(1, Request(tok.encode(SHORT[2]), 40, sampling_row=2))  # decoding beside it
-    slots.insert(0, Request(long_ids, 1, sampling_row=1))
+    slots.insert(1, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=40), sampling_row=2))  # decoding beside it
+    slots.insert(0, Request(long_ids, GenerationParams(max_new_tokens=1), sampling_row=1))
     events = []
     while slots.row(0).finish is None:
         events += [e for e in slots.step() if e.slot == 0]
@@ -180,11 +182,11 @@ def test_lengths_at_block_edges(model, tok):
     """Prompts of C, C + 1, 2C - 1 and 2C tokens inserted while another request decodes:
     each takes the blocks the rule gives and its tokens alone."""
     slots = Slots(engine_for(model), tok, 2, CACHE, prefill_chunk=C)
-    slots.insert(1, Request(tok.encode(SHORT[2]), 200, sampling_row=2))  # keeps decoding throughout
+    slots.insert(1, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=200), sampling_row=2))  # keeps decoding throughout
     for n in (C, C + 1, 2 * C - 1, 2 * C):
         text = PROMPTS[5][:n - 1]  # BOS + n - 1 bytes
         ids = tok.encode(text)
-        first = slots.insert(0, Request(ids, 8, sampling_row=3))[0].tokens
+        first = slots.insert(0, Request(ids, GenerationParams(max_new_tokens=8), sampling_row=3))[0].tokens
         got, steps = list(first), 0
         while not got:
             got += slots.step()[0].tokens
@@ -202,7 +204,7 @@ def test_nothing_decoding_means_a_whole_prefill(model, tok):
     shape), its first token out at once."""
     slots = Slots(engine_for(model), tok, 2, CACHE, prefill_chunk=C)
     ids = tok.encode(LONG[0])
-    first = slots.insert(0, Request(ids, 8, sampling_row=0))[0].tokens
+    first = slots.insert(0, Request(ids, GenerationParams(max_new_tokens=8), sampling_row=0))[0].tokens
     assert first and slots.prefilling == [] and slots.busy == [0]
     got = list(first)
     while slots.busy:
@@ -238,7 +240,7 @@ def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
         return forward(ss)
 
     slots._forward_chunks = block
-    got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), 200, sampling_row=0))[0].tokens), 1: []}
+    got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=200), sampling_row=0))[0].tokens), 1: []}
     rows = {}
     take = collector(slots, got, rows)
 
@@ -246,7 +248,7 @@ def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
         take(slots.step())
     long_ids = tok.encode(LONG[0])
     counts.append(0)
-    take(slots.insert(1, Request(long_ids, 8, sampling_row=1)))
+    take(slots.insert(1, Request(long_ids, GenerationParams(max_new_tokens=8), sampling_row=1)))
     at_insert = counts[-1]
     per_step = []
     while 1 in slots.prefilling:

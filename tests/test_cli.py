@@ -258,7 +258,7 @@ def test_stop_token_ids(fake_load, tiny, capsys):
         assert row["token_ids"] == full[:k + 1] and row["finish_reason"] == "eos"
         assert "sample_index" not in row  # only with --n > 1
     rc, out, err = run_main(capsys, *args, "--stop-token-ids", "100000")
-    assert rc == 2 and out == "" and "stop_token_ids: 100000 is not a token id" in err
+    assert rc == 2 and out == "" and "stop_token_ids must be token ids in [0, 259), got [100000]" in err
 
 
 def test_min_new_tokens_and_logprobs(fake_load, tiny, capsys):
@@ -279,7 +279,7 @@ def test_min_new_tokens_and_logprobs(fake_load, tiny, capsys):
     rc, out, err = run_main(capsys, "--prompt", "x", "--logprobs")
     assert rc == 2 and "--logprobs needs --json" in err
     rc, out, err = run_main(capsys, "--prompt", "x", "--max-new-tokens", "4", "--min-new-tokens", "5")
-    assert rc == 2 and "--min-new-tokens must be in [0, --max-new-tokens=4]" in err
+    assert rc == 2 and "--min-new-tokens must be an integer in [0, max_new_tokens=4], got 5" in err
 
 
 def test_penalty_flags(fake_load, tiny, capsys):
@@ -433,12 +433,12 @@ def test_model_path_that_is_not_a_model(capsys, tmp_path):
     (["--prompt", "  \n "], "--prompt is empty"),
     (["--prompt", "hi", "--dtype", "float16"], "--dtype must be float32 or bfloat16, got 'float16'"),
     (["--prompt", "hi", "--decoding-length", "abc"], "--decoding-length must be an integer or 'auto', got 'abc'"),
-    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
     (["--prompt", "hi", "--batch-size", "0"], "--batch-size must be >= 1"),
     (["--prompt", "hi", "--references-field", "passage"], "--references-field needs --prompts-file"),
     (["--prompt", "hi", "--strategy", "beam"], "invalid choice: 'beam'"),
     (["--max-new-tokens", "8"], "one of the arguments --prompt --prompts-file is required"),
-    (["--prompt", "hi", "--n", "2"], "--n 2 samples per prompt need --temperature > 0"),
+    (["--prompt", "hi", "--n", "2"], "--n 2 samples per prompt need temperature > 0"),
     (["--prompt", "hi", "--n", "0"], "--n must be >= 1"),
     (["--prompt", "hi", "--stop-token-ids", "2,x"], "must be token ids separated by commas, like 2,13, got '2,x'"),
     (["--prompt", "hi", "--stop-token-ids", "-1"], "must be token ids >= 0"),
@@ -452,12 +452,12 @@ def test_argument_errors(fake_load, capsys, argv, msg):
 
 @pytest.mark.parametrize("argv,msg", [
     (["--strategy", "lookahead", "--decoding-length", "1000"], "decoding_length must be 'auto' or an integer"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--top-k", "-3"], "top_k must be >= 0"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be a number > 0"),
-    (["--presence-penalty", "2.5"], "presence_penalty must be a number in [-2, 2]"),
-    (["--frequency-penalty", "-3"], "frequency_penalty must be a number in [-2, 2]"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-3"], "--top-k must be >= 0"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be a number > 0"),
+    (["--presence-penalty", "2.5"], "--presence-penalty must be a number in [-2, 2]"),
+    (["--frequency-penalty", "-3"], "--frequency-penalty must be a number in [-2, 2]"),
 ])
 def test_generation_errors(fake_load, capsys, argv, msg):
     rc, out, err = run_main(capsys, "--prompt", "hi", "--max-new-tokens", "4", *argv)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.generate import generate
 from lookahead_jax.strategies import Greedy
@@ -72,7 +73,7 @@ def test_requests_joining_mid_decode(model):
     server's pattern) each get the tokens they get alone with single steps."""
     ids = [tok.encode(p) for p in PROMPTS]
     eng = engine_for(model)
-    reqs = [Request(x, n, seed=i) for i, (x, n) in enumerate(zip(ids * 2, (5, 17, 9, 30, 12, 3, 23, 8)))]
+    reqs = [Request(x, GenerationParams(max_new_tokens=n, seed=i)) for i, (x, n) in enumerate(zip(ids * 2, (5, 17, 9, 30, 12, 3, 23, 8)))]
     alone = []
     for r in reqs:
         s = Slots(eng, tok, 1, 256, Greedy())

@@ -344,13 +344,14 @@ def test_slots_insert_mid_decode_equals_alone(model, tok, ds, speculative):
     """KNN-LM on the slot API: requests inserted into 2 slots while the other decodes give
     their tokens (and log-probabilities) alone; events carry only verified tokens."""
     from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.core.params import GenerationParams
     from lookahead_jax.core.slots import Request, Slots
     from tiny import drive_slots
 
     strat = KNNLM(datastore=ds, knn_k=4, speculative=speculative, speculation_stride=3)
     slots = Slots(engine_for(model), tok, 2, 512, strat, logprobs=True)
     idx = [3, 0, 5, 1]
-    got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), MAX_NEW, sampling_row=i) for i in idx], every=3)
+    got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), GenerationParams(max_new_tokens=MAX_NEW), sampling_row=i) for i in idx], every=3)
     for i, (row, streamed) in zip(idx, got):
         one = run(model, tok, KNNLM(datastore=ds, knn_k=4), prompts=[PROMPTS[i]], logprobs=True, first_index=i)
         assert row.ids == streamed == one.token_ids[0], f"prompt {i}"

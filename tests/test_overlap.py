@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.generate import generate
 from lookahead_jax.prompts import encode_prompts
@@ -69,7 +70,7 @@ def test_slots_insert_free_between_steps(model, tok, greedy):
     the deferred scoring ran before every edit (none is left once the slots are done)."""
     ids = encode_prompts(tok, TEXTS, chat=False)
     slots = Slots(engine_for(model), tok, 3, CACHE, Lookahead(), overlap=True)
-    got = drive_slots(slots, [Request(x, MAX_NEW, sampling_row=i) for i, x in enumerate(ids)], every=2)
+    got = drive_slots(slots, [Request(x, GenerationParams(max_new_tokens=MAX_NEW), sampling_row=i) for i, x in enumerate(ids)], every=2)
     assert [row.ids for row, _ in got] == greedy
     assert [toks for _, toks in got] == greedy
     assert slots.state.deferred is None  # the last free ran it
@@ -78,7 +79,7 @@ def test_slots_insert_free_between_steps(model, tok, greedy):
 def test_edits_flush_the_deferred_scoring(model, tok):
     ids = encode_prompts(tok, TEXTS[:2], chat=False)
     slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(), overlap=True)
-    slots.insert([0, 1], [Request(x, MAX_NEW, sampling_row=i) for i, x in enumerate(ids)])
+    slots.insert([0, 1], [Request(x, GenerationParams(max_new_tokens=MAX_NEW), sampling_row=i) for i, x in enumerate(ids)])
     slots.step()
     assert slots.state.deferred is not None  # left for the next step's forward
     pending = len(slots.budget._pending)
@@ -118,7 +119,7 @@ def test_store_update_runs_during_the_next_forward(model, tok, drafts, overlap, 
     ids = encode_prompts(tok, TEXTS[:2], chat=False)
     # 3 steps of at most 1 + 32 tokens never finish a request of 128 (earlier tests' outputs
     # of these prompts are in the engine's stores: drafts may be long)
-    slots.insert([0, 1], [Request(x, 128, sampling_row=i) for i, x in enumerate(ids)])
+    slots.insert([0, 1], [Request(x, GenerationParams(max_new_tokens=128), sampling_row=i) for i, x in enumerate(ids)])
     events.clear()  # the prefill
     for _ in range(3):
         slots.step()

@@ -23,6 +23,7 @@ from lookahead_jax.core import programs as programs_lib
 from lookahead_jax.core.compile import CompiledFunctions
 from lookahead_jax.core.engine import Engine
 from lookahead_jax.core.sampling import SamplingParams
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.core.verify import window_for
 from lookahead_jax.generate import generate
@@ -85,9 +86,9 @@ def test_sampling_and_min_new_tokens_add_no_program(model, tok):
                   eos_ids=tok.eos_token_ids)
     slots.warm_up(wait="all")
     before = list(eng.compiled.compilations)
-    reqs = [Request(tok.encode(PROMPTS[0][:50]), 12, sampling=SamplingParams(0.8, 5, 0.9), seed=1),
-            Request(tok.encode(PROMPTS[1][:90]), 12, min_new_tokens=6),
-            Request(tok.encode(PROMPTS[2][:20]), 12, sampling=SamplingParams(1.0), seed=2)]
+    reqs = [Request(tok.encode(PROMPTS[0][:50]), GenerationParams(max_new_tokens=12, temperature=0.8, top_k=5, top_p=0.9, seed=1)),
+            Request(tok.encode(PROMPTS[1][:90]), GenerationParams(max_new_tokens=12, min_new_tokens=6)),
+            Request(tok.encode(PROMPTS[2][:20]), GenerationParams(max_new_tokens=12, temperature=1.0, seed=2))]
     slots.insert([0, 1, 2], reqs)
     while slots.busy:
         for ev in slots.step():
@@ -121,7 +122,7 @@ def test_fallback_decodes_plainly_until_a_tree_size_is_compiled(model, tok, monk
     slots = Slots(eng, tok, 1, 1024, Lookahead(decoding_length=7), fallback=True)
 
     def decode():  # the request alone in the slots: (its tokens, each step's tree size)
-        slots.insert(0, Request(prompt, 40))
+        slots.insert(0, Request(prompt, GenerationParams(max_new_tokens=40)))
         sizes = []
         while slots.busy:
             slots.step()
@@ -161,7 +162,7 @@ def test_a_draft_model_never_compiles_on_the_request_path(model, tok, monkeypatc
     draft = slots.drafter.engine
 
     def decode():  # the request alone in the slots: (its tokens, the draft nodes verified)
-        slots.insert(0, Request(prompt, 40))
+        slots.insert(0, Request(prompt, GenerationParams(max_new_tokens=40)))
         drafted = 0
         while slots.busy:
             slots.step()

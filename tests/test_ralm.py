@@ -434,6 +434,7 @@ def test_slots_insert_mid_decode_equals_alone(model, tok, bm25, strat):
     its tokens and passages alone; events carry only final tokens (never taken back)."""
     import dataclasses
 
+    from lookahead_jax.core.params import GenerationParams
     from lookahead_jax.core.slots import Request, Slots
     from tiny import drive_slots
 
@@ -441,7 +442,7 @@ def test_slots_insert_mid_decode_equals_alone(model, tok, bm25, strat):
     slots = Slots(engine_for(model), tok, 2, 1024, strat)
     idx = [4, 0, 7, 2, 5]
     try:
-        got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), MAX_NEW) for i in idx])
+        got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), GenerationParams(max_new_tokens=MAX_NEW)) for i in idx])
     finally:
         slots.close()
     for i, (row, streamed) in zip(idx, got):
@@ -466,6 +467,7 @@ def test_server_slots_run_only_listed_programs(model, tok, bm25, strat):
     import dataclasses
 
     from lookahead_jax.core.engine import Engine
+    from lookahead_jax.core.params import GenerationParams
     from lookahead_jax.core.slots import Request, Slots
     from tiny import drive_slots
 
@@ -477,7 +479,7 @@ def test_server_slots_run_only_listed_programs(model, tok, bm25, strat):
     assert slots.state.block == 16 and any(p.kind == "verify" for p in slots.programs())
     idx = [4, 0, 7]
     try:
-        got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), MAX_NEW) for i in idx])
+        got = drive_slots(slots, [Request(tok.encode(PROMPTS[i]), GenerationParams(max_new_tokens=MAX_NEW)) for i in idx])
     finally:
         slots.close()
     assert eng.compiled.compilations[n:] == []
@@ -489,14 +491,15 @@ def test_server_slots_run_only_listed_programs(model, tok, bm25, strat):
 
 
 def test_slots_take_only_their_strategy(model, tok, bm25):
+    from lookahead_jax.core.params import GenerationParams
     from lookahead_jax.core.slots import Request, Slots
     from lookahead_jax.strategies import Greedy
 
     slots = Slots(engine_for(model), tok, 2, 1024, RaLM(retriever=bm25))
     with pytest.raises(ValueError, match="only its own requests"):
-        slots.insert(0, Request(tok.encode(PROMPTS[0]), 8, strategy=Greedy()))
+        slots.insert(0, Request(tok.encode(PROMPTS[0]), GenerationParams(max_new_tokens=8), strategy=Greedy()))
     with pytest.raises(ValueError, match="retrieved passage"):  # the passage counts in the cache
-        slots.insert(0, Request(tok.encode(PROMPTS[0]), 1024 - 100))
+        slots.insert(0, Request(tok.encode(PROMPTS[0]), GenerationParams(max_new_tokens=1024 - 100)))
 
 
 # ------------------------------------------------------------------------- RaLM itself

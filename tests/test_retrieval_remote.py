@@ -229,6 +229,7 @@ def test_slots_on_an_engine_thread(model, tok, ralm_served):
     import concurrent.futures as cf
 
     from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.core.params import GenerationParams
     from lookahead_jax.core.slots import Request, Slots
     from test_ralm import PROMPTS, run
     from tiny import drive_slots
@@ -240,7 +241,7 @@ def test_slots_on_an_engine_thread(model, tok, ralm_served):
     def engine():
         slots = Slots(engine_for(model), tok, 2, 1024, RaLMSpec(retriever=f"remote:{addr}", **kw))
         try:
-            return drive_slots(slots, [Request(tok.encode(PROMPTS[i]), 24) for i in idx])
+            return drive_slots(slots, [Request(tok.encode(PROMPTS[i]), GenerationParams(max_new_tokens=24)) for i in idx])
         finally:
             slots.close()
 

@@ -22,6 +22,7 @@ import pytest
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.sampling import (Penalties, RowPenalties, RowSampling, SamplingParams, filter_logits,
                                          penalize, select_tokens)
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.generate import generate
 from lookahead_jax.strategies import Lookahead, SpecInfer
@@ -76,7 +77,7 @@ def drive(slots, ids, order, every=2):
             s = slots.free_slots[-1]
             sp, pen, seed = MIX[i]
             holder[s] = i
-            for ev in slots.insert(s, Request(ids[i], MAX_NEW, sampling=sp, penalties=pen, seed=seed,
+            for ev in slots.insert(s, Request(ids[i], GenerationParams.of(sp, pen, max_new_tokens=MAX_NEW, seed=seed),
                                               sampling_row=i)):
                 if ev.finish:
                     out[i] = slots.free(s).ids
@@ -143,9 +144,10 @@ def test_values_never_recompile(model, tok, ids):
         reqs = []
         for i in (1, 3):
             sp, pen, seed = MIX[i]
-            reqs.append(Request(ids[i], 6, seed=seed + scale, sampling_row=i + scale, sampling=SamplingParams(
-                sp.temperature * scale, sp.top_k * scale, sp.top_p ** scale), penalties=Penalties(
-                pen.repetition ** scale, pen.presence / scale, pen.frequency / scale)))
+            reqs.append(Request(ids[i], GenerationParams.of(
+                SamplingParams(sp.temperature * scale, sp.top_k * scale, sp.top_p ** scale),
+                Penalties(pen.repetition ** scale, pen.presence / scale, pen.frequency / scale),
+                max_new_tokens=6, seed=seed + scale), sampling_row=i + scale))
         slots.insert([0, 1], reqs)
         while slots.busy:
             slots.step()
@@ -210,10 +212,11 @@ def test_greedy_and_sampled_batches_share_one_step(model, tok, ids):
         return [e for name in ("prefill", "verify") for e in engine.compiled.executables(name)
                 if id(e) not in before]
 
-    greedy = new_executables([Request(ids[0][:40], 4), Request(ids[1][:40], 4)])
+    greedy = new_executables([Request(ids[0][:40], GenerationParams(max_new_tokens=4)),
+                              Request(ids[1][:40], GenerationParams(max_new_tokens=4))])
     n = len(engine.compiled.compilations)
-    mixed = new_executables([Request(ids[0][:40], 4),
-                             Request(ids[1][:40], 4, sampling=SamplingParams(0.7, 0, 0.9))])
+    mixed = new_executables([Request(ids[0][:40], GenerationParams(max_new_tokens=4)),
+                             Request(ids[1][:40], GenerationParams(max_new_tokens=4, temperature=0.7, top_k=0, top_p=0.9))])
     assert greedy and mixed == [] and engine.compiled.compilations[n:] == []
     texts = [e.as_text() for e in greedy]
     assert all("sort" in t for t in texts)  # the top-p branch is compiled in ...
@@ -240,10 +243,12 @@ def test_penalty_rows_share_the_steps_of_requests_without(model, tok, ids, strat
         return out, [e for name in ("prefill", "verify") for e in engine.compiled.executables(name)
                      if id(e) not in before]
 
-    plain, compiled = run([Request(ids[0][:40], 8), Request(ids[1][:40], 8)])
+    plain, compiled = run([Request(ids[0][:40], GenerationParams(max_new_tokens=8)),
+                           Request(ids[1][:40], GenerationParams(max_new_tokens=8))])
     n = len(engine.compiled.compilations)
     pens = [Penalties(1.3), Penalties(1.0, 0.4, 0.6)]
-    got, again = run([Request(ids[0][:40], 8, penalties=pens[0]), Request(ids[1][:40], 8, penalties=pens[1])])
+    got, again = run([Request(ids[0][:40], GenerationParams.of(penalties=pens[0], max_new_tokens=8)),
+                      Request(ids[1][:40], GenerationParams.of(penalties=pens[1], max_new_tokens=8))])
     assert compiled and again == [] and engine.compiled.compilations[n:] == []
     kw = {} if strat is None else dict(strategy="lookahead", decoding_length=7)
     for i, pen in enumerate(pens):

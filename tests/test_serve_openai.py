@@ -413,3 +413,26 @@ def test_a_dropped_request_logs_one_line(caplog):
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING], \
         [r.getMessage() for r in caplog.records]
     assert not srv.scheduler.waiting and not srv.scheduler.running
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", dict(prompt="hi", max_tokens=0), "max_tokens"),
+    ("/v1/completions", dict(prompt="hi", max_tokens=4, min_tokens=9), "min_tokens"),
+    ("/v1/completions", dict(prompt="hi", temperature=0, n=2), "n"),
+    ("/v1/completions", dict(prompt="hi", logprobs=21), "logprobs"),
+    ("/v1/completions", dict(prompt="hi", top_p=1.5), "top_p"),
+    ("/v1/completions", dict(prompt="hi", top_k=-2), "top_k"),
+    ("/v1/completions", dict(prompt="hi", seed=-1), "seed"),
+    ("/v1/completions", dict(prompt="hi", presence_penalty=3), "presence_penalty"),
+    ("/v1/chat/completions", dict(messages=CHAT, max_completion_tokens=0), "max_completion_tokens"),
+    ("/v1/chat/completions", dict(messages=CHAT, max_tokens=-1), "max_tokens"),
+    ("/v1/chat/completions", dict(messages=CHAT, logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("/v1/chat/completions", dict(messages=CHAT, top_logprobs=1), "top_logprobs"),  # without logprobs
+])
+def test_options_out_of_range_are_400s_naming_the_field_as_sent(server, path, body, param):
+    """Values out of range are checked by `GenerationParams` (the one place), and the 400
+    names the field as this request spells it (max_tokens, not max_new_tokens)."""
+    refused(post(server, path, body), param, param)

@@ -143,3 +143,20 @@ def test_an_unknown_model_fails_before_anything_listens_as_a_command():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "error: unknown model 'no-such-model'" in p.stderr, p.stderr
     assert "Uvicorn running" not in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_other_libraries_info_lines_only_with_verbose(verbose):
+    """The server's own INFO lines always; orbax / absl / jax INFO lines (orbax's checkpoint
+    reads read as failures) only with --verbose; their warnings always."""
+    code = ("import logging, sys\n"
+            "from lookahead_jax.serve.__main__ import configure_logging\n"
+            "configure_logging(sys.argv[1] == 'v')\n"
+            "for name in ('orbax', 'absl', 'jax._src.xla_bridge', 'lookahead_jax.serve'):\n"
+            "    logging.getLogger(name).info('info from %s', name)\n"
+            "logging.getLogger('orbax').warning('warning from orbax')\n")
+    err = subprocess.run([sys.executable, "-c", code, "v" if verbose else "-"], capture_output=True, text=True,
+                         timeout=120, check=True).stderr
+    assert "info from lookahead_jax.serve" in err and "warning from orbax" in err, err
+    for name in ("orbax", "absl", "jax._src.xla_bridge"):
+        assert (f"info from {name}" in err) == verbose, err

@@ -20,6 +20,7 @@ from lookahead_jax.core.acceptance import TokenMatch
 from lookahead_jax.core.budget import AutoBudget, BudgetPolicy, FixedBudget
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.sampling import SamplingParams
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.drafters.base import Drafter, PerRowDrafter
 from lookahead_jax.drafters.merge import MergedDrafter
@@ -56,7 +57,7 @@ def alone(model, tok, i, **kw):
                     **kw).token_ids[0]
 
 
-def drive(slots, ids, order, max_new=MAX_NEW, seed=0, every=2, strategy=None, plain=()):
+def drive(slots, ids, order, max_new=MAX_NEW, seed=0, every=2, strategy=None, plain=(), sampling=None):
     """Insert the prompts `order` into the slots over time: one whenever a slot is free,
     after every `every` steps; a finished request is freed at once. Returns {prompt: ids}."""
     queue, out, holder, n = list(order), {}, {}, 0
@@ -64,7 +65,7 @@ def drive(slots, ids, order, max_new=MAX_NEW, seed=0, every=2, strategy=None, pl
         if queue and slots.free_slots and n % every == 0:
             i = queue.pop(0)
             s = slots.free_slots[-1]  # the highest free slot: prompts land in varied slots
-            req = Request(ids[i], max_new, seed=seed, sampling_row=i,
+            req = Request(ids[i], GenerationParams.of(sampling, max_new_tokens=max_new, seed=seed), sampling_row=i,
                           strategy=Greedy() if i in plain else strategy)
             holder[s] = i
             for ev in slots.insert(s, req):
@@ -105,7 +106,7 @@ def test_suffix_auto_inserted_mid_decode_equals_alone(model, tok, ids):
 def test_sampling_inserted_mid_decode_equals_alone(model, tok, ids):
     sp = SamplingParams(0.8, 0, 0.95)
     slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), sampling=sp)
-    got = drive(slots, ids, [3, 0, 4], seed=5, strategy=Lookahead(decoding_length=7), every=3)
+    got = drive(slots, ids, [3, 0, 4], seed=5, strategy=Lookahead(decoding_length=7), every=3, sampling=sp)
     for i in (3, 0, 4):
         assert got[i] == alone(model, tok, i, temperature=0.8, top_p=0.95, seed=5)
 
@@ -241,7 +242,8 @@ def test_greedy_and_lookahead_share_a_batch(model, tok, ids):
 
 def test_free_mid_decode_and_reuse(model, tok, ids):
     slots = Slots(engine_for(model), tok, 2, CACHE)
-    slots.insert([0, 1], [Request(ids[0], MAX_NEW, sampling_row=0), Request(ids[1], MAX_NEW, sampling_row=1)])
+    slots.insert([0, 1], [Request(ids[0], GenerationParams(max_new_tokens=MAX_NEW), sampling_row=0),
+                          Request(ids[1], GenerationParams(max_new_tokens=MAX_NEW), sampling_row=1)])
     for _ in range(3):
         slots.step()
     row = slots.free(0)
@@ -249,7 +251,7 @@ def test_free_mid_decode_and_reuse(model, tok, ids):
     assert slots.free_slots == [0] and slots.busy == [1]
     with pytest.raises(ValueError, match="already free"):
         slots.free(0)
-    slots.insert(0, Request(ids[2], MAX_NEW, sampling_row=2))  # the slot reused mid-decode
+    slots.insert(0, Request(ids[2], GenerationParams(max_new_tokens=MAX_NEW), sampling_row=2))  # the slot reused mid-decode
     out = {}
     while slots.busy:
         for ev in slots.step():
@@ -261,20 +263,21 @@ def test_free_mid_decode_and_reuse(model, tok, ids):
 def test_slot_errors(model, tok, ids):
     eng = engine_for(model)
     slots = Slots(eng, tok, 2, 256, Lookahead(decoding_length=7))
-    slots.insert(0, Request(ids[0][:50], 8))
+    slots.insert(0, Request(ids[0][:50], GenerationParams(max_new_tokens=8)))
     with pytest.raises(ValueError, match="holds a request"):
-        slots.insert(0, Request(ids[1][:50], 8))
-    with pytest.raises(ValueError, match="must be a SamplingParams"):  # other values share the slots
-        slots.insert(1, Request(ids[1][:50], 8, sampling=0.7))
+        slots.insert(0, Request(ids[1][:50], GenerationParams(max_new_tokens=8)))
+    with pytest.raises(ValueError, match="must be a GenerationParams"):  # the options come checked
+        slots.insert(1, Request(ids[1][:50], dict(max_new_tokens=8, temperature=0.7)))
     with pytest.raises(ValueError, match="Slots of its own"):
-        slots.insert(1, Request(ids[1][:50], 8, strategy=SpecInfer(draft_model=model)))
+        slots.insert(1, Request(ids[1][:50], GenerationParams(max_new_tokens=8),
+                                strategy=SpecInfer(draft_model=model)))
     with pytest.raises(ValueError, match="cache slots"):
-        slots.insert(1, Request(ids[1][:50], 250))
+        slots.insert(1, Request(ids[1][:50], GenerationParams(max_new_tokens=250)))
     with pytest.raises(ValueError, match="not in"):
-        slots.insert(2, Request(ids[1][:50], 8))
+        slots.insert(2, Request(ids[1][:50], GenerationParams(max_new_tokens=8)))
     ralm = Slots(eng, tok, 2, 256, RaLM(retriever=_NoRetriever()))  # retrieval runs drive their slots
     with pytest.raises(ValueError, match="only its own requests"):
-        ralm.insert(0, Request(ids[1][:50], 8, strategy=Greedy()))
+        ralm.insert(0, Request(ids[1][:50], GenerationParams(max_new_tokens=8), strategy=Greedy()))
 
 
 class _NoRetriever:
@@ -363,12 +366,12 @@ def test_warm_up_compiles_every_step_before_requests(model, tok, ids, strategy, 
     long_ids = [(ids[i] * 8)[:n] for i, n in ((0, 330), (1, 100), (2, 40))]
     for s, p in reversed(list(enumerate(long_ids))):  # the long ones while others decode (chunked)
         sp = SamplingParams(temperature=0.8, top_p=0.9) if sampled and s == 1 else None
-        warm.insert(s, Request(p, 60, seed=s, sampling=sp))
+        warm.insert(s, Request(p, GenerationParams.of(sp, max_new_tokens=60, seed=s)))
     while warm.busy:
         warm.step()
     assert eng.compiled.compilations == before, eng.compiled.compilations[len(before):]
     warm.close()
     busy = Slots(eng, tok, 2, S, strategy)
-    busy.insert(0, Request(ids[0], 4))
+    busy.insert(0, Request(ids[0], GenerationParams(max_new_tokens=4)))
     with pytest.raises(RuntimeError, match="no request"):
         busy.warm_up()

@@ -9,7 +9,7 @@ so any decoder that evaluates the model at the same prefix draws the same token:
 decoding, tree verification (which samples at every tree node in parallel) and, later,
 draft-model speculation all reproduce each other token for token.
 
-Per-row values: `SamplingParams` and `Penalties` are one request's values (static where a
+Per-row values: `SamplingParams` and `Penalties` (`core/params.py`) are one request's values (static where a
 step compiles one set in, e.g. `generate`'s defaults, knnlm's step). The decode state
 passes each row's own values as arrays (`RowSampling`, `RowPenalties`: jit arguments, so
 values never recompile). The sampling mode is data too: with a `RowSampling`, whether some
@@ -34,67 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models import cpu_kernels
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Static sampling configuration (hashable: a static jit argument).
-
-    temperature == 0 means greedy (argmax); top_k == 0 and top_p == 1 disable those filters.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Penalties:
-    """Static repetition / presence / frequency penalties (hashable: a static jit argument).
-
-    repetition (HF `repetition_penalty`, > 0; 1 = off): every id that occurs in the context
-    (prompt + generated) has its logit divided by it where positive, multiplied where not.
-    presence / frequency (vLLM / OpenAI, in [-2, 2]; 0 = off): over the *generated* ids
-    only, logit -= presence * (count > 0) + frequency * count. Applied in that order, to
-    the raw logits (before temperature, top-k/p and the min_new_tokens ban)."""
-
-    repetition: float = 1.0
-    presence: float = 0.0
-    frequency: float = 0.0
-
-    def __post_init__(self):
-        if not 0.0 < self.repetition < float("inf"):
-            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition!r}")
-        for name in ("presence", "frequency"):
-            v = getattr(self, name)
-            if not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name}_penalty must be a number in [-2, 2] (0 = off), got {v!r}")
-
-    @property
-    def on(self) -> bool:
-        return self.uses_context or self.uses_counts
-
-    @property
-    def uses_context(self) -> bool:
-        """Needs `seen` (the ids of the context)."""
-        return self.repetition != 1.0
-
-    @property
-    def uses_counts(self) -> bool:
-        """Needs `counts` (how often each id was generated)."""
-        return self.presence != 0.0 or self.frequency != 0.0
+from .params import Penalties, SamplingParams  # noqa: F401  (the values' types live with the request's checks)
 
 
 @dataclasses.dataclass(frozen=True)

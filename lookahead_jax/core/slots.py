@@ -2,7 +2,7 @@
 the others decode (the seam a server with continuous batching drives).
 
     slots = Slots(engine, tokenizer, n_slots=4, max_len=1024, strategy=Lookahead())
-    slots.insert(0, Request(prompt_ids, max_new_tokens=64, seed=1))  # prefill one request
+    slots.insert(0, Request(prompt_ids, GenerationParams(max_new_tokens=64, seed=1)))  # prefill one
     while slots.busy:
         for event in slots.step():      # one propose -> verify -> accept over the busy slots
             print(event.slot, event.tokens, event.finish)
@@ -17,8 +17,9 @@ drafter's per-row state (`Drafter.begin(..., rows=)` / `end(rows=)`); what outli
 requests (lookahead's cache of earlier outputs or trie, acceptance statistics, draft engines) lives in the
 engine's stores, as for `generate`.
 
-Each request brings its own sampling parameters and penalties (`Request.sampling`,
-`Request.penalties`; None: the slots' defaults): they reach the step as per-row arrays
+Each request brings its own options in one checked object (`Request.params`, a
+`core.params.GenerationParams`: length, stops, sampling, penalties, seed): its sampling
+values and penalties reach the step as per-row arrays
 (`sampling.RowSampling`, `RowPenalties`), so greedy, sampled (any temperature / top-k /
 top-p / seed) and penalized requests share one batch and values never recompile; whether
 a row samples or cuts is data too (one program for greedy and sampled rows, the argmax
@@ -82,6 +83,7 @@ from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
 from .rows import Phase, RowState
 from .drafts import EMPTY, DraftBatch
+from .params import GenerationParams
 from .sampling import Penalties, SamplingParams
 
 
@@ -97,23 +99,18 @@ class NeedsOwnSlots(ValueError):
 class Request:
     """One generation request, prompt already encoded.
 
-    strategy: None (the slots' strategy) or a strategy object: the slots' own, or one
-    without a drafter (plain decoding). sampling / penalties: the request's own
-    (`SamplingParams`, `Penalties`; None: the slots' defaults). sampling_row: the row of the sampling key (default:
-    the slot); `generate` numbers rows across a whole call so batches sample alike.
-    eos_ids: token ids that end the request (default: the slots'). references: token-id
-    lists a drafting strategy also drafts from (e.g. retrieved passages)."""
+    params: its options, checked (`GenerationParams`: max / min new tokens, stop strings
+    and token ids, ignore_eos, sampling, seed, penalties); the ids that end it are the
+    slots' `eos_ids` (none with ignore_eos) and its stop_token_ids. strategy: None (the
+    slots' strategy) or a strategy object: the slots' own, or one without a drafter
+    (plain decoding). sampling_row: the row of the sampling key (default: the slot);
+    `generate` numbers rows across a whole call so batches sample alike. references:
+    token-id lists a drafting strategy also drafts from (e.g. retrieved passages)."""
 
     prompt_ids: Sequence[int]
-    max_new_tokens: int = 128
+    params: GenerationParams = GenerationParams()
     strategy: object = None
-    sampling: Optional[SamplingParams] = None
-    penalties: Optional[Penalties] = None
-    seed: int = 0
     sampling_row: Optional[int] = None
-    stop: Sequence[str] = ()
-    eos_ids: Optional[Sequence[int]] = None
-    min_new_tokens: int = 0
     references: Sequence[Sequence[int]] = ()
     on_text: Optional[Callable[[int, str], None]] = None  # (slot, text delta)
     question_span: Optional[tuple] = None  # retrieval strategies: the [start, end) of the question in the prompt
@@ -258,12 +255,12 @@ class Slots:
             self._check(s, req)
         st = self.state
         for s, req in zip(slots, requests):
-            eos = set(self.eos_ids if req.eos_ids is None else (int(t) for t in req.eos_ids))
-            row = RowState(s, [int(t) for t in req.prompt_ids], self.tokenizer, eos, tuple(req.stop),
-                           int(req.max_new_tokens), req.on_text)
-            row.min_new = int(req.min_new_tokens)
+            p = req.params
+            row = RowState(s, [int(t) for t in req.prompt_ids], self.tokenizer, set(p.eos_ids(self.eos_ids)),
+                           p.stop, p.max_new_tokens, req.on_text)
+            row.min_new = p.min_new_tokens
             row.logprobs = [] if st.logprobs else None
-            row.sampling, row.penalties = req.sampling, req.penalties
+            row.sampling, row.penalties = p.sampling, p.penalties
             st.rows[s] = row
             st.finish_s.pop(s, None)
             self._sent[s] = 0
@@ -280,7 +277,7 @@ class Slots:
         st.lengths = lengths
         st.cache = st.cache.replace(length=st.cache.length.at[idx].set(0))
         seeds, rowids = np.asarray(st.seeds).copy(), np.asarray(st.rowids).copy()
-        seeds[idx] = [np.uint32(r.seed) for r in requests]
+        seeds[idx] = [np.uint32(r.params.seed) for r in requests]
         rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
         st.set_row_values(self.engine.put)
@@ -421,7 +418,8 @@ class Slots:
         n = len(self.engine.compiled.compilations)
         V = int(self.engine.config.vocab_size)
         prompt = [t % V for t in range(1, 17)]  # any ids: only the shapes count
-        self.insert(list(range(self.n_slots)), [Request(prompt, max_new_tokens) for _ in range(self.n_slots)])
+        self.insert(list(range(self.n_slots)), [Request(prompt, GenerationParams(max_new_tokens=max_new_tokens))
+                                                     for _ in range(self.n_slots)])
         while self.busy:
             self.step()
         for b in range(self.n_slots):
@@ -507,40 +505,35 @@ class Slots:
             raise ValueError(f"slot {slot} is not in [0, {self.n_slots})")
         if self.state.rows[slot].phase is not Phase.FREE:
             raise ValueError(f"slot {slot} holds a request: free({slot}) it first")
-        if req.sampling is not None and not isinstance(req.sampling, SamplingParams):
-            raise ValueError(f"Request.sampling must be a SamplingParams or None, got {req.sampling!r}")
-        if req.penalties is not None and not isinstance(req.penalties, Penalties):
-            raise ValueError(f"Request.penalties must be a Penalties or None, got {req.penalties!r}")
-        if self.run is not None and ((req.sampling is not None and req.sampling != self.state.sampling) or
-                                     (req.penalties is not None and req.penalties != self.state.penalties)):
+        if not isinstance(req.params, GenerationParams):
+            raise ValueError(f"Request.params must be a GenerationParams, got {req.params!r}")
+        p = req.params
+        if self.run is not None and (p.sampling != self.state.sampling or p.penalties != self.state.penalties):
             raise NeedsOwnSlots(f"these slots run strategy {self.strategy.name!r} (retrieval between steps), which "
                              f"decodes with the slots' sampling {self.state.sampling} and penalties "
                              f"{self.state.penalties}: a request with others needs Slots of its own")
         strat = self.strategy if req.strategy is None else req.strategy
-        if req.penalties is not None and req.penalties.on and strat is not None and not strat.supports_penalties:
+        if p.penalties.on and strat is not None and not strat.supports_penalties:
             raise ValueError(f"strategy {strat.name!r} does not apply repetition / presence / frequency penalties")
         if self._plain_request(req) and (self.run is not None or req.strategy.runs_own_loop
                                          or req.strategy.drafter(self.engine) is not None):
             only = ("only its own requests" if self.run is not None else "only plain decoding shares them")
             raise NeedsOwnSlots(f"these slots run strategy {getattr(self.strategy, 'name', 'greedy')!r}; a "
                              f"{req.strategy.name!r} request needs Slots of its own ({only})")
-        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {req.max_new_tokens!r}")
-        if not 0 <= req.min_new_tokens <= req.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={req.max_new_tokens}]")
-        if req.min_new_tokens and req.eos_ids is not None and not set(req.eos_ids) <= set(self.eos_ids):
-            raise NeedsOwnSlots("min_new_tokens bans the slots' eos_ids: a request with other eos_ids and "
-                             "min_new_tokens needs Slots of its own")
+        if p.min_new_tokens and not set(p.eos_ids(self.eos_ids)) <= set(self.eos_ids):
+            raise NeedsOwnSlots("min_new_tokens bans the slots' eos_ids: a request with other ending ids "
+                                "(stop_token_ids, ignore_eos) and min_new_tokens needs Slots of its own")
         ids = list(req.prompt_ids)
         V = self.state.vocab
+        p.check_vocab(V)
         if not ids or min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"the prompt must be a non-empty list of token ids in [0, {V})")
         extra = self.run.extra_tokens if self.run is not None else 0
-        need = len(ids) + extra + req.max_new_tokens + self.max_nodes + 1
+        need = len(ids) + extra + p.max_new_tokens + self.max_nodes + 1
         if need > self.state.max_len:
             note = f" + {self.run.extra_note}" if extra else ""
             raise ValueError(f"the request needs {need} cache slots (prompt {len(ids)}{note} + max_new_tokens "
-                             f"{req.max_new_tokens} + {self.max_nodes + 1} for verification) but the slots "
+                             f"{p.max_new_tokens} + {self.max_nodes + 1} for verification) but the slots "
                              f"hold {self.state.max_len}: shorten it or build Slots with a larger max_len")
 
 

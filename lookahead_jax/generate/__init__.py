@@ -10,6 +10,7 @@ brings drafter, acceptance rule and budget policy, and, when it drives the loop 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from typing import Callable, Optional
@@ -21,7 +22,7 @@ from ..core.slots import Request, Slots
 from ..core.compile import CompiledFunctions
 from ..core.engine import engine_for
 from ..models.config import ModelConfig
-from ..core.sampling import Penalties, SamplingParams
+from ..core.params import GenerationParams
 from ..prompts import encode_prompts
 from ..strategies import REGISTRY, resolve
 
@@ -94,7 +95,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              min_new_tokens: int = 0, logprobs: bool = False, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, overlap: bool = False,
              fallback: bool = False, on_step: Optional[Callable[[], None]] = None,
-             **strategy_options) -> GenerateOutput:
+             params: Optional[GenerationParams] = None, **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -154,27 +155,35 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         counts may differ. Off: every tree size compiles at its first use.
     on_step(): called between two steps (after each), in the calling thread; what it raises
         ends the call there (the CLI's Ctrl-C: a KeyboardInterrupt at a step boundary).
+    params: the per-request options as one `GenerationParams` (max_new_tokens, sampling,
+        seed, stop, stop_token_ids, ignore_eos, n, min_new_tokens, logprobs, penalties),
+        instead of the keyword arguments of the same names (give one or the other). Every
+        option is checked there: a ValueError (`ParamError`) names the bad one.
     """
     strat = resolve(strategy, **strategy_options)
-    call = _Call.check(max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
-                       repetition_penalty, presence_penalty, frequency_penalty, first_index, on_text)
-    call = dataclasses.replace(call, overlap=bool(overlap), fallback=bool(fallback), on_step=on_step)
+    loose = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                 stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, n=n,
+                 min_new_tokens=min_new_tokens, logprobs=logprobs, repetition_penalty=repetition_penalty,
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+    call = _Call(_params(params, loose), first_index, on_text, bool(overlap), bool(fallback), on_step)
+    p = call.params
     engine = engine_for(model, mesh)
     ids, spans = _encode(engine, tokenizer, prompts, chat, call, strat.uses_question_spans)
     B = len(ids)
     if drafter is None:
         drafter = strat.drafter(engine)
-    if call.penalties.on and not strat.supports_penalties:
+    if p.penalties.on and not strat.supports_penalties:
         raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
                          "repetition / presence / frequency penalties: leave them at their defaults")
     # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm, knnlm)
     run = strat.start(tokenizer, B, engine=engine)
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]
-    S = _cache_len(engine.config, lens, max_new_tokens, strat.max_nodes(drafter), max_cache_len, call,
+    S = _cache_len(engine.config, lens, p.max_new_tokens, strat.max_nodes(drafter), max_cache_len, call,
                    run.extra_note if run is not None else "")
-    eos = _eos_ids(tokenizer, engine.config, ignore_eos, stop_token_ids)
+    p.check_vocab(engine.config.vocab_size)
+    eos = p.eos_ids(getattr(tokenizer, "eos_token_ids", ()) or ())
     refs = None if drafter is None else [[tokenizer.encode(t, add_special_tokens=False) for t in r]
-                                         for r in _norm_references(references, B, n)]
+                                         for r in _norm_references(references, B, p.n)]
     c_before = CompiledFunctions.total_compile_s  # the target's and any draft model's
     state, drafter, budget = _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S, eos, call)
     stats = dict(strategy=strat.name, batch=B, prompt_bucket=prompt_bucket(max(lens), S), cache_len=S,
@@ -185,42 +194,33 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """generate's per-call options, checked (a ValueError naming the bad one)."""
+    """generate's options for this call: the request's (`params`) and how to run it."""
 
-    max_new_tokens: int
-    sampling: SamplingParams
-    seed: int
-    stop: tuple
-    n: int
-    min_new_tokens: int
-    logprobs: bool
-    penalties: Penalties
+    params: GenerationParams
     first_index: int
     on_text: Optional[Callable]
     overlap: bool = False
     fallback: bool = False
     on_step: Optional[Callable] = None
 
-    @classmethod
-    def check(cls, max_new_tokens, temperature, top_k, top_p, seed, stop, n, min_new_tokens, logprobs,
-              repetition_penalty, presence_penalty, frequency_penalty, first_index, on_text) -> "_Call":
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
-        stop = tuple([stop] if isinstance(stop, str) else (stop or ()))
-        if any(not s for s in stop):
-            raise ValueError("stop strings must be non-empty")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"n (samples per prompt) must be a positive integer, got {n!r}")
-        if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) or \
-                not 0 <= min_new_tokens <= max_new_tokens:
-            raise ValueError(f"min_new_tokens must be an integer in [0, max_new_tokens={max_new_tokens}], "
-                             f"got {min_new_tokens!r}")
-        penalties = _penalties(repetition_penalty, presence_penalty, frequency_penalty)
-        if n > 1 and sampling.greedy:
-            raise ValueError(f"n={n} samples per prompt need temperature > 0 (greedy gives n identical rows)")
-        return cls(max_new_tokens, sampling, seed, stop, n, min_new_tokens, bool(logprobs), penalties,
-                   first_index, on_text)
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+
+def _params(params: Optional[GenerationParams], loose: dict) -> GenerationParams:
+    """The call's `GenerationParams`: `params`, or one made of generate's keyword
+    arguments of the same names (checked there), not both."""
+    if params is None:
+        return GenerationParams(**loose)
+    if not isinstance(params, GenerationParams):
+        raise ValueError(f"params must be a GenerationParams, got {params!r}")
+    defaults = {k: v.default for k, v in inspect.signature(generate).parameters.items() if k in loose}
+    given = sorted(k for k, v in loose.items() if v != defaults[k])
+    if given:
+        raise ValueError(f"give the request's options as params= or as keyword arguments, not both: "
+                         f"{', '.join(given)} given beside params")
+    return params
 
 
 def _encode(engine, tokenizer, prompts, chat: bool, call: _Call, spans: bool):
@@ -264,26 +264,18 @@ def _cache_len(cfg: ModelConfig, lens: list, max_new_tokens: int, max_T: int, ma
         f"max_new_tokens={max_new_tokens}: " + "; ".join(limits) + f". {fix}.")
 
 
-def _eos_ids(tokenizer, cfg: ModelConfig, ignore_eos: bool, stop_token_ids) -> tuple:
-    eos = () if ignore_eos else tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
-    for t in stop_token_ids or ():
-        if not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
-            raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {cfg.vocab_size})")
-    return tuple(sorted(set(eos) | {int(t) for t in stop_token_ids or ()}))
-
-
 def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: int, eos: tuple, call: _Call):
     """Every row through the slot API (`core.slots.Slots`): one insert of all rows, steps
     until none is busy (a retrieval strategy's `run` drives each step). Returns (state,
     drafter, budget)."""
     first_row = call.first_index * call.n  # prompt i's sample j is sampling row (first_index + i) * n + j
-    slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, run=run, sampling=call.sampling,
-                  penalties=call.penalties, logprobs=call.logprobs, eos_ids=eos,
+    p = call.params
+    slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, run=run, sampling=p.sampling,
+                  penalties=p.penalties, logprobs=p.logprobs, eos_ids=eos,
                   overlap=call.overlap, fallback=call.fallback)
     state = slots.state
     state.t_start, state.compile_s = time.perf_counter(), 0.0  # setup and calibration are not decode time
-    requests = [Request(x, call.max_new_tokens, seed=call.seed, sampling_row=first_row + b, stop=call.stop,
-                        min_new_tokens=call.min_new_tokens, on_text=call.on_text,
+    requests = [Request(x, p, sampling_row=first_row + b, on_text=call.on_text,
                         references=refs[b] if refs else (), question_span=spans[b] if spans else None)
                 for b, x in enumerate(ids)]
     try:
@@ -330,17 +322,6 @@ def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:
         if part is not None:
             stats.update(part.summary())
     return GenerateOutput(outs, stats)
-
-
-def _penalties(repetition, presence, frequency) -> Penalties:
-    """`sampling.Penalties` from generate's arguments, or a ValueError naming the bad one."""
-    values = {}
-    for name, v in (("repetition_penalty", repetition), ("presence_penalty", presence),
-                    ("frequency_penalty", frequency)):
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise ValueError(f"{name} must be a number, got {v!r}")
-        values[name] = float(v)
-    return Penalties(values["repetition_penalty"], values["presence_penalty"], values["frequency_penalty"])
 
 
 def _norm_references(references, B: int, n: int = 1):

@@ -83,6 +83,8 @@ def parser() -> argparse.ArgumentParser:
                    "the rest compile while requests are served and steps do without them meanwhile (greedy, the "
                    "default, and all are the same: sampling is data, one program serves both); none: each "
                    "program compiles at its first use")
+    p.add_argument("-v", "--verbose", action="store_true", help="also log other libraries' INFO lines (orbax, "
+                   "absl, jax, ...); without it they log warnings and errors only")
     return p
 
 
@@ -107,10 +109,22 @@ def _config(p, a) -> ServeConfig:
 
 
 def main(argv=None) -> None:
-    # force: an import (absl, via jax) may have configured the root logger at WARNING first,
-    # which would hide the server's own INFO lines (warm-up progress, engine errors)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
-    serve(parse(argv))
+    p = parser()
+    a = p.parse_args(argv)
+    configure_logging(a.verbose)
+    serve(_config(p, a))
+
+
+def configure_logging(verbose: bool) -> None:
+    """The server's INFO lines (lookahead_jax: warm-up progress, requests, engine errors;
+    uvicorn's own loggers keep theirs); other libraries' (orbax's checkpoint reads, absl,
+    jax) only from WARNING up unless `verbose`: their INFO lines read as failures to an
+    operator. force: an import (absl, via jax) may have configured the root logger first."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    logging.getLogger("lookahead_jax").setLevel(logging.INFO)
+    for name in ("absl", "orbax", "jax"):  # libraries that set their own loggers' levels
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 def serve(cfg: ServeConfig, build=None) -> None:

@@ -34,7 +34,7 @@ import weakref
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..core.sampling import Penalties, SamplingParams
+from ..core.params import GenerationParams, ParamError
 from ..prompts import encode_prompts
 from ..strategies import Greedy
 from . import errors
@@ -116,34 +116,26 @@ class Server:
                                 "retrieves nothing (serve ralm, ralmspec or knnlm)", "lookahead_jax.return_retrieval")
         refs = [self.tokenizer.encode(t, add_special_tokens=False) for t in req.references] \
             if self.drafting and plain is None else []  # (a chat's `prediction` among them)
-        try:
-            sampling = SamplingParams(1.0 if req.temperature is None else float(req.temperature),
-                                      max(int(req.top_k or 0), 0), 1.0 if req.top_p is None else float(req.top_p))
-            penalties = Penalties(*req.penalties)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        if penalties.on and plain is None and sched.strategy is not None and not sched.strategy.supports_penalties:
+        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        limit = req.token_limit
+        params = self.params(req, max(req.min_tokens, 1) if limit is None else limit, seed)
+        if params.penalties.on and plain is None and sched.strategy is not None \
+                and not sched.strategy.supports_penalties:
             raise APIError(400, f"strategy {self.strategy_name!r} does not apply repetition / presence / "
                                 "frequency penalties: leave them at their defaults or ask for "
                                 '"lookahead_jax": {"strategy": "greedy"}')
-        if req.wants_logprobs and not sched.logprobs:
+        if params.logprobs and not sched.logprobs:
             raise APIError(400, "this server was started with --no-logprobs", "logprobs")
-        eos = None
-        if req.ignore_eos or req.stop_token_ids:
-            bad = [t for t in req.stop_token_ids if not 0 <= t < (self.vocab or 1 << 31)]
-            if bad:
-                raise APIError(400, f"stop_token_ids: {bad} are not token ids in [0, {self.vocab})",
-                               "stop_token_ids")
-            eos = tuple(sorted(set(() if req.ignore_eos else sched.eos_ids) | set(req.stop_token_ids)))
-        if req.min_tokens and eos is not None and not set(eos) <= set(sched.eos_ids):
-            raise APIError(400, "min_tokens with stop_token_ids other than the model's EOS ids is not supported",
-                           "min_tokens")
-        seed = req.seed if req.seed is not None else secrets.randbits(32)
+        if params.top_logprobs > 1:
+            raise APIError(400, f"{req.field_name('top_logprobs')}: at most 1 alternative per token is served yet",
+                           req.field_name("top_logprobs"))
+        if params.min_new_tokens and not set(params.eos_ids(sched.eos_ids)) <= set(sched.eos_ids):
+            raise APIError(400, "min_tokens with stop_token_ids other than the model's EOS ids (or ignore_eos) is "
+                                "not supported", "min_tokens")
         less = f"{sched.max_nodes + 1} for verification" + \
             (f" and {self.extra} for the retrieved passage" if self.extra else "")
         jobs = []
         for i, ids in enumerate(ids_list):
-            limit = req.token_limit
             room = self.max_model_len - len(ids)
             max_new = limit if limit is not None else room
             if max_new > room or room < 1:
@@ -151,17 +143,26 @@ class Server:
                                     f"tokens (--max-len {sched.max_len} less {less}). However, you "
                                     f"requested {len(ids) + (limit or 1)} tokens ({len(ids)} in the prompt, "
                                     f"{limit or 1} for the completion). Please reduce the prompt or the "
-                                    "completion length.", "max_tokens" if limit and room >= 1 else "prompt")
-            if req.min_tokens > max_new:
-                raise APIError(400, f"min_tokens ({req.min_tokens}) must be at most max_tokens ({max_new})",
-                               "min_tokens")
+                                    "completion length.", req.field_name("max_new_tokens") if limit and room >= 1
+                               else "prompt")
+            mine = params if max_new == params.max_new_tokens else self.params(req, max_new, seed)
             for j in range(req.n):
                 k = i * req.n + j
-                jobs.append(Job(ids, max_new, sink, index=k, sampling=sampling, penalties=penalties, seed=seed,
-                                sampling_row=k, stop=req.stops, eos_ids=eos, min_new_tokens=req.min_tokens,
-                                references=refs, strategy=plain, logprobs=req.wants_logprobs,
+                jobs.append(Job(ids, mine, sink, index=k, sampling_row=k, references=refs, strategy=plain,
                                 question_span=spans[i]))
         return jobs
+
+    def params(self, req, max_new_tokens: int, seed: int) -> GenerationParams:
+        """The request's checked options (`protocol.SamplingFields.params`), or a 400
+        naming the field as the request spells it; stop_token_ids must be this model's ids."""
+        try:
+            params = req.params(max_new_tokens, seed)
+            if self.vocab:
+                params.check_vocab(self.vocab)
+        except ParamError as e:
+            name = req.field_name(e.field)
+            raise APIError(400, f"{name} {e.detail}", name) from None
+        return params
 
     def submit(self, jobs) -> None:
         try:
@@ -377,7 +378,7 @@ def build_app(server: Server) -> FastAPI:
         choices = []
         for k, r in enumerate(res):
             text = "".join(r["text"])
-            lp = server.logprobs_block(chat, r["tokens"], r["lps"], body.top_logprob) if body.wants_logprobs else None
+            lp = server.logprobs_block(chat, r["tokens"], r["lps"], body.top_logprobs_wanted > 0) if body.wants_logprobs else None
             c = dict(index=k, logprobs=lp, finish_reason=FINISH.get(r["finish"], r["finish"]))
             if chat:
                 c["message"] = dict(role="assistant", content=text)
@@ -418,7 +419,7 @@ def build_app(server: Server) -> FastAPI:
                     left -= 1
                 if not (out.text or out.tokens or out.finish):
                     continue
-                lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], body.top_logprob, offsets[out.index]) \
+                lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], body.top_logprobs_wanted > 0, offsets[out.index]) \
                     if body.wants_logprobs and out.tokens else None
                 offsets[out.index] += len(out.text)
                 c = dict(index=out.index, logprobs=lp, finish_reason=FINISH.get(out.finish, out.finish))

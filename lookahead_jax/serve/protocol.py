@@ -13,8 +13,9 @@ OpenAI defines them as (no effect on the output): `user`, `metadata`,
 `safety_identifier`, `prompt_cache_key`. A field in neither OpenAI's nor vLLM's set this
 server serves (`top_k`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `return_token_ids`, `stream_options.continuous_usage_stats`) is a 400 too
-(unknown field). A wrong type or a value out of range is a 400 with pydantic's message
-naming the field. Chat messages: `chat.ChatMessage`.
+(unknown field). A wrong type is a 400 with pydantic's message naming the field; a value
+out of range, one from `core.params.GenerationParams` (the one place every front end's
+options are checked), naming the field as the request spells it (`field_name`). Chat messages: `chat.ChatMessage`.
 
 The project's own options ride in one extension field, `lookahead_jax` (the openai client
 sends it with `extra_body={"lookahead_jax": {...}}`):
@@ -34,6 +35,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..core.params import GenerationParams
 from .chat import ChatMessage, Tool
 
 TOOLS_NOT_PARSED = ("tool calls are not parsed from the model's output yet: send tool_choice \"none\" to have the "
@@ -106,20 +108,20 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
-    n: int = Field(1, ge=1, le=64)
+    n: int = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 32)
-    presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     return_token_ids: bool = False
     user: Optional[str] = None  # a label (OpenAI: for abuse monitoring): no effect on the output
     logit_bias: Optional[dict[str, float]] = None
@@ -139,18 +141,15 @@ class SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         return value
 
-    @model_validator(mode="after")
-    def _stops(self):
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
-        return self
-
     @property
     def stops(self) -> tuple:
         return tuple([self.stop] if isinstance(self.stop, str) else (self.stop or []))
+
+    def field_name(self, name: str) -> str:
+        """This request's name of a `GenerationParams` field (for a `ParamError`)."""
+        names = dict(max_new_tokens=getattr(self, "limit_field", "max_tokens"), min_new_tokens="min_tokens",
+                     top_logprobs="logprobs" if isinstance(self, CompletionRequest) else "top_logprobs")
+        return names.get(name, name)
 
     @property
     def token_ids_wanted(self) -> bool:
@@ -166,10 +165,20 @@ class SamplingFields(BaseModel):
         """Every chunk carries the usage so far (vLLM's `continuous_usage_stats`)."""
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    @property
-    def penalties(self) -> tuple:
-        """(repetition, presence, frequency), OpenAI's null as the default."""
-        return self.repetition_penalty, self.presence_penalty or 0.0, self.frequency_penalty or 0.0
+    def params(self, max_new_tokens: int, seed: int) -> GenerationParams:
+        """The request's `GenerationParams` (checked there: a `ParamError` names the
+        field, `field_name` gives its name here), `max_new_tokens` and `seed` as the
+        server settles them (the room left, a random seed); OpenAI's nulls are the
+        defaults, and top_k -1 (vLLM) is off."""
+        k = self.top_logprobs_wanted
+        return GenerationParams(
+            max_new_tokens=max_new_tokens, min_new_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=0 if self.top_k in (None, -1) else self.top_k, top_p=1.0 if self.top_p is None else self.top_p,
+            seed=seed, stop=self.stops, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            n=self.n, logprobs=self.wants_logprobs, top_logprobs=k,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0)
 
     @property
     def references(self) -> list:
@@ -182,8 +191,8 @@ class CompletionRequest(SamplingFields):
     token-id lists (each a prompt of its own; choices are numbered prompt * n + sample)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=1)
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -212,8 +221,9 @@ class CompletionRequest(SamplingFields):
         return self.logprobs is not None
 
     @property
-    def top_logprob(self) -> bool:
-        return bool(self.logprobs)
+    def top_logprobs_wanted(self) -> int:
+        """Most likely alternatives per token (completions: `logprobs` k)."""
+        return self.logprobs or 0
 
 
 class Prediction(BaseModel):
@@ -238,10 +248,10 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions: the messages through the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=1)
+    top_logprobs: Optional[int] = None
     tools: Optional[list[Tool]] = None  # rendered by the chat template, where it can (`chat.check_renders`)
     tool_choice: Any = Field(None, validate_default=True)
     prediction: Optional[Prediction] = None
@@ -293,12 +303,16 @@ class ChatCompletionRequest(SamplingFields):
         return bool(self.logprobs)
 
     @property
-    def top_logprob(self) -> bool:
-        return bool(self.top_logprobs)
+    def top_logprobs_wanted(self) -> int:
+        return self.top_logprobs or 0
+
+    @property
+    def limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def token_limit(self) -> Optional[int]:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class TokenizeRequest(BaseModel):

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from ..core.params import GenerationParams
 from ..core.sampling import Penalties, SamplingParams
 from ..core.slots import NeedsOwnSlots, Request, Slots
 
@@ -74,19 +75,12 @@ class Job:
     from the engine thread (it must be thread-safe and quick); `index` is its choice."""
 
     prompt_ids: list
-    max_new_tokens: int
+    params: GenerationParams
     sink: Callable[[Output], None]
     index: int = 0
-    sampling: SamplingParams = SamplingParams()
-    penalties: Penalties = Penalties()
-    seed: int = 0
     sampling_row: int = 0
-    stop: tuple = ()
-    eos_ids: Optional[tuple] = None
-    min_new_tokens: int = 0
     references: list = dataclasses.field(default_factory=list)
     strategy: object = None  # None: the server's; a drafter-less strategy: plain decoding
-    logprobs: bool = False
     question_span: Optional[tuple] = None  # retrieval strategies: the question's [start, end) in the prompt
     # filled in by the scheduler
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -99,10 +93,8 @@ class Job:
     _text: list = dataclasses.field(default_factory=list)
 
     def request(self) -> Request:
-        return Request(self.prompt_ids, self.max_new_tokens, strategy=self.strategy, sampling=self.sampling,
-                       penalties=self.penalties,
-                       seed=self.seed, sampling_row=self.sampling_row, stop=self.stop, eos_ids=self.eos_ids,
-                       min_new_tokens=self.min_new_tokens, references=self.references,
+        return Request(self.prompt_ids, self.params, strategy=self.strategy, sampling_row=self.sampling_row,
+                       references=self.references,
                        question_span=self.question_span, on_text=lambda _slot, delta: self._text.append(delta))
 
 
@@ -290,7 +282,7 @@ class Scheduler:
                 self._finish(job, "abort")
                 continue
             st = self.slots.state
-            if job.sampling == st.sampling and job.penalties == st.penalties or self.per_request_sampling:
+            if job.params.sampling == st.sampling and job.params.penalties == st.penalties or self.per_request_sampling:
                 batch.append((free.pop(0), job))
                 continue
             if self.per_request_sampling is None:  # do these slots take it? try it alone
@@ -305,7 +297,7 @@ class Scheduler:
                 with self._cond:
                     self.waiting.appendleft(job)
                 break
-            self.slots = self._new_slots(job.sampling, job.penalties)
+            self.slots = self._new_slots(job.params.sampling, job.params.penalties)
             free = self.slots.free_slots
             batch.append((free.pop(0), job))
         for item in batch:  # one prefill each: fewer shapes to compile than blocks of 1..max_batch rows
@@ -375,7 +367,7 @@ class Scheduler:
                 continue
             row = self.slots.row(ev.slot)
             lps = None
-            if job.logprobs and row.logprobs is not None and ev.tokens:
+            if job.params.logprobs and row.logprobs is not None and ev.tokens:
                 lps = row.logprobs[len(row.ids) - len(ev.tokens):len(row.ids)]
             text = "".join(job._text)
             job._text.clear()
