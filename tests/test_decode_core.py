@@ -1,9 +1,13 @@
-"""The decode core: drafter protocol, strategies, decode state (rollback / extend), streaming.
+"""The decode core, driven through `Slots` (insert / step / free) and its plug-in hooks:
+drafter protocol, strategies, the decode state's edits (rollback, accept), streaming.
 
 * Every drafter (the trie and a test-only prompt-lookup drafter written against the
   protocol alone) passes the same protocol-conformance checks, and the test-only drafter
   is lossless through the unchanged loop: adding a drafter needs no change to the loop.
-* rollback + extend gives the K/V and the tokens of a fresh prefill of the same tokens.
+* Rolled-back cache slots (drafts rejected by a step, a slot freed and refilled in
+  chunks from its cached prefix) leave the K/V and the tokens of a fresh prefill of the
+  same tokens; a plug-in `Run`'s edits (`tiny.EditRun`: rollback + accept, accept_steps)
+  replace tokens and commit rounds as plain decoding of the edited sequence would.
 * Strategy objects and the flat keyword forms are the same call.
 """
 
@@ -12,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lookahead_jax.core import decode as D
+from lookahead_jax.core.buckets import prefill_groups, prompt_bucket
+from lookahead_jax.core.decode import accept, accept_steps, rollback
 from lookahead_jax.core.inputs import StepInputs, StepMode
 from lookahead_jax.core.sampling import SamplingParams
 from lookahead_jax.generate import generate
@@ -21,8 +26,9 @@ from lookahead_jax.drafters.suffix import SuffixDrafter
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.core.drafts import Draft, DraftBatch
 from lookahead_jax.core.engine import Engine, engine_for
+from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.strategies import Greedy, Lookahead
-from tiny import ByteTokenizer, load_prompts, tiny_model
+from tiny import ByteTokenizer, EditRun, force_token, load_prompts, tiny_model
 
 MAX_NEW = 32
 CACHE = 1280
@@ -230,113 +236,186 @@ def test_engines_of_models_without_weakrefs_die_with_them(tok):
     assert e() is None and exe() is None
 
 
-def _state(model, tok, prompts, S=256):
-    ids = [tok.encode(p) for p in prompts]
-    return D.prefill(engine_for(model), ids, tok, max_len=S, max_new_tokens=64)
+def _request(ids, max_new_tokens, **kw) -> Request:
+    """Every request of this file (one place for `Request`'s fields)."""
+    return Request(ids, max_new_tokens, **kw)
 
 
-def test_rollback_then_extend_equals_a_fresh_prefill(model, tok):
-    """Decode a few tokens, roll row 0 back to its prompt and extend it with new text: its
-    committed K/V equal a fresh prefill of prompt + text (row 1, left alone, keeps
-    decoding as before), and decoding on gives the fresh run's tokens."""
-    engine = engine_for(model)
+def _slots(model, tok, prompts, S=256, max_new=32, **kw) -> Slots:
+    """Slots of one row per prompt (text or ids), every prompt inserted at once."""
+    ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    slots = Slots(engine_for(model), tok, len(ids), S, **kw)
+    slots.insert(list(range(len(ids))), [_request(x, max_new) for x in ids])
+    return slots
+
+
+def _until(slots, done):
+    """Step the slots until done(slots) (or nothing is busy)."""
+    while slots.busy and not done(slots):
+        slots.step()
+
+
+def _kv(slots, b, n):
+    """Row b's K/V of its first n cache slots, per layer (k then v)."""
+    c = slots.state.cache
+    return [np.asarray(x)[b, :, :n] for x in c.k + c.v]
+
+
+def test_a_reused_slot_prefilled_in_chunks_equals_a_fresh_prefill(model, tok):
+    """A slot freed mid-decode keeps its old K/V past the new request's length (its length
+    is set back, nothing copied); the new prompt, longer, is forwarded in chunks while the
+    other slot decodes, each chunk from the cached prefix (a prefill that does not start
+    at 0) over those stale slots: its committed K/V equal a fresh whole prefill of the
+    prompt, so do its first token and length (the cache's too), the other slot's tokens
+    are untouched, and both decode on to the fresh run's tokens."""
     a, b, more = TEXTS[0][:40], TEXTS[1][:30], " and then the next part"
-    state = _state(model, tok, [a, b])
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 6)
-    row1_before = list(state.rows[1].ids)
-    n_a = len(state.rows[0].prompt_ids)
-    D.rollback(state, [0], n_a - 1)
-    assert state.rows[0].ids == [] and int(np.asarray(state.cache.length)[0]) == n_a - 1
-    new = tok.encode(more, add_special_tokens=False)
-    D.extend(engine, state, [0], [new])
-    fresh = _state(model, tok, [a + more, b])
-    assert state.rows[0].prompt_ids == fresh.rows[0].prompt_ids
-    assert state.rows[0].ids == fresh.rows[0].ids  # the same next token
-    n = int(state.lengths[0])
-    assert n == int(fresh.lengths[0]) == int(np.asarray(state.cache.length)[0])
-    for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
-        np.testing.assert_allclose(np.asarray(x)[0, :, :n], np.asarray(y)[0, :, :n], atol=1e-5, rtol=1e-5)
-    assert state.rows[1].ids[:len(row1_before)] == row1_before
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 12)
-    D.decode(engine, fresh, until=lambda s: len(s.rows[0].ids) >= 12)
-    assert state.rows[0].ids[:12] == fresh.rows[0].ids[:12]
+    slots = _slots(model, tok, [a, b], prefill_chunk=8)
+    _until(slots, lambda s: len(s.row(0).ids) >= 6)
+    row1_before = list(slots.row(1).ids)
+    assert slots.free(0).finish == "abort"
+    slots.insert(0, _request(tok.encode(a + more), 32))
+    assert slots.prefilling == [0]  # slot 1 decodes: one chunk a step
+    _until(slots, lambda s: not s.prefilling)
+    fresh = _slots(model, tok, [a + more, b])
+    r0, f0 = slots.row(0), fresh.row(0)
+    assert r0.prompt_ids == f0.prompt_ids and len(r0.ids) == len(f0.ids) == 1
+    assert r0.ids == f0.ids  # the same next token
+    n = int(slots.state.lengths[0])
+    assert n == int(fresh.state.lengths[0]) == int(np.asarray(slots.state.cache.length)[0]) == len(r0.prompt_ids)
+    for x, y in zip(_kv(slots, 0, n), _kv(fresh, 0, n)):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+    assert slots.row(1).ids[:len(row1_before)] == row1_before
+    _until(slots, lambda s: False)
+    _until(fresh, lambda s: False)
+    assert slots.free(0).ids == fresh.free(0).ids and slots.free(1).ids == fresh.free(1).ids
 
 
-def test_extend_and_rollback_errors(model, tok):
-    engine = engine_for(model)
-    state = _state(model, tok, ["Hello there"])
-    with pytest.raises(ValueError, match="has generated tokens"):
-        D.extend(engine, state, [0], [[5, 6]])
-    with pytest.raises(ValueError, match="no tokens"):
-        D.extend(engine, state, [0], [[]], as_output=True)
+def test_rejected_drafts_are_rolled_back(model, tok):
+    """Drafts wrong at depth 2 (plus a wrong branch): every step writes the K/V of rejected
+    nodes past each row's new length, which is simply not advanced over them (rollback).
+    After every step each live row holds context[:length] with length = the cache's =
+    len(context) - 1; the tokens are plain greedy's; and at the end each row's committed
+    K/V equal a fresh prefill of its context, whose next token is the row's last."""
+    from test_lossless import OracleDrafter
+
+    texts = [TEXTS[2][:50], TEXTS[1][:30]]
+    truth = generate(model, tok, texts, max_new_tokens=24, max_cache_len=256).token_ids
+    slots = _slots(model, tok, texts, max_new=24, strategy=Lookahead(decoding_length=16, drafts="trie"),
+                   drafter=OracleDrafter(truth, 2))
+    st = slots.state
+    while slots.busy:
+        slots.step()
+        res, live = slots.last_step, np.flatnonzero(st.active)
+        assert (res.n_emit <= 3).all() and (res.drafted[live] > res.n_emit[live] - 1).all()
+        for b in live:
+            assert int(st.lengths[b]) == int(np.asarray(st.cache.length)[b]) == len(st.context(b)) - 1
+    ctx = [st.context(b) for b in range(2)]
+    assert [slots.row(b).ids for b in range(2)] == truth
+    for b in range(2):
+        fresh = _slots(model, tok, [ctx[b][:-1]], max_new=1)
+        assert fresh.row(0).ids == [ctx[b][-1]]
+        n = len(ctx[b]) - 1
+        for x, y in zip(_kv(slots, b, n), _kv(fresh, 0, n)):
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_and_accept_errors(model, tok):
+    """A plug-in's rollback must keep the prompt's last token as the root; a prompt that
+    does not fit the cache is refused before anything changes."""
+    run = EditRun()
+    slots = _slots(model, tok, ["Hello there"], run=run)
+    run.edits.append(lambda engine, state, *_: rollback(state, [0], 0))
     with pytest.raises(ValueError, match="rollback of row 0"):
-        D.rollback(state, [0], 0)
-    state = _state(model, tok, ["Hello there"], S=256)
-    D.rollback(state, [0], len(state.rows[0].prompt_ids) - 1)
+        slots.step()
+    assert slots.free(0).ids and slots.free_slots == [0]
     with pytest.raises(ValueError, match="cache slots"):
-        D.extend(engine, state, [0], [[7] * 300])
+        slots.insert(0, _request([7] * 300, 4))
+    assert slots.free_slots == [0]
 
 
 def test_forced_output_tokens(model, tok):
-    """extend(as_output=True) appends forced tokens to the output; decoding continues as
-    plain decoding of that sequence would."""
-    engine = engine_for(model)
-    state = _state(model, tok, [TEXTS[2][:50]])
+    """Tokens a plug-in puts in the output (each turn: the step's pick taken back and
+    replaced, `force_token`) are output tokens; decoding continues as plain decoding of
+    that sequence would."""
+    run = EditRun()
+    slots = _slots(model, tok, [TEXTS[2][:50]], run=run, max_new=64)
+    first = list(slots.row(0).ids)
     forced = tok.encode(" forced", add_special_tokens=False)
-    D.extend(engine, state, [0], [forced], as_output=True)
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 1 + len(forced) + 5)
-    ref = _state(model, tok, [TEXTS[2][:50]])
-    seq = ref.rows[0].prompt_ids + ref.rows[0].ids + forced
-    want = generate(model, tok, [seq], max_new_tokens=5, max_cache_len=256).token_ids[0]
-    assert state.rows[0].ids[1 + len(forced):][:5] == want
+    run.edits += [force_token(0, t) for t in forced]
+    _until(slots, lambda s: len(s.row(0).ids) >= 1 + len(forced) + 5)
+    r0 = slots.row(0)
+    assert len(first) == 1 and r0.ids[:1 + len(forced)] == first + forced
+    want = generate(model, tok, [r0.prompt_ids + first + forced], max_new_tokens=5, max_cache_len=256).token_ids[0]
+    assert r0.ids[1 + len(forced):][:5] == want
 
 
 def test_accept_after_rollback_replaces_a_token(model, tok):
-    """rollback to a slot an earlier step wrote, then accept(cache=None) of another token
-    (knnlm's correction): the row's token there is replaced, its length restored, no step
-    counted, the other row untouched, and decoding on gives plain decoding's tokens of the
-    edited sequence."""
-    engine = engine_for(model)
-    state = _state(model, tok, [TEXTS[2][:50], TEXTS[1][:30]])
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 6)
-    r0 = state.rows[0]
-    n, steps, row1, keep = int(state.lengths[0]), state.steps, list(state.rows[1].ids), r0.ids[:-1]
+    """A plug-in's rollback to a slot an earlier step wrote, then accept(cache=None) of
+    another token (knnlm's correction): the row's token there is replaced, its length
+    restored, no step counted, the other row untouched, the replaced token never streamed,
+    and decoding on gives plain decoding's tokens of the edited sequence."""
+    run = EditRun()
+    slots = _slots(model, tok, [TEXTS[2][:50], TEXTS[1][:30]], run=run, max_new=64)
+    st, r0, events = slots.state, slots.row(0), []
+    run.hold[0] = 5  # row 0's sixth token is replaced: held from the events
+    while len(r0.ids) < 6:
+        events += [e.tokens for e in slots.step() if e.slot == 0]
+    n, steps, row1, keep = int(st.lengths[0]), st.steps, list(slots.row(1).ids), r0.ids[:-1]
     t = next(x for x in tok.encode("QR", add_special_tokens=False) if x != r0.ids[-1])
-    D.rollback(state, [0], n - 1)
-    assert D.accept(state, [0], [t]) == [[t]]
-    assert r0.ids == keep + [t] and int(state.root[0]) == t and state.steps == steps
-    assert int(state.lengths[0]) == n == int(np.asarray(state.cache.length)[0])
-    assert state.rows[1].ids == row1
+    kept = []
+
+    def replace(engine, state, *_):
+        rollback(state, [0], n - 1)
+        kept.append(accept(state, [0], [t]))
+
+    run.edits.append(replace)
+    slots.step()
+    assert kept == [[[t]]]
+    assert r0.ids == keep + [t] and int(st.root[0]) == t and st.steps == steps
+    assert int(st.lengths[0]) == n == int(np.asarray(st.cache.length)[0])
+    assert slots.row(1).ids == row1
+    run.edits.append(lambda engine, state, *_: accept(state, [0, 1], [t]))
     with pytest.raises(ValueError, match="live rows"):
-        D.accept(state, [0, 1], [t])
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= len(keep) + 6)
+        slots.step()
+    del run.hold[0]
+    while len(r0.ids) < len(keep) + 6:
+        events += [e.tokens for e in slots.step() if e.slot == 0]
     want = generate(model, tok, [r0.prompt_ids + keep + [t]], max_new_tokens=5, max_cache_len=256).token_ids[0]
     assert r0.ids[len(keep) + 1:][:5] == want
+    assert sum(events, [r0.ids[0]]) == r0.ids  # the events carried the final tokens only
 
 
 def test_accept_steps_drops_what_a_row_ran_past_its_end(model, tok):
-    """accept_steps (knnlm's round, committed after it ran): each row takes its tokens in
-    order up to its finish; a row that met EOS mid-round keeps none after it and its cache
-    length is set back to the slots it committed; a row that did not step is untouched;
-    every step is counted; a finished row may not step."""
+    """A plug-in's accept_steps (knnlm's round, committed after it ran): each row takes its
+    tokens in order up to its finish; a row that met EOS mid-round keeps none after it and
+    its cache length is set back to the slots it committed; a row that did not step is
+    untouched; every step is counted; a finished row may not step."""
     eos = 2
-    state = D.prefill(engine_for(model), [tok.encode(p) for p in (TEXTS[2][:40], TEXTS[1][:30], TEXTS[0][:20])],
-                      tok, max_len=256, max_new_tokens=64, eos_ids=(eos,))
-    L, steps, row_steps = state.lengths.copy(), state.steps, [r.steps for r in state.rows]
-    ids = [list(r.ids) for r in state.rows]
+    run = EditRun()
+    slots = _slots(model, tok, [TEXTS[2][:40], TEXTS[1][:30], TEXTS[0][:20]], run=run, max_new=64, eos_ids=(eos,))
+    st = slots.state
+    L, steps, row_steps = st.lengths.copy(), st.steps, [r.steps for r in st.rows]
+    ids = [list(r.ids) for r in st.rows]
     a, b, c = tok.encode("abc", add_special_tokens=False)
     active = np.array([[1, 1, 0]] * 3, bool)
     tokens = np.array([[a, b, 0], [eos, c, 0], [c, a, 0]])
-    cache = state.cache.replace(length=state.cache.length + np.asarray(active.sum(axis=0), np.int32))
-    D.accept_steps(state, active, tokens, np.zeros((3, 3)), cache)
-    assert state.rows[0].ids == ids[0] + [a, eos] and state.rows[0].finish == "eos"
-    assert state.rows[1].ids == ids[1] + [b, c, a] and not state.rows[1].finish
-    assert state.rows[2].ids == ids[2] and int(state.root[1]) == a
-    assert list(state.lengths) == [L[0] + 2, L[1] + 3, L[2]] == list(np.asarray(state.cache.length))
-    assert state.steps == steps + 3
-    assert [r.steps for r in state.rows] == [row_steps[0] + 2, row_steps[1] + 3, row_steps[2]]
+
+    def round_(engine, state, *_):  # its own steps' cache: each row's length advanced per step it ran
+        cache = state.cache.replace(length=state.cache.length + np.asarray(active.sum(axis=0), np.int32))
+        accept_steps(state, active, tokens, np.zeros((3, 3)), cache)
+
+    run.edits.append(round_)
+    events = {e.slot: e for e in slots.step()}
+    assert slots.row(0).ids == ids[0] + [a, eos] and slots.row(0).finish == "eos" == events[0].finish
+    assert slots.row(1).ids == ids[1] + [b, c, a] and not slots.row(1).finish
+    assert slots.row(2).ids == ids[2] and int(st.root[1]) == a
+    assert list(st.lengths) == [L[0] + 2, L[1] + 3, L[2]] == list(np.asarray(st.cache.length))
+    assert st.steps == steps + 3
+    assert [r.steps for r in st.rows] == [row_steps[0] + 2, row_steps[1] + 3, row_steps[2]]
+    run.edits.append(lambda engine, state, *_: accept_steps(state, np.array([[1, 1, 0]], bool),
+                                                            np.array([[a, b, 0]]), None, state.cache))
     with pytest.raises(ValueError, match="finished row"):
-        D.accept_steps(state, np.array([[1, 1, 0]], bool), np.array([[a, b, 0]]), None, state.cache)
+        slots.step()
 
 
 class CountingTokenizer(ByteTokenizer):
@@ -370,9 +449,9 @@ def test_streaming_decodes_only_new_tokens(model):
 
 def test_prefill_groups_cut_rows_by_length():
     # rows of one bucket share a block; a long row goes apart from short ones
-    assert D.prefill_groups({0: 10, 1: 12, 2: 15}, 1024) == [[0, 1, 2]]
-    assert D.prefill_groups({0: 1504, 1: 20, 2: 18}, 4096) == [[2, 1], [0]]
-    groups = D.prefill_groups({b: n for b, n in enumerate([300, 5, 290, 7, 40])}, 1024)
+    assert prefill_groups({0: 10, 1: 12, 2: 15}, 1024) == [[0, 1, 2]]
+    assert prefill_groups({0: 1504, 1: 20, 2: 18}, 4096) == [[2, 1], [0]]
+    groups = prefill_groups({b: n for b, n in enumerate([300, 5, 290, 7, 40])}, 1024)
     assert sorted(sum(groups, [])) == [0, 1, 2, 3, 4] and len(groups) > 1
     assert {0, 2} <= set(next(g for g in groups if 0 in g))
 
@@ -390,16 +469,16 @@ def test_mixed_length_batch_prefills_rows_apart_with_the_same_tokens(model, tok,
     lens = [len(r.prompt_token_ids) for r in out.rows]
     assert lens[1] > 4 * max(lens[0], lens[2])  # the rows really differ
     la = generate(model, tok, texts, strategy="lookahead", decoding_length=8, **kw)
-    engine = Engine(model)  # a fresh one: its compilation log holds exactly this prefill's blocks
-    state = D.prefill(engine, [r.prompt_token_ids for r in out.rows], tok, max_len=CACHE, max_new_tokens=4,
-                      sampling=SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"}),
-                      seed=sampling.get("seed", 0))
-    short = D.prompt_bucket(max(lens[0], lens[2]), CACHE)
+    engine = Engine(model)  # a fresh one: its compilation log holds exactly this insert's blocks
+    slots = Slots(engine, tok, 3, CACHE, sampling=SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"}))
+    slots.insert([0, 1, 2], [_request(r.prompt_token_ids, 4, seed=sampling.get("seed", 0)) for r in out.rows])
+    short = prompt_bucket(max(lens[0], lens[2]), CACHE)
     assert [c.split(",")[0] for c in engine.compiled.compilations] == [
-        f"prefill(2x{short}", f"prefill(1x{D.prompt_bucket(lens[1], CACHE)}"]
-    assert [r.ids[0] for r in state.rows] == [x[0] for x in out.token_ids]
+        f"prefill(2x{short}", f"prefill(1x{prompt_bucket(lens[1], CACHE)}"]
+    assert [slots.row(b).ids[0] for b in range(3)] == [x[0] for x in out.token_ids]
 
-    monkeypatch.setattr(D, "prefill_groups", lambda lengths, S: [sorted(lengths)])  # one block, as before
+    # one block, as before (the grouping the state's forward looks up)
+    monkeypatch.setattr("lookahead_jax.core.decode.prefill_groups", lambda lengths, S: [sorted(lengths)])
     one = generate(model, tok, texts, **kw)
     assert out.token_ids == one.token_ids == la.token_ids
     for r, o in zip(out.rows, one.rows):
@@ -434,7 +513,7 @@ def test_top_logprobs_are_the_forward_top_k(model, tok):
         np.testing.assert_allclose(np.take_along_axis(ref[positions], i, axis=-1), v, atol=1e-4)
         assert list(i[:, 0]) == list(ref[positions].argmax(-1))
 
-    P = D.prompt_bucket(n, S)
+    P = prompt_bucket(n, S)
     seeds, rows = engine.put(np.zeros(1, np.uint32)), engine.put(np.zeros(1, np.int32))
     block = np.zeros((1, P), np.int32)
     block[0, :n] = prompt

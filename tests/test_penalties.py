@@ -3,10 +3,11 @@
 * `path_counts` on a literal tree (what each node's own path adds to the row's counts).
 * Plain greedy with penalties == an independent loop: one full causal forward per token,
   HF's `RepetitionPenaltyLogitsProcessor` (torch) and vLLM's presence/frequency formula
-  (numpy), argmax; also after forced output tokens (`decode.extend(as_output=True)`).
+  (numpy), argmax; also after tokens a plug-in forced into the output (`Slots` with a
+  test-only `Run`: rollback + accept).
 * Lookahead (budgets 1/8/32 with a warm trie giving deep paths and with a cold one; batch
   1 and 4; drafts forcing partial and zero acceptance) and SpecInfer greedy give plain greedy's tokens with penalties on; lookahead
-  and SpecInfer's "invariant" sampler give plain sampling's; rollback with penalties.
+  and SpecInfer's "invariant" sampler give plain sampling's; a plug-in's rollback with penalties.
 * Penalized output differs from unpenalized output (else nothing here could fail).
 * Bad values are ValueErrors.
 """
@@ -20,15 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.core import decode as D
+from lookahead_jax.core.decode import rollback
 from lookahead_jax.generate import generate
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.sampling import Penalties
+from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.drafters.ngram_trie import NgramTrie
 from lookahead_jax.core.verify import path_counts
 from test_lossless import OracleDrafter
-from tiny import load_prompts
+from lookahead_jax.strategies import Lookahead
+from tiny import EditRun, force_token, load_prompts
 
 MAX_NEW = 32
 CACHE = 1280
@@ -38,6 +41,11 @@ REFS = [[p["reference"]] for p in PROMPTS][:4]
 REP = dict(repetition_penalty=1.3)
 PF = dict(presence_penalty=0.4, frequency_penalty=0.6)
 ALL = dict(repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.0)
+
+
+def _request(ids, max_new_tokens, **kw) -> Request:
+    """Every request of this file (one place for `Request`'s fields)."""
+    return Request(ids, max_new_tokens, **kw)
 
 
 def drafts_accepted(out) -> bool:
@@ -124,20 +132,24 @@ def test_plain_greedy_equals_the_reference(model, tok, plain, name, pen):
 
 
 def test_forced_output_tokens_count_as_generated(model, tok):
-    """After extend(as_output=True) the forced tokens are generated ids (presence/frequency
-    count them): decoding on equals the reference loop with them as generated."""
-    engine = engine_for(model)
+    """Tokens a plug-in puts in the output (`tiny.force_token`: the step's pick taken back
+    and replaced, as knnlm corrects) are generated ids (presence/frequency count them):
+    decoding on equals the reference loop with them as generated."""
     prompt = tok.encode(TEXTS[2][:50])
     forced = tok.encode(" forced forced", add_special_tokens=False)
-    state = D.prefill(engine, [prompt], tok, max_len=256, max_new_tokens=64, penalties=Penalties(**{
+    run = EditRun()
+    slots = Slots(engine_for(model), tok, 1, 256, run=run, penalties=Penalties(**{
         "repetition": ALL["repetition_penalty"], "presence": ALL["presence_penalty"],
         "frequency": ALL["frequency_penalty"]}))
-    first = state.rows[0].ids[0]
+    slots.insert(0, _request(prompt, 64))
+    first = slots.row(0).ids[0]
     assert first == reference_greedy(model, prompt, 1, ALL)[0]
-    D.extend(engine, state, [0], [forced], as_output=True)
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 1 + len(forced) + 9)
+    run.edits += [force_token(0, t) for t in forced]
+    while len(slots.row(0).ids) < 1 + len(forced) + 9:
+        slots.step()
+    assert slots.row(0).ids[:1 + len(forced)] == [first] + forced
     want = reference_greedy(model, prompt, 9, ALL, generated=[first] + forced)
-    assert state.rows[0].ids[1 + len(forced):][:9] == want
+    assert slots.row(0).ids[1 + len(forced):][:9] == want
 
 
 # ----------------------------------------------------------------------------- lossless
@@ -206,20 +218,29 @@ def test_sampling_equals_plain_sampling(model, tok):
 
 def test_rollback_recounts(model, tok, plain):
     """Rolled back rows are penalized by their context as it now stands: decoding on after
-    a rollback repeats the tokens it rolled back (lookahead, batch 4)."""
-    engine = engine_for(model)
+    a plug-in's rollback (`decode.rollback`, the drafter told) repeats the tokens it rolled
+    back (lookahead, 4 slots)."""
     pen = Penalties(ALL["repetition_penalty"], ALL["presence_penalty"], ALL["frequency_penalty"])
-    state = D.prefill(engine, [tok.encode(p) for p in TEXTS], tok, max_len=CACHE, max_new_tokens=MAX_NEW,
-                      penalties=pen)
-    drafter = TrieDrafter(max_nodes=16)
-    drafter.begin(state, [[tok.encode(r, add_special_tokens=False) for r in refs] for refs in REFS])
-    D.decode(engine, state, drafter, until=lambda s: min(len(r.ids) for r in s.rows) >= 20)
-    for b in (0, 2):
-        D.rollback(state, [b], len(state.rows[b].prompt_ids) + 4, drafter)
-        assert len(state.rows[b].ids) == 5
-    D.decode(engine, state, drafter)
-    drafter.end()
-    assert [r.ids for r in state.rows] == plain["all"]
+    run = EditRun()
+    slots = Slots(engine_for(model), tok, 4, CACHE, Lookahead(decoding_length=16, drafts="trie"),
+                  drafter=TrieDrafter(max_nodes=16), run=run, penalties=pen)
+    slots.insert([0, 1, 2, 3], [_request(tok.encode(p), MAX_NEW, references=[tok.encode(r, add_special_tokens=False)
+                                                                            for r in refs])
+                                for p, refs in zip(TEXTS, REFS)])
+    while min(len(r.ids) for r in slots.state.rows) < 20:
+        slots.step()
+
+    def back(engine, state, drafter, *_):
+        for b in (0, 2):
+            rollback(state, [b], len(state.rows[b].prompt_ids) + 4, drafter)
+            assert len(state.rows[b].ids) == 5
+
+    run.edits.append(back)
+    while slots.busy:
+        slots.step()
+    assert not run.edits  # the rollback ran
+    assert [slots.free(b).ids for b in range(4)] == plain["all"]
+    slots.close()
 
 
 # ----------------------------------------------------------------------------- errors

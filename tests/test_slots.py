@@ -51,6 +51,11 @@ def ids(tok):
     return [tok.encode(t) for t in TEXTS]
 
 
+def _request(ids, max_new_tokens, **kw) -> Request:
+    """The requests this file's newer tests build (one place for `Request`'s fields)."""
+    return Request(ids, max_new_tokens, **kw)
+
+
 def alone(model, tok, i, **kw):
     """Prompt i decoded alone by generate (sampling row i, as in a batch of all prompts)."""
     return generate(model, tok, [TEXTS[i]], max_new_tokens=MAX_NEW, max_cache_len=CACHE, first_index=i,
@@ -212,12 +217,13 @@ def test_draft_budget_measures_outlive_the_batch(model, tok):
     strat = SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2), budget="auto")
     drafter = strat.drafter(engine)
 
-    from lookahead_jax.core import decode as D
     from lookahead_jax.prompts import encode_prompts
 
-    def setup(B):
-        st = D.prefill(engine, encode_prompts(tok, TEXTS[:B], chat=False), tok, max_len=CACHE, max_new_tokens=4)
-        return strat.setup(engine, st, drafter)[2]
+    def setup(B):  # the budget of Slots of B rows, set up at their first insert
+        slots = Slots(engine, tok, B, CACHE, strat, drafter=drafter)
+        slots.insert(list(range(B)), [_request(x, 4) for x in encode_prompts(tok, TEXTS[:B], chat=False)])
+        slots.close()
+        return slots.budget
 
     a = setup(2)
     assert isinstance(a, DraftBudget) and a.delta is None and a.choose() and a.probing

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lookahead_jax.core import decode as D
+from lookahead_jax.core.decode import rollback
 from lookahead_jax.generate import generate
 from lookahead_jax.prompts import encode_prompts
 from lookahead_jax.core import tree as tree_lib
@@ -31,10 +31,11 @@ from lookahead_jax.drafters.merge import merge
 from lookahead_jax.drafters.model import ModelDrafter, check_expansion, expansion_tree
 from lookahead_jax.core.drafts import Draft
 from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.models import forward, init_cache
 from lookahead_jax.core.sampling import SamplingParams, filter_logits
 from lookahead_jax.strategies import SpecInfer
-from tiny import ByteTokenizer, load_prompts, tiny_model
+from tiny import ByteTokenizer, EditRun, load_prompts, tiny_model
 
 chisquare = pytest.importorskip("scipy.stats").chisquare
 
@@ -42,6 +43,11 @@ MAX_NEW = 32
 CACHE = 1280  # the prompts reach 725 tokens
 PROMPTS = load_prompts(4)  # 12 prompts from RAG / code / math
 TEXTS = [p["prompt"] for p in PROMPTS]
+
+
+def _request(ids, max_new_tokens, **kw) -> Request:
+    """Every request of this file (one place for `Request`'s fields)."""
+    return Request(ids, max_new_tokens, **kw)
 
 
 def perturbed(model, scale, seed=0):
@@ -227,12 +233,12 @@ def test_draft_budget_prior_grows_with_the_batch(model, tok, drafts):
     strat = SpecInfer(draft_model=drafts["close"], budget="auto")
     drafter = strat.drafter(engine)
     priors = []
-    for B in (1, 8):
-        st = D.prefill(engine, encode_prompts(tok, (TEXTS * 2)[:B], chat=False), tok, max_len=CACHE,
-                       max_new_tokens=4)
-        _, _, budget = strat.setup(engine, st, drafter)
-        assert isinstance(budget, DraftBudget)
-        priors.append(budget.prior)
+    for B in (1, 8):  # the budget of Slots of B rows, set up at their first insert
+        slots = Slots(engine, tok, B, CACHE, strat, drafter=drafter)
+        slots.insert(list(range(B)), [_request(x, 4) for x in encode_prompts(tok, (TEXTS * 2)[:B], chat=False)])
+        assert isinstance(slots.budget, DraftBudget)
+        priors.append(slots.budget.prior)
+        slots.close()
     assert 1 < priors[0] < priors[1]
 
 
@@ -284,18 +290,27 @@ def test_auto_budget_end_to_end_is_greedy(model, tok, greedy, drafts):
 
 
 def test_model_drafter_rollback(model, tok, greedy, drafts):
-    """Decode, roll rows back (the draft cache too), decode on: still plain greedy."""
+    """Decode, roll rows back (a plug-in's `decode.rollback`: the draft cache too), decode
+    on: still plain greedy (4 slots, a fixed budget)."""
     engine = engine_for(model)
-    ids = encode_prompts(tok, TEXTS[:4], chat=False)
-    st = D.prefill(engine, ids, tok, max_len=CACHE, max_new_tokens=MAX_NEW)
     drafter = ModelDrafter(engine_for(drafts["close"]), (1, 1, 2, 1))
-    drafter.begin(st)
-    D.decode(engine, st, drafter, until=lambda s: s.steps >= 4)
-    back = [int(st.lengths[b]) - 3 for b in range(4)]
-    for b in range(4):
-        D.rollback(st, [b], back[b], drafter)
-    D.decode(engine, st, drafter)
-    assert [r.ids for r in st.rows] == greedy[:4]
+    run = EditRun()
+    slots = Slots(engine, tok, 4, CACHE, SpecInfer(draft_model=drafts["close"], expansion=(1, 1, 2, 1),
+                                                    budget="fixed"), drafter=drafter, run=run)
+    slots.insert(list(range(4)), [_request(x, MAX_NEW) for x in encode_prompts(tok, TEXTS[:4], chat=False)])
+    while slots.state.steps < 4:
+        slots.step()
+
+    def back(engine, state, drafter, *_):
+        for b in range(4):
+            rollback(state, [b], int(state.lengths[b]) - 3, drafter)
+
+    run.edits.append(back)
+    while slots.busy:
+        slots.step()
+    assert not run.edits  # the rollback ran
+    assert [slots.free(b).ids for b in range(4)] == greedy[:4]
+    slots.close()
 
 
 def test_merge_shares_prefixes():

@@ -127,3 +127,61 @@ def pin_verify_costs(monkeypatch, ratio):
     monkeypatch.setattr(budget_lib.StepTimes, "record", lambda self, T, window, seconds: None)
     # nor do ratios that earlier tests' real steps left in the engine's shared StepTimes
     monkeypatch.setattr(budget_lib.StepTimes, "ratio", lambda self, T: (None, 0))
+
+
+class EditRun:
+    """Test-only `strategies.base.Run` written against the plug-in edits alone (as knnlm's
+    run uses them): plugged into `Slots(run=...)`, each turn is the loop's verify step
+    (`core.decode.step`), or, when the test queued one, a turn of its own
+    (`edits`: callables (engine, state, drafter, rule, budget), run one a turn, oldest
+    first; e.g. `decode.rollback` + `decode.accept`, with or without a step before). The
+    tokens of row b past `hold[b]` are held from the events until the test drops the entry
+    (a turn may still take them back)."""
+
+    extra_tokens, extra_note, picks_first_token = 0, "", False
+
+    def __init__(self):
+        self.edits: list = []
+        self.hold: dict = {}
+
+    def add(self, state, rows, prompt_ids, spans=None) -> list:
+        return list(prompt_ids)
+
+    def step(self, engine, state, drafter, rule, budget) -> None:
+        if self.edits:
+            self.edits.pop(0)(engine, state, drafter, rule, budget)
+        else:
+            from lookahead_jax.core.decode import step
+
+            step(engine, state, drafter, rule, budget)
+
+    def final_upto(self, state, b: int) -> int:
+        return min(len(state.rows[b].ids), self.hold.get(b, len(state.rows[b].ids)))
+
+    def remove(self, rows) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def row_stats(self, b: int):
+        return None
+
+    def summary(self) -> dict:
+        return {}
+
+
+def force_token(b: int, token: int):
+    """An `EditRun` turn that puts `token` in row b's output as a plug-in does (knnlm's
+    correction): the loop's step forwards the root (its K/V lands at slot lengths[b]) and
+    picks a token, which is taken back (`decode.rollback` to that slot) and replaced
+    (`decode.accept` of `token`, the root's K/V already cached)."""
+
+    def turn(engine, state, drafter, rule, budget):
+        from lookahead_jax.core.decode import accept, rollback, step
+
+        step(engine, state, drafter, rule, budget)
+        rollback(state, [b], int(state.lengths[b]) - 1, drafter)
+        accept(state, [b], [token])
+
+    return turn
