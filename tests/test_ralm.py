@@ -8,7 +8,8 @@ every run RaLMSpec's re-prefills are RaLM's (a passage changes only on a verifie
 OS3's s = 0 in a real run: test_every_speculation_wrong[auto]; OS3's cost model:
 tests/test_os3.py). RaLM itself is checked
 against its definition (one plain generate per stride) and against plain greedy on the
-prompt with the passage written in. `decode.replace_prompt` against a fresh prefill.
+prompt with the passage written in (`decode.replace_prompt` against a fresh prefill:
+tests/test_replace_prompt.py).
 Small corpora made here from words the model writes, so the top-1 passage really changes."""
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import zlib
 import numpy as np
 import pytest
 
-import lookahead_jax.core.decode as D
 from lookahead_jax.generate import generate
 from lookahead_jax import retrieval as R
 from lookahead_jax.core.engine import engine_for
@@ -664,118 +664,6 @@ def test_errors(model, tok, corpus, bm25, tmp_path):
     assert out.stats["cache_len"] == 256
 
 
-# ------------------------------------------------------------------------- replace_prompt
-def test_replace_prompt_equals_a_fresh_prefill(model, tok):
-    """Row 0 gets a new prompt and keeps 5 generated ids: its K/V and next tokens are those
-    of a fresh prefill of new prompt + the 5 ids; row 1 decodes on untouched."""
-    engine = engine_for(model)
-    a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[4])
-    state = D.prefill(engine, [a, b], tok, max_len=256, max_new_tokens=32)
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 9)
-    kept, row1 = state.rows[0].ids[:5], list(state.rows[1].ids)
-    new = tok.encode("a passage put first\n\n") + a[1:]
-    D.replace_prompt(engine, state, [0], [new], [5])
-    fresh = D.prefill(engine, [new + kept, b], tok, max_len=256, max_new_tokens=32)
-    assert state.rows[0].prompt_ids == new and state.rows[0].ids == kept and state.rows[0].finish is None
-    n = int(state.lengths[0])
-    assert n == len(new) + 4 == int(np.asarray(state.cache.length)[0]) and state.root[0] == kept[-1]
-    for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
-        np.testing.assert_allclose(np.asarray(x)[0, :, :n], np.asarray(y)[0, :, :n], atol=1e-5, rtol=1e-5)
-    D.decode(engine, state, until=lambda s: len(s.rows[0].ids) >= 14)
-    # row 0's forward made no token: both rows took the same 9 steps (+1 forward for row 0)
-    assert len(state.rows[1].ids) == len(row1) + 9 and state.rows[0].steps == state.rows[1].steps + 1
-    D.decode(engine, fresh, until=lambda s: len(s.rows[0].ids) >= 9)
-    assert state.rows[0].ids[5:14] == fresh.rows[0].ids[:9]
-    assert state.rows[1].ids[:len(row1)] == row1
-    # errors leave the state as it was
-    before = (list(state.rows[0].ids), state.lengths.copy())
-    with pytest.raises(ValueError, match="can keep"):
-        D.replace_prompt(engine, state, [0], [new], [len(state.rows[0].ids) + 1])
-    with pytest.raises(ValueError, match="can keep"):
-        D.replace_prompt(engine, state, [0], [new], [32])
-    with pytest.raises(ValueError, match="cache slots"):
-        D.replace_prompt(engine, state, [0], [[5] * 260], [0])
-    with pytest.raises(ValueError, match="distinct rows"):
-        D.replace_prompt(engine, state, [0, 0], [new, new], [1, 1])
-    assert state.rows[0].ids == before[0] and (state.lengths == before[1]).all()
-
-
-def test_replace_prompt_keeps_the_shared_prefix(model, tok):
-    """Rows re-prefilled together keep different prefixes of their old context in the cache:
-    none (another first token), the head before a passage, the whole new context but the
-    root (the same prompt, fewer generated ids: no forward), a prompt reaching into the
-    generated ids; each row's K/V, next tokens and their log-probabilities are those of a
-    fresh prefill of its new context, and a row left out decodes on untouched."""
-    engine = engine_for(model)
-    texts = [PROMPTS[i] for i in (0, 2, 4, 6, 8)]
-    old = [tok.encode(t) for t in texts]
-    state = D.prefill(engine, old, tok, max_len=256, max_new_tokens=32, logprobs=True)
-    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows) >= 8)
-    gen = [list(r.ids) for r in state.rows]
-    row4 = list(gen[4])
-    passage = tok.encode("a passage put first\n\n", add_special_tokens=False)
-    prompts = [[7] + old[0][1:],  # another first token: nothing kept
-               old[1][:12] + passage + old[1][12:],  # the head (12 tokens) kept
-               old[2],  # the same prompt with 3 of its generated ids: all but the root kept
-               old[3] + gen[3][:3] + [9]]  # into the generated ids, then another token
-    keep = [5, 2, 3, 4]
-    kept = D.replace_prompt(engine, state, [0, 1, 2, 3], prompts, keep)
-    ctx = [p + gen[b][:g] for b, (p, g) in enumerate(zip(prompts, keep))]
-    assert kept.tolist() == [0, 12, len(ctx[2]) - 1, len(old[3]) + 3]
-    # a prefill from slot 0 of each new context (its last token left as the root)
-    fresh = D.prefill(engine, ctx + [old[4]], tok, max_len=256, max_new_tokens=32, logprobs=True, emit=False)
-    for b in range(4):
-        n = int(state.lengths[b])
-        assert state.rows[b].prompt_ids == prompts[b] and state.rows[b].ids == gen[b][:keep[b]]
-        assert n == len(ctx[b]) - 1 == int(np.asarray(state.cache.length)[b]) and state.root[b] == ctx[b][-1]
-        for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
-            np.testing.assert_allclose(np.asarray(x)[b, :, :n], np.asarray(y)[b, :, :n], atol=1e-5, rtol=1e-5)
-    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows[:4]) >= 14)
-    D.decode(engine, fresh, until=lambda s: min(len(r.ids) for r in s.rows[:4]) >= 14 - min(keep))
-    for b in range(4):
-        got, want = state.rows[b], fresh.rows[b]
-        m = min(len(got.ids) - keep[b], len(want.ids))
-        assert got.ids[keep[b]:keep[b] + m] == want.ids[:m] and m >= 6
-        np.testing.assert_allclose(got.logprobs[keep[b]:keep[b] + m], want.logprobs[:m], atol=1e-4)
-    assert state.rows[4].ids[:len(row4)] == row4
-
-
-def test_replace_prompt_tells_a_model_drafter_the_kept_length(model, tok):
-    """The draft model's own cache is set back to each row's kept prefix (the target as its
-    own draft): its next drafts are a fresh drafter's on a fresh prefill of the new
-    contexts, and decoding on gives that prefill's tokens."""
-    from lookahead_jax.drafters.model import ModelDrafter
-
-    engine = engine_for(model)
-    old = [tok.encode(PROMPTS[i]) for i in (1, 3, 5)]
-    state = D.prefill(engine, old, tok, max_len=256, max_new_tokens=32)
-    drafter = ModelDrafter(engine, (1, 1, 1))
-    drafter.begin(state)
-    D.decode(engine, state, drafter, until=lambda s: min(len(r.ids) for r in s.rows) >= 8)
-    gen = [list(r.ids) for r in state.rows]
-    passage = tok.encode("another passage\n\n", add_special_tokens=False)
-    prompts = [old[0][:10] + passage + old[0][10:], old[1], [7] + old[2][1:]]
-    keep = [3, 2, 4]
-    kept = D.replace_prompt(engine, state, [0, 1, 2], prompts, keep, drafter=drafter)
-    ctx = [p + gen[b][:g] for b, (p, g) in enumerate(zip(prompts, keep))]
-    assert kept.tolist() == [10, len(ctx[1]) - 1, 0] and drafter.dlen.tolist() == kept.tolist()
-    fresh = D.prefill(engine, ctx, tok, max_len=256, max_new_tokens=32, emit=False)
-    other = ModelDrafter(engine, (1, 1, 1))
-    other.begin(fresh)
-    got, want = drafter.propose(state, 3), other.propose(fresh, 3)
-    assert [d.tokens for d in got.drafts] == [d.tokens for d in want.drafts]
-    n = drafter.dlen
-    assert n.tolist() == other.dlen.tolist() == [len(c) for c in ctx]  # each context, root included
-    for x, y in zip(drafter.cache.k + drafter.cache.v, other.cache.k + other.cache.v):
-        for b in range(3):
-            np.testing.assert_allclose(np.asarray(x)[b, :, :n[b]], np.asarray(y)[b, :, :n[b]], atol=1e-5, rtol=1e-5)
-    D.decode(engine, state, drafter, until=lambda s: min(len(r.ids) for r in s.rows) >= 16)
-    D.decode(engine, fresh, until=lambda s: min(len(r.ids) for r in s.rows) >= 12)
-    for b in range(3):
-        m = min(len(state.rows[b].ids) - keep[b], len(fresh.rows[b].ids))
-        assert state.rows[b].ids[keep[b]:keep[b] + m] == fresh.rows[b].ids[:m] and m >= 12
-
-
 def test_reprefills_forward_only_what_the_cache_lacks(model, tok, bm25, corpus):
     """Chat prompts: a re-prefill keeps at least the head (the template's tokens before the
     user's question, where the passage goes) in the cache and forwards the rest; kept +
@@ -797,32 +685,3 @@ def test_reprefills_forward_only_what_the_cache_lacks(model, tok, bm25, corpus):
     spec = run(model, tok, msgs, RaLMSpec(**{**kw, "retriever": Forced(bm25, "wrong")}, speculation_stride=2))
     assert_same(spec, base)
     assert spec.stats["rollbacks"] > 0 and spec.stats["retrieval"]["reused_tokens"] > 0
-
-
-def test_replace_prompt_of_every_row_in_one_block(model, tok, monkeypatch):
-    """Every row of the batch re-prefilled in one block (the whole-batch forward), from
-    different kept lengths: a fresh prefill's K/V and tokens."""
-    engine = engine_for(model)
-    calls = []
-    extend = engine.extend
-    monkeypatch.setattr(engine, "extend", lambda *a, **k: calls.append(k.get("sel")) or extend(*a, **k))
-    old = [tok.encode(PROMPTS[i]) for i in (0, 3)]
-    state = D.prefill(engine, old, tok, max_len=256, max_new_tokens=32)
-    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows) >= 6)
-    gen = [list(r.ids) for r in state.rows]
-    passage = tok.encode("some passage\n\n", add_special_tokens=False)
-    prompts = [old[0][:9] + passage + old[0][9:], [7] + old[1][1:]]
-    calls.clear()
-    kept = D.replace_prompt(engine, state, [0, 1], prompts, [4, 4])
-    ctx = [p + g[:4] for p, g in zip(prompts, gen)]
-    assert kept.tolist() == [9, 0] and calls == [None]  # one forward of the whole batch
-    fresh = D.prefill(engine, ctx, tok, max_len=256, max_new_tokens=32, emit=False)
-    for b in range(2):
-        n = int(state.lengths[b])
-        assert n == len(ctx[b]) - 1 == int(fresh.lengths[b]) and state.root[b] == ctx[b][-1]
-        for x, y in zip(state.cache.k + state.cache.v, fresh.cache.k + fresh.cache.v):
-            np.testing.assert_allclose(np.asarray(x)[b, :, :n], np.asarray(y)[b, :, :n], atol=1e-5, rtol=1e-5)
-    D.decode(engine, state, until=lambda s: min(len(r.ids) for r in s.rows) >= 14)
-    D.decode(engine, fresh, until=lambda s: min(len(r.ids) for r in s.rows) >= 10)
-    for b in range(2):
-        assert state.rows[b].ids[4:14] == fresh.rows[b].ids[:10]
