@@ -1,32 +1,33 @@
-"""Decode state and the one decode loop every strategy runs.
+"""The decode state's one loop step and its edits; `core.slots.Slots` drives them.
 
-    state = prefill(engine, prompt_ids, ...)        # prompt forward, first token per row
-    decode(engine, state, drafter, rule, budget)    # draft -> verify -> commit, until done
+    slots.insert(...)   # forward_rows: the prompt forward, first token per row
+    slots.step()        # step: draft -> verify -> commit over the live rows
 
-`DecodeState` is everything about one batch in flight: per row the prompt, the verified
-generated ids, the finish reason and its text (`RowState`), its sampling parameters and
-penalties (host values on the row, arrays on device: `set_row_values`); the KV cache; the
-root of every row (its last emitted token, not yet in the cache); the committed cache
-length (host mirror of `cache.length`). Invariant per row: cache slots 0..length-1 hold
-`context[:length]` and `root = context[length]`, where context = prompt + generated.
+`DecodeState` (state.py) is everything about one batch in flight: per row the prompt, the
+verified generated ids, the finish reason and its text (`RowState`), its sampling
+parameters and penalties (host values on the row, arrays on device: `set_row_values`); the
+KV cache; the root of every row (its last emitted token, not yet in the cache); the
+committed cache length (host mirror of `cache.length`). Invariant per row: cache slots
+0..length-1 hold `context[:length]` and `root = context[length]`, where context = prompt +
+generated.
 
-State edits for outer loops (retrieval-augmented decoding, chunked prefill):
+The plug-in hooks: what a strategy's `Run` (strategies/base.py), which drives the loop
+itself between steps (retrieval-augmented decoding, knnlm), may do to the state:
 
+* `step(engine, state, drafter, rule, budget)`: one verify step of the loop (below).
 * `rollback(state, rows, to_length)`: set the rows back to `to_length` committed slots;
   the cache just sets `length` back (slots past it are overwritten later), the generated
   ids are cut to match, the drafter is told.
-* `extend(engine, state, rows, tokens)`: forward new tokens at each row's current
-  position into the existing cache (a prefill that does not start at 0) and pick the
-  next token, as prefill does.
 * `replace_prompt(engine, state, rows, prompts, keep_generated)`: a new prompt for the
   rows (e.g. another retrieved passage before the question), their first generated ids
   kept; the cache keeps the prefix the new context shares with the old one and the rest
   is forwarded (its last token left as the root).
-* `accept(state, rows, tokens, cache=)` (with `set_logprob`): for a strategy whose own
-  jitted step forwards the roots and picks each token (knnlm): commit the roots, append
-  the tokens as the new roots.
+* `accept(state, rows, tokens, cache=)` (with `set_logprob`, `accept_steps`): for a
+  strategy whose own jitted step forwards the roots and picks each token (knnlm): commit
+  the roots, append the tokens as the new roots.
+* `call_compiled`: a strategy's own jitted step, its compilation counted.
 
-One step of `decode`: the drafter proposes a `DraftBatch` for the active rows; the
+One `step`: the drafter proposes a `DraftBatch` for the active rows; the
 budget policy caps it (`budget.FixedBudget`, `budget.AutoBudget`); the drafts are packed
 with the roots into a static block (`tree.py`) and verified in one jitted forward with the
 acceptance rule (`verify.py`, `acceptance.py`); each row keeps its emitted tokens up to
@@ -46,11 +47,7 @@ import jax
 import numpy as np
 
 from . import tree as tree_lib
-from .acceptance import TokenMatch
-from .budget import FixedBudget
 from .drafts import DraftBatch
-from .rows import RowState
-from .sampling import Penalties, SamplingParams
 from .state import DecodeState, StepResult  # noqa: F401 - the loop's state, re-exported
 from .verify import WINDOW_MIN, WINDOW_STEP, fit_draft_probs
 
@@ -71,68 +68,6 @@ def timed(engine, state, fn, meanwhile: Optional[Callable[[], None]] = None):
     dc = engine.compiled.compile_s - c0
     state.compile_s += dc
     return out, cache, time.perf_counter() - t0 - dc, dc > 0
-
-
-def prefill(engine, prompt_ids: Sequence[Sequence[int]], tokenizer, *, max_len: int,
-            max_new_tokens: int, sampling: SamplingParams = SamplingParams(), seed: int = 0,
-            first_index: int = 0, eos_ids=(), stop=(), on_text=None, min_new_tokens: int = 0,
-            logprobs: bool = False, penalties: Penalties = Penalties(), emit: bool = True) -> DecodeState:
-    """A new batch: the prompt forward, each row's first token chosen (as `extend` from an
-    empty cache). Rows are right-padded to a bucketed length. min_new_tokens: EOS (all of
-    `eos_ids`) is banned until that many tokens are out; logprobs: keep each generated
-    token's log-probability (`RowState.logprobs`); penalties: `sampling.Penalties`, applied
-    at every step (this one included). emit=False: no token is chosen; each prompt's last
-    token stays uncommitted as the row's root (for a strategy that picks every token
-    itself, e.g. knnlm, whose first step forwards it)."""
-    B = len(prompt_ids)
-    rows = [RowState(i, x, tokenizer, set(eos_ids), tuple(stop), max_new_tokens, on_text)
-            for i, x in enumerate(prompt_ids)]
-    state = DecodeState(
-        rows=rows, cache=engine.init_cache(B, max_len), lengths=np.zeros(B, np.int64),
-        root=np.zeros(B, np.int32), seeds=engine.put(np.full(B, seed, np.uint32)),
-        rowids=engine.put(np.arange(first_index, first_index + B, dtype=np.int32)),
-        sampling=sampling, max_len=max_len, min_new=int(min_new_tokens), ban=tuple(sorted(set(eos_ids))),
-        logprobs=bool(logprobs), penalties=penalties, vocab=int(engine.config.vocab_size),
-    )
-    for r in rows:
-        r.min_new = state.min_new
-        if logprobs:
-            r.logprobs = []
-    state.set_row_values(engine.put)
-    state.t_start = time.perf_counter()
-    forward_rows(engine, state, list(range(B)), emit=emit)
-    state.prefill_s = state.elapsed()  # time to the first token (emit=False: to the prompt's end)
-    return state
-
-
-def extend(engine, state: DecodeState, rows: Sequence[int], tokens: Sequence[Sequence[int]],
-           *, as_output: bool = False) -> np.ndarray:
-    """Forward `tokens[i]` after row `rows[i]`'s context (its uncommitted root first, then
-    the new tokens) into the existing cache, and append the model's next token to the
-    row's output, as prefill does after a prompt: a prefill that does not start at 0.
-
-    as_output=False: the tokens are context (e.g. a retrieved passage, the next chunk of a
-    long prompt): they join `prompt_ids`, so the row must have no generated tokens yet
-    (`rollback` to the prompt first). as_output=True: they are forced output tokens,
-    appended to the row's generated ids. Returns the next token of each extended row."""
-    state.flush()  # a step's deferred bookkeeping before the edit
-    rows = list(rows)
-    if len(tokens) != len(rows):
-        raise ValueError(f"extend: {len(tokens)} token lists for {len(rows)} rows")
-    for b, new in zip(rows, tokens):
-        new = [int(t) for t in new]
-        r = state.rows[b]
-        if not new:
-            raise ValueError(f"extend: no tokens for row {b}")
-        if as_output:
-            r.ids += new
-        elif r.ids:
-            raise ValueError(f"extend: row {b} has generated tokens; pass as_output=True, "
-                             "or rollback the row to its prompt first")
-        else:
-            r.prompt_ids += new
-        r.finish = None
-    return forward_rows(engine, state, rows)
 
 
 def extend_block(engine, state: DecodeState, group, block, n_new, *, window: int, emit: bool, ahead=None):
@@ -335,7 +270,7 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
     in its slots, context[:length]) and the new context, at most all of it but the root
     (the prompt head before a passage: chat template, instruction); the row's length is
     set back to it (the slots past it are overwritten) and only the rest is forwarded, in
-    right-padded blocks from each row's kept length (`forward_rows`, as `extend`): the
+    right-padded blocks from each row's kept length (`forward_rows`, as a chunked prefill): the
     K/V of a prefill of the whole new context from slot 0 (to float rounding, as a
     chunked prefill's). A row whose whole new
     context but the root is kept (e.g. the same prompt with fewer generated ids) is set
@@ -394,29 +329,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-# ----------------------------------------------------------------------------- the loop
-def decode(engine, state: DecodeState, drafter=None, rule=None, budget=None,
-           until: Optional[Callable[[DecodeState], bool]] = None) -> DecodeState:
-    """Decode until every row has finished (or `until(state)` is true before a step).
-
-    drafter: a `drafters.base.Drafter` (None: plain decoding). rule: the acceptance rule
-    (default `TokenMatch(state.sampling)`). budget: the budget policy (default a fixed
-    budget of the drafter's `max_nodes`, or 0 without a drafter)."""
-    rule = rule if rule is not None else TokenMatch(state.sampling)
-    if budget is None:
-        budget = FixedBudget(drafter.max_nodes if drafter is not None else 0)
-    try:
-        while True:
-            state.mark_finished()
-            if not state.active.any() or (until is not None and until(state)):
-                break
-            step(engine, state, drafter, rule, budget)
-    finally:  # tree sizes queued in `step` and not needed (or Ctrl-C): not loaded
-        state.flush()
-        engine.compiled.settle(cancel=True)
-    return state
-
-
+# ----------------------------------------------------------------------------- the step
 def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     """One propose -> verify -> accept over the active rows (there must be one): the
     drafter proposes, the budget caps it, the block is verified in one forward, each row

@@ -49,7 +49,7 @@ once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its
 `Phase.PREFILLING`, so the decode step, the drafter and the budget skip it), and each `step`, after
 its verify step over the decoding slots, forwards the next block of the oldest prefilling
 slot (one block of at most C tokens per step, first come first served). A block reads the
-cached prefix (`forward_rows`, as `decode.extend`), and its last token stays uncached as
+cached prefix (`decode.forward_rows`), and its last token stays uncached as
 the row's root, re-forwarded first in the next block (the row's invariant holds between
 blocks): a prompt of L > C tokens takes ceil((L - 1) / (C - 1)) blocks, the insert's and
 one per step after it. With a `step_budget` k a step forwards more blocks (oldest prefilling
@@ -447,7 +447,7 @@ class Slots:
         """The next block of each prefilling slot's prompt: its cached rows end at
         `lengths[s]` and its root (the last token forwarded, not yet cached) is the prompt's
         token there, so a block forwards prompt[lengths[s]:][:C] (`forward_rows`, which
-        reads the cached prefix, as `decode.extend` does). A block that reaches the prompt's
+        reads the cached prefix). A block that reaches the prompt's
         end is the last: the row gets its first token as a whole prefill gives it (same
         position, so the same sampling key) and decodes; otherwise the block's last token
         stays the root (emit=False) and the row still holds prompt[:lengths[s] + 1]."""

@@ -1,6 +1,6 @@
 """The drafter protocol: how a way of proposing drafts plugs into the decode loop.
 
-The loop (`decode.decode`) calls a drafter once per step for the whole batch:
+The loop (`decode.step`, driven by `Slots`) calls a drafter once per step for the whole batch:
 
     begin(state, references, rows=None)
                                requests start on `rows` (None: every row, a new batch);
