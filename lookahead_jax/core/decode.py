@@ -31,7 +31,8 @@ One `step`: the drafter proposes a `DraftBatch` for the active rows; the
 budget policy caps it (`budget.FixedBudget`, `budget.AutoBudget`); the drafts are packed
 with the roots into a static block (`tree.py`) and verified in one jitted forward with the
 acceptance rule (`verify.py`, `acceptance.py`); each row keeps its emitted tokens up to
-EOS / stop string / max length (`RowState.accept`, which also streams text); the drafter
+EOS / stop string / max length (`DecodeState.commit`, the one per-row commit, which every
+path that adds tokens to a row goes through: prefill, step, plain_steps, a run's `accept`); the drafter
 and the budget see the outcome. Greedy is the same loop with no drafter (T = 0).
 With `state.overlap` a step's budget scoring and, where `Drafter.defer_update` allows, the
 drafter's update (the next draft then uses stores a step behind) run while the next step's forward
@@ -114,13 +115,11 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     nxt_all, lps_all = _forward_blocks(engine, state, blocks, emit)
     state.steps += 1  # one step of the batch, whatever its blocks (each row forwarded once)
     for b in rows:
-        r = state.rows[b]
-        r.steps += 1
-        if not emit:
+        if not emit:  # the context's last token stays the root: a step, nothing to commit
+            state.rows[b].steps += 1
             state.root[b] = state.context(b)[-1]
             continue
-        r.accept([nxt_all[b]], None if lps_all is None else [lps_all[b]])
-        state.root[b] = nxt_all[b]
+        state.commit(b, [nxt_all[b]], None if lps_all is None else [lps_all[b]])
     state.mark_finished()
     return nxt_all[rows]
 
@@ -189,11 +188,8 @@ def accept(state: DecodeState, rows: Sequence[int], tokens, logprobs=None, cache
         state.cache, state.steps = cache, state.steps + 1
     else:
         state.cache = state.cache.replace(length=state.cache.length.at[np.asarray(rows)].add(1))
-    kept = []
-    for i, b in enumerate(rows):
-        state.rows[b].steps += cache is not None
-        kept.append(state.rows[b].accept([int(tokens[i])], None if logprobs is None else [float(logprobs[i])]))
-        state.root[b] = int(tokens[i])
+    kept = [state.commit(b, [int(tokens[i])], None if logprobs is None else [float(logprobs[i])],
+                         steps=int(cache is not None)) for i, b in enumerate(rows)]
     state.mark_finished()
     return kept
 
@@ -375,11 +371,8 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     state.steps += 1
     kept = [[] for _ in range(B)]
     for b in np.flatnonzero(active):
-        r = state.rows[b]
         n = int(n_emit[b])
-        r.steps += 1
-        kept[b] = r.accept(emitted[b, :n], None if lps is None else lps[b, :n])
-        state.root[b] = emitted[b, n - 1]
+        kept[b] = state.commit(b, emitted[b, :n], None if lps is None else lps[b, :n])
     result = StepResult(emitted, n_emit, path, kept, T, window,
                         np.array([len(d) for d in drafts.drafts], np.int32))
     defer = state.overlap and getattr(drafter, "defer_update", False)  # `Drafter.defer_update`

@@ -62,15 +62,9 @@ def plain_steps(engine, state: DecodeState, rule, steps: int) -> StepResult:
     state.steps += int(n_emit.max(initial=0))
     state.tree_sizes += [0] * int(n_emit.max(initial=0))
     kept = [[] for _ in range(B)]
-    for b in np.flatnonzero(n_emit):
-        r = state.rows[b]
+    for b in np.flatnonzero(n_emit):  # token by token, as single steps hand them over (stop strings, streaming)
         n = int(n_emit[b])
-        for j in range(n):  # token by token, as single steps hand them over (stop strings, streaming)
-            r.steps += 1
-            kept[b] += r.accept(emitted[b, j:j + 1], None if lps is None else lps[b, j:j + 1])
-            if r.finish:
-                break
-        state.root[b] = emitted[b, n - 1]
+        kept[b] = state.commit(b, emitted[b, :n], None if lps is None else lps[b, :n], each=True)
     state.host_s += time.perf_counter() - h0
     state.mark_finished()
     return StepResult(emitted, n_emit, np.zeros_like(emitted), kept, 0, mode.window, np.zeros(B, np.int32))

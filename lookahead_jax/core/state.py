@@ -1,5 +1,6 @@
 """The decode state: one batch in flight (`DecodeState`) and what one verify step did to
-it (`StepResult`). The loop and the state edits are in `decode.py`, which re-exports both.
+it (`StepResult`). The loop and the state edits are in `decode.py`, which re-exports both;
+every commit of a row's emitted tokens goes through `DecodeState.commit`.
 
 Per row: the prompt, the verified generated ids, the finish reason and its text
 (`RowState`), its sampling parameters and penalties (host values on the row, arrays on
@@ -248,6 +249,29 @@ class DecodeState:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start - self.compile_s
+
+    def commit(self, b: int, tokens, logprobs=None, *, steps: int = 1, each: bool = False) -> list:
+        """The one commit of a row's tokens (prefill, a verify step, plain_steps' block, a
+        run's `accept`): row b takes `tokens` (what its forward emitted, with their
+        log-probabilities where kept) up to EOS / stop string / max length
+        (`RowState.accept`, which also streams text), `steps` forward steps are counted on
+        it, and the last token emitted is its new root (not yet in the cache). each: token
+        by token, one step each, up to its finish (a block of plain steps hands them over as
+        single steps would: stop strings, streaming). The caller advances `lengths` and
+        then calls `mark_finished`. Returns the tokens the row kept."""
+        r = self.rows[b]
+        if each:
+            kept = []
+            for j in range(len(tokens)):
+                r.steps += 1
+                kept += r.accept(tokens[j:j + 1], None if logprobs is None else logprobs[j:j + 1])
+                if r.finish:
+                    break
+        else:
+            r.steps += steps
+            kept = r.accept(tokens, logprobs)
+        self.root[b] = tokens[-1]
+        return kept
 
     def mark_finished(self) -> None:  # the finish time of rows that just finished
         for r in self.rows:
