@@ -26,6 +26,7 @@ from lookahead_jax.drafters.suffix import SuffixDrafter
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.core.drafts import Draft, DraftBatch
 from lookahead_jax.core.engine import Engine, engine_for
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.strategies import Greedy, Lookahead
 from tiny import ByteTokenizer, EditRun, force_token, load_prompts, tiny_model
@@ -238,7 +239,8 @@ def test_engines_of_models_without_weakrefs_die_with_them(tok):
 
 def _request(ids, max_new_tokens, **kw) -> Request:
     """Every request of this file (one place for `Request`'s fields)."""
-    return Request(ids, max_new_tokens, **kw)
+    fields = {k: kw.pop(k) for k in ("strategy", "sampling_row", "references", "on_text") if k in kw}
+    return Request(ids, GenerationParams(max_new_tokens=max_new_tokens, **kw), **fields)
 
 
 def _slots(model, tok, prompts, S=256, max_new=32, **kw) -> Slots:
@@ -471,7 +473,7 @@ def test_mixed_length_batch_prefills_rows_apart_with_the_same_tokens(model, tok,
     la = generate(model, tok, texts, strategy="lookahead", decoding_length=8, **kw)
     engine = Engine(model)  # a fresh one: its compilation log holds exactly this insert's blocks
     slots = Slots(engine, tok, 3, CACHE, sampling=SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"}))
-    slots.insert([0, 1, 2], [_request(r.prompt_token_ids, 4, seed=sampling.get("seed", 0)) for r in out.rows])
+    slots.insert([0, 1, 2], [_request(r.prompt_token_ids, 4, **sampling) for r in out.rows])
     short = prompt_bucket(max(lens[0], lens[2]), CACHE)
     assert [c.split(",")[0] for c in engine.compiled.compilations] == [
         f"prefill(2x{short}", f"prefill(1x{prompt_bucket(lens[1], CACHE)}"]

@@ -26,6 +26,7 @@ from lookahead_jax.generate import generate
 from lookahead_jax.drafters.trie import TrieDrafter
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.sampling import Penalties
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.drafters.ngram_trie import NgramTrie
 from lookahead_jax.core.verify import path_counts
@@ -45,7 +46,8 @@ ALL = dict(repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=1.0)
 
 def _request(ids, max_new_tokens, **kw) -> Request:
     """Every request of this file (one place for `Request`'s fields)."""
-    return Request(ids, max_new_tokens, **kw)
+    fields = {k: kw.pop(k) for k in ("strategy", "sampling_row", "references", "on_text") if k in kw}
+    return Request(ids, GenerationParams(max_new_tokens=max_new_tokens, **kw), **fields)
 
 
 def drafts_accepted(out) -> bool:
@@ -141,7 +143,7 @@ def test_forced_output_tokens_count_as_generated(model, tok):
     slots = Slots(engine_for(model), tok, 1, 256, run=run, penalties=Penalties(**{
         "repetition": ALL["repetition_penalty"], "presence": ALL["presence_penalty"],
         "frequency": ALL["frequency_penalty"]}))
-    slots.insert(0, _request(prompt, 64))
+    slots.insert(0, _request(prompt, 64, **ALL))  # a run's requests bring the slots' penalties
     first = slots.row(0).ids[0]
     assert first == reference_greedy(model, prompt, 1, ALL)[0]
     run.edits += [force_token(0, t) for t in forced]
@@ -224,7 +226,7 @@ def test_rollback_recounts(model, tok, plain):
     run = EditRun()
     slots = Slots(engine_for(model), tok, 4, CACHE, Lookahead(decoding_length=16, drafts="trie"),
                   drafter=TrieDrafter(max_nodes=16), run=run, penalties=pen)
-    slots.insert([0, 1, 2, 3], [_request(tok.encode(p), MAX_NEW, references=[tok.encode(r, add_special_tokens=False)
+    slots.insert([0, 1, 2, 3], [_request(tok.encode(p), MAX_NEW, **ALL, references=[tok.encode(r, add_special_tokens=False)
                                                                             for r in refs])
                                 for p, refs in zip(TEXTS, REFS)])
     while min(len(r.ids) for r in slots.state.rows) < 20:

@@ -11,6 +11,7 @@ import pytest
 
 from lookahead_jax.core.decode import replace_prompt, rollback
 from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.strategies import SpecInfer
 from tiny import EditRun, load_prompts
@@ -20,7 +21,8 @@ PROMPTS = [r["prompt"][:60] for r in load_prompts(3)]  # 9 prompts, 3 sources (t
 
 def _request(ids, max_new_tokens, **kw) -> Request:
     """Every request of this file (one place for `Request`'s fields)."""
-    return Request(ids, max_new_tokens, **kw)
+    fields = {k: kw.pop(k) for k in ("strategy", "sampling_row", "references", "on_text") if k in kw}
+    return Request(ids, GenerationParams(max_new_tokens=max_new_tokens, **kw), **fields)
 
 
 def _slots(engine, tok, prompts, strategy=None, drafter=None, **kw):

@@ -53,7 +53,8 @@ def ids(tok):
 
 def _request(ids, max_new_tokens, **kw) -> Request:
     """The requests this file's newer tests build (one place for `Request`'s fields)."""
-    return Request(ids, max_new_tokens, **kw)
+    fields = {k: kw.pop(k) for k in ("strategy", "sampling_row", "references", "on_text") if k in kw}
+    return Request(ids, GenerationParams(max_new_tokens=max_new_tokens, **kw), **fields)
 
 
 def alone(model, tok, i, **kw):

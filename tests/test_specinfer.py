@@ -31,6 +31,7 @@ from lookahead_jax.drafters.merge import merge
 from lookahead_jax.drafters.model import ModelDrafter, check_expansion, expansion_tree
 from lookahead_jax.core.drafts import Draft
 from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.params import GenerationParams
 from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.models import forward, init_cache
 from lookahead_jax.core.sampling import SamplingParams, filter_logits
@@ -47,7 +48,8 @@ TEXTS = [p["prompt"] for p in PROMPTS]
 
 def _request(ids, max_new_tokens, **kw) -> Request:
     """Every request of this file (one place for `Request`'s fields)."""
-    return Request(ids, max_new_tokens, **kw)
+    fields = {k: kw.pop(k) for k in ("strategy", "sampling_row", "references", "on_text") if k in kw}
+    return Request(ids, GenerationParams(max_new_tokens=max_new_tokens, **kw), **fields)
 
 
 def perturbed(model, scale, seed=0):
