@@ -8,8 +8,8 @@ f32) served in this process: the `clients` extra (`pip install -e ".[clients]"`)
   part, `max_completion_tokens`, `ignore_eos`, `stream_options.continuous_usage_stats`;
   synthetic prompts) against a lookahead server at concurrency 1, 4 and 8: 0 errors.
 * lm-eval multiple choice (loglikelihood) through `local-completions`: every choice's
-  loglikelihood and the accuracy equal lm-eval's own `hf` backend on the same GGUF. The
-  server does not serve `echo` with prompt logprobs yet: xfail(strict) until it does.
+  loglikelihood, its is-greedy flag and the accuracy equal lm-eval's own `hf` backend on
+  the same GGUF (the server's `echo` with prompt log-probabilities from the prefill).
 
 The whole module is `slow` (a real model, two servers' compilations, two clients: ~3 min
 on a busy 2-core CPU).
@@ -252,7 +252,6 @@ MC = [  # question, choices, index of the answer
 LL_TOL = 2e-3  # f32 on both sides, different kernels and sums (test_real_model: logits within 1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 52: the server does not serve echo + prompt logprobs yet")
 def test_lm_eval_multiple_choice_equals_hf(servers, hf_tokenizer_dir, tmp_path):
     """lm-eval's loglikelihood requests through `local-completions` (prompt token ids,
     `echo: true`, `max_tokens: 1`, `logprobs: 1`; HF's tokenizer for this GGUF on both

@@ -37,6 +37,8 @@ from tiny import ByteTokenizer, tiny_model
     ("n", 0, ">= 1"),
     ("logprobs", 1, "true or false"),
     ("top_logprobs", 21, "[0, 20]"),
+    ("prompt_logprobs", 21, "[0, 20]"),
+    ("prompt_logprobs", -1, "[0, 20]"),
     ("repetition_penalty", 0.0, "> 0"),
     ("repetition_penalty", math.inf, "> 0"),
     ("presence_penalty", 2.5, "[-2, 2]"),
@@ -57,6 +59,9 @@ def test_rules_between_fields():
     with pytest.raises(ParamError, match="top_logprobs needs logprobs"):
         GenerationParams(top_logprobs=3)
     assert GenerationParams(logprobs=True, top_logprobs=20).top_logprobs == 20
+    assert GenerationParams(max_new_tokens=0, prompt_logprobs=0).max_new_tokens == 0  # scores the prompt only
+    with pytest.raises(ParamError, match=r"max_new_tokens must be a positive integer \(0 only with prompt_logprobs\)"):
+        GenerationParams(max_new_tokens=0)
 
 
 def test_values_are_normalized_and_derived():

@@ -174,7 +174,7 @@ def test_cancelled_stream_frees_its_slot(server, client):
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "logprobs": 5}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens"),
     ({"prompt": "hi " * 600, "max_tokens": 4}, "maximum context length"),

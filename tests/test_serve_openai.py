@@ -21,6 +21,7 @@ import logging
 import socket
 import time
 
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -190,7 +191,7 @@ def test_prediction_is_a_reference_lookahead_drafts_from(server):
 # what the server does with each field of OpenAI's request types (each listed once)
 APPLIED = {
     "completion": ["prompt", "model", "max_tokens", "n", "stream", "stream_options", "stop", "temperature", "top_p",
-                   "seed", "presence_penalty", "frequency_penalty", "logprobs"],
+                   "seed", "presence_penalty", "frequency_penalty", "logprobs", "echo"],
     "chat": ["messages", "model", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
              "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
              "tools", "prediction"],
@@ -200,7 +201,7 @@ LABELS = {"completion": {"user": "u1"},
           "chat": {"user": "u1", "metadata": {"k": "v"}, "safety_identifier": "s1", "prompt_cache_key": "c1"}}
 # refused fields: a value other than the default, and a word its 400 must hold
 REFUSED = {
-    "completion": {"best_of": (3, "best_of"), "echo": (True, "echo"), "suffix": ("}", "suffix"),
+    "completion": {"best_of": (3, "best_of"), "suffix": ("}", "suffix"),
                    "logit_bias": ({"50": 5}, "not supported yet")},
     "chat": {"logit_bias": ({"50": 5}, "not supported yet"), "audio": ({"voice": "alloy", "format": "wav"}, "text"),
              "modalities": (["text", "audio"], "text"), "function_call": ("auto", "tool_choice"),
@@ -436,3 +437,98 @@ def test_options_out_of_range_are_400s_naming_the_field_as_sent(server, path, bo
     """Values out of range are checked by `GenerationParams` (the one place), and the 400
     names the field as this request spells it (max_tokens, not max_new_tokens)."""
     refused(post(server, path, body), param, param)
+
+
+def test_echo_returns_the_prompt_scored_by_the_prefill(server):
+    """echo with logprobs k (lm-eval's loglikelihood request): the prompt's text and ids
+    before the completion's, each prompt id's log-probability (None for the first) and k
+    alternatives as the prefill computed them: `generate` with prompt_logprobs gives the
+    same values. max_tokens 0 scores the prompt only; batched token-id prompts each get
+    theirs; echo with stream is a 400 naming echo."""
+    from lookahead_jax.core.params import GenerationParams
+    from lookahead_jax.generate import generate
+
+    tok = ByteTokenizer()
+    prompts = ["Hello there, general", "The cat sat on the mat."]
+    ref = generate(tiny_model("llama", seed=1), tok, prompts,
+                   params=GenerationParams(max_new_tokens=1, logprobs=True, prompt_logprobs=2)).rows
+    r = post(server, "/v1/completions", dict(prompt=prompts[0], echo=True, logprobs=2, max_tokens=1, temperature=0))
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    ids = ref[0].prompt_token_ids
+    assert c["text"] == prompts[0] + ref[0].text and len(c["logprobs"]["tokens"]) == len(ids) + 1
+    lps, tops = c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"]
+    assert lps[0] is None and tops[0] is None
+    np.testing.assert_allclose(lps[1:len(ids)], ref[0].prompt_logprobs[1:], atol=1e-5)
+    np.testing.assert_allclose(lps[-1], ref[0].logprobs[0], atol=1e-5)
+    for got, want, lp, t in zip(tops[1:len(ids)], ref[0].prompt_top_logprobs[1:], lps[1:], ids[1:]):
+        assert len(want) == 2 and got == pytest.approx({tok.decode([i]): v for i, v in want}, abs=1e-5)
+        assert (want[0][0] == t) == (lp == max(got.values()))  # lm-eval's greedy test: exact equality
+    assert c["logprobs"]["text_offset"][:2] == [0, len(tok.decode([ids[0]]))]
+    r = post(server, "/v1/completions", dict(prompt=[tok.encode(p) for p in prompts], echo=True, logprobs=1,
+                                             max_tokens=0, temperature=0))
+    assert r.status_code == 200, r.text
+    for c, want in zip(r.json()["choices"], ref):
+        assert c["finish_reason"] == "length" and c["text"] == tok.decode(want.prompt_token_ids)
+        assert len(c["logprobs"]["tokens"]) == len(want.prompt_token_ids)
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"][1:], want.prompt_logprobs[1:], atol=1e-5)
+    refused(post(server, "/v1/completions", dict(prompt="hi", echo=True, stream=True)), "echo", "stream")
+    refused(post(server, "/v1/completions", dict(prompt="hi", max_tokens=0)), "max_tokens", "positive integer")
+
+
+def test_top_logprobs_are_the_model_s_alternatives(server):
+    """Chat top_logprobs / completions logprobs k (up to 20): each generated token's k most
+    likely ids where it was chosen (generate's values); greedy: the token is the first."""
+    from lookahead_jax.core.params import GenerationParams
+    from lookahead_jax.generate import generate
+
+    tok = ByteTokenizer()
+    want = generate(tiny_model("llama", seed=1), tok, ["Once upon"],
+                    params=GenerationParams(max_new_tokens=6, logprobs=True, top_logprobs=5)).rows[0]
+    r = post(server, "/v1/completions", dict(prompt="Once upon", max_tokens=6, logprobs=5, temperature=0))
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [pytest.approx({tok.decode([i]): v for i, v in alts}, abs=1e-5)
+                                  for alts in want.top_logprobs]
+    r = chat(server, [{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=20)
+    for c in r.json()["choices"][0]["logprobs"]["content"]:
+        assert len(c["top_logprobs"]) == 20 and c["top_logprobs"][0]["logprob"] == c["logprob"]  # (bit for bit)
+        assert [t["logprob"] for t in c["top_logprobs"]] == sorted((t["logprob"] for t in c["top_logprobs"]),
+                                                                   reverse=True)
+
+
+def test_speculation_metrics_per_request(server):
+    """A drafting request's `metrics.speculative_decoding` (vLLM's per-request shape): the
+    verify steps that checked drafts for it, the draft tokens and those accepted, their
+    histogram; the same in the stream's last chunk; none for plain decoding on request, or
+    for several sequences."""
+    body = dict(prompt="one two three", max_tokens=24, temperature=0)
+    text = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    body["lookahead_jax"] = {"references": [text]}  # drafts: the answer itself
+    deadline = time.time() + 120
+    while time.time() < deadline:  # (the tree sizes compile in the background meanwhile: `fallback`)
+        r = post(server, "/v1/completions", body).json()
+        m = r["metrics"]["speculative_decoding"]
+        if m["num_spec_steps"]:
+            break
+        time.sleep(1)
+    assert r["choices"][0]["text"] == text and m["num_spec_steps"] > 0 and m["num_accepted_draft_tokens"] > 0
+
+    def consistent(m, completion_tokens):
+        assert 0 <= m["num_accepted_draft_tokens"] <= m["num_draft_tokens"]
+        assert sum(m["acceptance_histogram"].values()) == m["num_spec_steps"]
+        assert sum(int(k) * v for k, v in m["acceptance_histogram"].items()) == m["num_accepted_draft_tokens"]
+        assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_draft_tokens"] / m["num_spec_steps"])
+        assert m["draft_acceptance_rate"] == pytest.approx(m["num_accepted_draft_tokens"] / m["num_draft_tokens"])
+        # each verify step emits its accepted drafts + 1 after the prefill's first token; the
+        # last may run past max_tokens by up to its drafts (decoding_length 4)
+        assert m["num_accepted_draft_tokens"] + m["num_spec_steps"] <= completion_tokens - 1 + 4
+
+    consistent(m, r["usage"]["completion_tokens"])
+    streamed = dict(body, stream=True, stream_options={"include_usage": True})
+    with httpx.stream("POST", server.url + "/v1/completions", json=streamed, timeout=120) as st:
+        chunks = [json.loads(line[6:]) for line in st.iter_lines() if line.startswith("data: {")]
+    last = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c for c in chunks if "metrics" in c] == last and len(last) == 1  # with the finish, once
+    consistent(last[0]["metrics"]["speculative_decoding"], chunks[-1]["usage"]["completion_tokens"])
+    assert "metrics" not in post(server, "/v1/completions", dict(body, lookahead_jax={"strategy": "greedy"})).json()
+    assert "metrics" not in post(server, "/v1/completions", dict(body, n=2, temperature=0.5)).json()

@@ -49,6 +49,7 @@ import numpy as np
 
 from . import tree as tree_lib
 from .drafts import DraftBatch
+from .params import MAX_TOP_LOGPROBS
 from .state import DecodeState, StepResult  # noqa: F401 - the loop's state, re-exported
 from .verify import WINDOW_MIN, WINDOW_STEP, fit_draft_probs
 
@@ -71,13 +72,17 @@ def timed(engine, state, fn, meanwhile: Optional[Callable[[], None]] = None):
     return out, cache, time.perf_counter() - t0 - dc, dc > 0
 
 
-def extend_block(engine, state: DecodeState, group, block, n_new, *, window: int, emit: bool, ahead=None):
+def extend_block(engine, state: DecodeState, group, block, n_new, *, window: int, emit: bool, ahead=None,
+                 prompt_logprobs: bool = False, top_logprobs: int = 0):
     """`Engine.extend` of one right-padded prefill block over the rows `group` (None: the
     batch's rows, no `sel`) with the state's step inputs cut to them; without `emit` (the
-    pick is not kept) no options. ahead: only check or queue its compilation
-    (`Engine._dispatch`)."""
+    pick is not kept) no options. prompt_logprobs: also the block's prompt log-probabilities
+    (a row's `prompt_logprobs`); top_logprobs: k, the k most likely ids after every
+    position (the prompt's alternatives, the first token's). ahead: only check or queue
+    its compilation (`Engine._dispatch`)."""
     x = state.step_inputs(block, rows=group, options=emit, n_new=n_new)
-    return engine.extend(state.cache, x, state.step_mode(window, options=emit, emit=emit), ahead=ahead)
+    mode = state.step_mode(window, options=emit, emit=emit, prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs)
+    return engine.extend(state.cache, x, mode, ahead=ahead)
 
 
 def windows(S: int, engine, tokens: int) -> list:
@@ -112,14 +117,14 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
         long = {b: blk for b, blk in blocks.items() if len(blk) > C}
         _forward_blocks(engine, state, {b: blk[:C] for b, blk in long.items()}, emit=False)
         blocks.update({b: blk[C - 1:] for b, blk in long.items()})
-    nxt_all, lps_all = _forward_blocks(engine, state, blocks, emit)
+    nxt_all, lps_all, tops_all = _forward_blocks(engine, state, blocks, emit)
     state.steps += 1  # one step of the batch, whatever its blocks (each row forwarded once)
     for b in rows:
         if not emit:  # the context's last token stays the root: a step, nothing to commit
             state.rows[b].steps += 1
             state.root[b] = state.context(b)[-1]
             continue
-        state.commit(b, [nxt_all[b]], None if lps_all is None else [lps_all[b]])
+        state.commit(b, [nxt_all[b]], None if lps_all is None else [lps_all[b]], tops=tops_all.get(b))
     state.mark_finished()
     return nxt_all[rows]
 
@@ -132,6 +137,7 @@ def _forward_blocks(engine, state: DecodeState, blocks: dict, emit: bool):
     rows = list(blocks)
     nxt_all = np.zeros(B, np.int32)
     lps_all = np.zeros(B, np.float32) if emit and state.logprobs else None
+    tops_all = {} if emit else None  # row -> its first token's alternatives (rows that keep them)
     groups = [[b] for b in rows] if state.block else prefill_groups({b: len(blk) for b, blk in blocks.items()}, S)
     whole = len(groups) == 1 and len(rows) == B
     for group in groups:
@@ -149,9 +155,13 @@ def _forward_blocks(engine, state: DecodeState, blocks: dict, emit: bool):
         upto = int(max(state.lengths[b] + n_new[at[b]] for b in group))
         window = P if not start.any() and not state.block else engine.window(max(upto, P), S, P)
 
-        def call(window, ahead=None, group=group, block=block, n_new=n_new):
+        scoring = any(state.rows[b].prompt_logprobs is not None for b in group)  # (rows that score their prompt)
+        # the k most likely ids: a scoring row's alternatives, or the first token's (emit)
+        top = MAX_TOP_LOGPROBS if any(state.rows[b].prompt_k for b in group) else state.top_k(group) if emit else 0
+
+        def call(window, ahead=None, group=group, block=block, n_new=n_new, scoring=scoring, top=top):
             return extend_block(engine, state, None if whole else group, block, n_new, window=window,
-                                emit=emit, ahead=ahead)
+                                emit=emit, ahead=ahead, prompt_logprobs=scoring, top_logprobs=top)
 
         if state.block and state.fallback:  # the smallest compiled window that covers the block
             window = next((w for w in sorted(x for x in windows(S, engine, P) if x >= window)
@@ -161,11 +171,17 @@ def _forward_blocks(engine, state: DecodeState, blocks: dict, emit: bool):
             nxt_all[b] = out.tokens[at[b]]
             if lps_all is not None:
                 lps_all[b] = out.logprobs[at[b]]
+            i = at[b]
+            if scoring:
+                state.rows[b].record_prompt_logprobs(int(state.lengths[b]), out.prompt_logprobs[i][:n_new[i]],
+                                                     *((out.top_logprobs[i], out.top_ids[i]) if top else ()))
+            if emit and top and tops_all is not None:  # the first token was chosen after the block's last
+                tops_all[b] = state.tops(b, out.top_ids[i], out.top_logprobs[i], [int(n_new[i]) - 1])
         lengths = state.lengths.copy()
         for b in group:
             lengths[b] += n_new[at[b]] if emit else max(int(n_new[at[b]]) - 1, 0)
         state.lengths = lengths
-    return nxt_all, lps_all
+    return nxt_all, lps_all, tops_all
 
 
 def accept(state: DecodeState, rows: Sequence[int], tokens, logprobs=None, cache=None) -> list:
@@ -339,11 +355,13 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
     L = int(state.lengths[active].max())  # the longest active row's cached slots
     x = state.step_inputs(None, active=active)  # the block's arrays per bucket, below
+    top_k = state.top_k(np.flatnonzero(active))  # alternatives of each token, where a row keeps them
 
     def verify(T2, blk=None, ahead=None):  # the verify step of bucket T2 (blk None: an empty tree's shapes)
         blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2) if blk is None else blk
         inputs = x.with_block(blk)._replace(draft_probs=fit_draft_probs(drafts.probs, T2))
-        return engine.verify(state.cache, inputs, state.step_mode(engine.window(L + 1 + T2, S, 1 + T2)), rule=rule,
+        return engine.verify(state.cache, inputs, state.step_mode(engine.window(L + 1 + T2, S, 1 + T2),
+                                                                  top_logprobs=top_k), rule=rule,
                              ahead=ahead)
 
     window = engine.window(L + 1 + T, S, 1 + T)
@@ -372,7 +390,8 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     kept = [[] for _ in range(B)]
     for b in np.flatnonzero(active):
         n = int(n_emit[b])
-        kept[b] = state.commit(b, emitted[b, :n], None if lps is None else lps[b, :n])
+        kept[b] = state.commit(b, emitted[b, :n], None if lps is None else lps[b, :n],
+                               tops=state.tops(b, out.top_ids[b], out.top_logprobs[b], range(n)) if top_k else None)
     result = StepResult(emitted, n_emit, path, kept, T, window,
                         np.array([len(d) for d in drafts.drafts], np.int32))
     defer = state.overlap and getattr(drafter, "defer_update", False)  # `Drafter.defer_update`

@@ -82,6 +82,7 @@ class StepMode(NamedTuple):
     top_logprobs: int = 0  # k > 0: also the k most likely ids and their log-probabilities
     emit: bool = True  # prefill: commit every forwarded token and pick the next (False: the last stays the root)
     steps: int = 0  # plain_steps: up to this many decode steps in one call
+    prompt_logprobs: bool = False  # prefill: also each forwarded token's log-probability given those before it
 
     def check(self, inputs: StepInputs) -> None:
         """Raise where the inputs and the mode disagree (a ban without its positions)."""

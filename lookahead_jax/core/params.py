@@ -61,9 +61,16 @@ def _number(ok: Callable[[float], bool], bound: str) -> Callable:
     return check
 
 
-def _max_new_tokens(v, _p):
+def _max_new_tokens(v, p):
+    if _is_int(v) and v == 0 and p.prompt_logprobs is not None:
+        return None  # a request that only scores its prompt
     if not _is_int(v) or v < 1:
-        return f"must be a positive integer, got {v!r}"
+        return f"must be a positive integer (0 only with prompt_logprobs), got {v!r}"
+
+
+def _prompt_logprobs(v, _p):
+    if v is not None and (not _is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS):
+        return f"must be None (off) or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per prompt id), got {v!r}"
 
 
 def _min_new_tokens(v, p):
@@ -116,6 +123,7 @@ _CHECKS = {
     "n": _n,
     "logprobs": _flag,
     "top_logprobs": _top_logprobs,
+    "prompt_logprobs": _prompt_logprobs,
     "repetition_penalty": _number(lambda r: r > 0, "a number > 0 (1 = off)"),
     "presence_penalty": _number(lambda x: -2 <= x <= 2, "a number in [-2, 2] (0 = off)"),
     "frequency_penalty": _number(lambda x: -2 <= x <= 2, "a number in [-2, 2] (0 = off)"),
@@ -197,6 +205,9 @@ class GenerationParams:
     n: samples per prompt (temperature > 0): each prompt becomes n rows.
     logprobs: each generated token's log-probability (log_softmax of the raw logits).
         top_logprobs: that many most likely alternatives per token too (needs logprobs).
+    prompt_logprobs: None (off) or k: each prompt id's log-probability given the ids
+        before it, from the prefill (as a plain forward's log_softmax), and the k most
+        likely ids at each prompt position; with it max_new_tokens may be 0 (score only).
     repetition_penalty (> 0, 1 = off), presence_penalty / frequency_penalty ([-2, 2],
         0 = off): as `Penalties`.
     """
@@ -213,6 +224,7 @@ class GenerationParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: Optional[int] = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -229,6 +241,8 @@ class GenerationParams:
             set_(self, name, int(getattr(self, name)))
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             set_(self, name, float(getattr(self, name)))
+        if self.prompt_logprobs is not None:
+            set_(self, "prompt_logprobs", int(self.prompt_logprobs))
         set_(self, "ignore_eos", bool(self.ignore_eos))
         set_(self, "logprobs", bool(self.logprobs))
 

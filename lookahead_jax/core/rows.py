@@ -68,6 +68,16 @@ class RowState:
         self.eos_ids, self.stop, self.max_new, self.on_text = eos_ids, stop, max_new, on_text
         self.ids: list = []
         self.logprobs: Optional[list] = None  # per generated id, when asked for (DecodeState.logprobs)
+        # per prompt id, when its request asks (GenerationParams.prompt_logprobs = k): its
+        # log-probability given the ids before it (None for the first), and with k > 0 the k
+        # most likely ids there as (id, log-probability) pairs (`record_prompt_logprobs`)
+        self.prompt_logprobs: Optional[list] = None
+        self.prompt_top: Optional[list] = None
+        self.prompt_k = 0
+        # per generated id, with top_k > 0 (GenerationParams.top_logprobs): the top_k most
+        # likely (id, log-probability) pairs where it was chosen
+        self.top_k = 0
+        self.tops: Optional[list] = None
         self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
         # the row's own SamplingParams / Penalties (None: the batch's; DecodeState.set_row_values)
         self.sampling = self.penalties = None
@@ -81,6 +91,23 @@ class RowState:
         stream = getattr(tokenizer, "stream", None)
         self._det = stream(0, skip_special_tokens=True) if callable(stream) else _FullDecode(tokenizer)
 
+    def record_prompt_logprobs(self, start: int, lps, top_lps=None, top_ids=None) -> None:
+        """A prefill block's prompt log-probabilities: the block began at cache slot
+        `start`, and lps[p] is that of the id at slot start + p + 1 (top_lps / top_ids
+        [P,k]: the most likely ids there). Takes those of prompt ids not yet recorded, in
+        order (a chunked prompt's blocks overlap by one id; later blocks over generated
+        ids, e.g. a rollback's re-prefill, add none)."""
+        if self.prompt_logprobs is None:
+            return
+        for p in range(len(lps)):
+            at = start + p + 1
+            if at != len(self.prompt_logprobs) or at >= len(self.prompt_ids):
+                continue
+            self.prompt_logprobs.append(float(lps[p]))
+            if self.prompt_k:
+                self.prompt_top.append([(int(i), float(v)) for i, v in zip(top_ids[p][:self.prompt_k],
+                                                                            top_lps[p][:self.prompt_k])])
+
     @property
     def live(self) -> bool:
         """Whether the decode loop steps this row: a request decoding, not finished."""
@@ -89,12 +116,16 @@ class RowState:
     def _decode(self, ids) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def accept(self, new: Sequence[int], logprobs: Optional[Sequence[float]] = None) -> list:
-        """Append emitted tokens (and their log-probabilities, when the row keeps them) up
+    def accept(self, new: Sequence[int], logprobs: Optional[Sequence[float]] = None, tops=None) -> list:
+        """Append emitted tokens (and their log-probabilities, when the row keeps them;
+        tops: per token its most likely (id, log-probability) pairs, when it keeps them) up
         to EOS / stop / max length; returns those kept."""
         kept = []
         for t in new:
             if self.finish:
+                break
+            if len(self.ids) >= self.max_new:  # max_new 0: a request that scores its prompt only
+                self.finish = "length"
                 break
             t = int(t)
             kept.append(t)
@@ -107,6 +138,8 @@ class RowState:
             return kept
         if self.logprobs is not None:
             self.logprobs += [float(x) for x in logprobs[:len(kept)]]
+        if self.tops is not None:
+            self.tops += [list(t)[:self.top_k] for t in tops[:len(kept)]]
         seen = len(self._buf)
         self._buf += self._det.step(self.ids)
         if self.stop and any(s in self._buf[max(0, seen - len(s) + 1):] for s in self.stop):
@@ -120,6 +153,8 @@ class RowState:
             del self.ids[n:]
             if self.logprobs is not None:
                 del self.logprobs[n:]
+            if self.tops is not None:
+                del self.tops[n:]
             self.finish = "stop"
         if self.finish:
             text = self._decode(self.ids)
@@ -155,6 +190,8 @@ class RowState:
         del self.ids[n_ids:]
         if self.logprobs is not None:
             del self.logprobs[n_ids:]
+        if self.tops is not None:
+            del self.tops[n_ids:]
         self.finish = None
         self._buf = self.text = self._decode(self.ids)
         stream = getattr(self.tok, "stream", None)

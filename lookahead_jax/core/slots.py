@@ -261,6 +261,9 @@ class Slots:
             row.min_new = p.min_new_tokens
             row.logprobs = [] if st.logprobs else None
             row.sampling, row.penalties = p.sampling, p.penalties
+            row.top_k, row.tops = p.top_logprobs, [] if p.top_logprobs else None
+            if p.prompt_logprobs is not None:  # the first prompt id has none (nothing before it)
+                row.prompt_logprobs, row.prompt_top, row.prompt_k = [None], [None], p.prompt_logprobs
             st.rows[s] = row
             st.finish_s.pop(s, None)
             self._sent[s] = 0
@@ -312,7 +315,8 @@ class Slots:
             if self.run is not None:
                 self.state.flush()
                 self.run.step(self.engine, self.state, drafter, self.rule, self.budget)
-            elif self._block_steps and self.state.row_penalties() is None:
+            elif self._block_steps and self.state.row_penalties() is None and \
+                    not self.state.top_k(np.flatnonzero(self.state.active)):
                 # plain decoding, several tokens per call (the strategy's device_steps)
                 self.last_step = plain_steps(self.engine, self.state, self.rule, self.device_steps)
             else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
@@ -513,6 +517,11 @@ class Slots:
                              f"decodes with the slots' sampling {self.state.sampling} and penalties "
                              f"{self.state.penalties}: a request with others needs Slots of its own")
         strat = self.strategy if req.strategy is None else req.strategy
+        if (p.prompt_logprobs is not None or p.top_logprobs) and self.run is not None:
+            raise ValueError(f"these slots run strategy {self.strategy.name!r} (its own steps, retrieved text in "
+                             "the prompt): prompt_logprobs and top_logprobs are not served on them")
+        if p.logprobs and not self.state.logprobs:
+            raise ValueError("these slots were built without log-probabilities (Slots(logprobs=True) keeps them)")
         if p.penalties.on and strat is not None and not strat.supports_penalties:
             raise ValueError(f"strategy {strat.name!r} does not apply repetition / presence / frequency penalties")
         if self._plain_request(req) and (self.run is not None or req.strategy.runs_own_loop

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from .inputs import StepInputs, StepMode
+from .params import MAX_TOP_LOGPROBS
 from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
 
 
@@ -250,7 +251,19 @@ class DecodeState:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start - self.compile_s
 
-    def commit(self, b: int, tokens, logprobs=None, *, steps: int = 1, each: bool = False) -> list:
+    def top_k(self, rows) -> int:
+        """The alternatives a step over `rows` returns per token: MAX_TOP_LOGPROBS where one
+        of them asks for some (`RowState.top_k`; one program however many), else 0."""
+        return MAX_TOP_LOGPROBS if any(self.rows[b].top_k for b in rows) else 0
+
+    def tops(self, b: int, top_ids, top_lps, positions) -> Optional[list]:
+        """Row b's (id, log-probability) pairs at `positions` of a step's top_ids / top_lps
+        [.., k] (None unless the row keeps them)."""
+        if not self.rows[b].top_k or top_ids is None:
+            return None
+        return [list(zip(top_ids[p].tolist(), top_lps[p].tolist())) for p in positions]
+
+    def commit(self, b: int, tokens, logprobs=None, *, steps: int = 1, each: bool = False, tops=None) -> list:
         """The one commit of a row's tokens (prefill, a verify step, plain_steps' block, a
         run's `accept`): row b takes `tokens` (what its forward emitted, with their
         log-probabilities where kept) up to EOS / stop string / max length
@@ -258,18 +271,20 @@ class DecodeState:
         it, and the last token emitted is its new root (not yet in the cache). each: token
         by token, one step each, up to its finish (a block of plain steps hands them over as
         single steps would: stop strings, streaming). The caller advances `lengths` and
-        then calls `mark_finished`. Returns the tokens the row kept."""
+        then calls `mark_finished`. tops: per token its (ids, log-probabilities) of the most
+        likely, for a row that keeps them. Returns the tokens the row kept."""
         r = self.rows[b]
         if each:
             kept = []
             for j in range(len(tokens)):
                 r.steps += 1
-                kept += r.accept(tokens[j:j + 1], None if logprobs is None else logprobs[j:j + 1])
+                kept += r.accept(tokens[j:j + 1], None if logprobs is None else logprobs[j:j + 1],
+                                 None if tops is None else tops[j:j + 1])
                 if r.finish:
                     break
         else:
             r.steps += steps
-            kept = r.accept(tokens, logprobs)
+            kept = r.accept(tokens, logprobs, tops)
         self.root[b] = tokens[-1]
         return kept
 

@@ -138,12 +138,16 @@ class ExtendOut(NamedTuple):
     hidden: Optional[jax.Array] = None  # [B,D] final hidden state of each row's last forwarded token (hidden=True)
     top_logprobs: Optional[jax.Array] = None  # [B,P,k] f32 after every forwarded token (top_logprobs=k)
     top_ids: Optional[jax.Array] = None  # [B,P,k] int32 their ids
+    prompt_logprobs: Optional[jax.Array] = None  # [B,P] f32 at p: log p(tokens[p + 1] | ..p) (prompt_logprobs)
 
 
 def top_k_logprobs(logits, k: int):
     """The k most likely ids after each position: logits [B,T,V] -> (log-probs [B,T,k] f32,
-    descending; ids [B,T,k] int32)."""
-    v, i = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    descending; ids [B,T,k] int32). The log-probabilities are computed as `token_logprobs`
+    computes them, bit for bit: a chosen token that is the most likely has exactly its
+    top value (clients test greediness by equality, e.g. lm-eval's loglikelihood)."""
+    lf = logits.astype(jnp.float32)
+    v, i = jax.lax.top_k(lf - jax.nn.logsumexp(lf, axis=-1, keepdims=True), k)
     return v, i.astype(jnp.int32)
 
 
@@ -226,7 +230,11 @@ def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     here follows it). mode.top_logprobs = k: also the top log-probs [B,P,k] and their ids
     of the distribution after every forwarded token (position n_new-1: the one the next
     token is picked from; padding positions past it hold junk): what a teacher needs over a
-    whole prompt (distillation).
+    whole prompt (distillation). mode.prompt_logprobs: also the log-probability of each
+    forwarded token given the context before it, [B,P], at position p that of tokens[p + 1]
+    (the prompt's log-probabilities as a plain forward's log_softmax gives them; p >=
+    n_new - 1 holds junk: the next block, which re-forwards this one's last token, or the
+    pick, covers it).
 
     inputs.sel [G] (optional): the block is for cache rows `sel` only; every per-row input
     and output then has G rows (`StepInputs.rows`). The step works on a copy of those rows'
@@ -258,14 +266,17 @@ def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
         cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
                         v=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.v, cache.v)),
                         length=full.length.at[sel].set(cache.length))
-    top = (None, None)
-    if top_logprobs:
+    top, prompt_lps = (None, None), None
+    if top_logprobs or mode.prompt_logprobs:
         every = logits_from_hidden(params, h, config)  # [B,P,V]
         # at n_new - 1 the very logits the pick above came from (a [B,P] matmul may round differently)
         last_pos = (jnp.arange(P)[None, :] == jnp.maximum(n_new - 1, 0)[:, None])[..., None]  # [B,P,1]
-        top = top_k_logprobs(jnp.where(last_pos, raw, every), top_logprobs)
+        if top_logprobs:
+            top = top_k_logprobs(jnp.where(last_pos, raw, every), top_logprobs)
+        if mode.prompt_logprobs:  # p -> tokens[p + 1] (the last position's is junk: 0's target)
+            prompt_lps = token_logprobs(every, jnp.concatenate([tokens[:, 1:], tokens[:, :1] * 0], axis=1))
     return ExtendOut(nxt, token_logprobs(raw, nxt[:, None])[:, 0] if mode.logprobs else None,
-                     last[:, 0] if mode.hidden else None, *top), cache
+                     last[:, 0] if mode.hidden else None, *top, prompt_logprobs=prompt_lps), cache
 
 
 class StepsOut(NamedTuple):

@@ -44,6 +44,11 @@ class RowOutput:
     sample_index: int = 0  # which of the n samples of its prompt (generate's n)
     logprobs: Optional[list] = None  # per token id: the model's log-probability (generate's logprobs=True)
     retrieval: Optional[dict] = None  # the row's retrieval counters (knnlm)
+    # per prompt id (params.prompt_logprobs): its log-probability given those before it
+    # (None for the first), and the k most likely (id, log-probability) pairs there
+    prompt_logprobs: Optional[list] = None
+    prompt_top_logprobs: Optional[list] = None
+    top_logprobs: Optional[list] = None  # per generated id (params.top_logprobs): its most likely (id, logprob) pairs
 
     @property
     def new_tokens(self) -> int:
@@ -67,6 +72,7 @@ class RowOutput:
             mean_accepted_tokens=round(self.mean_accepted_tokens, 4),
             wall_s=round(self.wall_s, 4), tokens_per_s=round(self.tokens_per_s, 3),
             **({"retrieval": self.retrieval} if self.retrieval is not None else {}),
+            **({"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}),
         )
 
 
@@ -302,7 +308,8 @@ def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:
     outs = [
         RowOutput(call.first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
                   state.finish_s.get(r.index, wall), r.index % n, r.logprobs,
-                  run.row_stats(r.index) if run is not None else None)
+                  run.row_stats(r.index) if run is not None else None, r.prompt_logprobs,
+                  r.prompt_top if r.prompt_k else None, r.tops)
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)

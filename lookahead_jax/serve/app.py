@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import secrets
@@ -111,6 +112,9 @@ class Server:
                                     "plain decoding ('greedy') needs a server of its own (--strategy greedy): "
                                     "leave lookahead_jax.strategy unset", "lookahead_jax.strategy")
             plain = Greedy()
+        if getattr(req, "echo", False) and self.retrieving:
+            raise APIError(400, f"echo: this server runs {self.strategy_name!r}, which puts a retrieved passage into "
+                                "the prompt: echo is not served on it", "echo")
         if ext.return_retrieval and not self.retrieving:
             raise APIError(400, f"lookahead_jax.return_retrieval: this server runs {self.strategy_name!r}, which "
                                 "retrieves nothing (serve ralm, ralmspec or knnlm)", "lookahead_jax.return_retrieval")
@@ -126,9 +130,11 @@ class Server:
                                 '"lookahead_jax": {"strategy": "greedy"}')
         if params.logprobs and not sched.logprobs:
             raise APIError(400, "this server was started with --no-logprobs", "logprobs")
-        if params.top_logprobs > 1:
-            raise APIError(400, f"{req.field_name('top_logprobs')}: at most 1 alternative per token is served yet",
-                           req.field_name("top_logprobs"))
+        if params.top_logprobs and self.retrieving:
+            name = req.field_name("top_logprobs")
+            raise APIError(400, f"{name}: this server runs {self.strategy_name!r}, whose own steps pick the tokens: "
+                                f"the most likely alternatives are not served on it ({name} 0 gives the tokens' "
+                                "log-probabilities)", name)
         if params.min_new_tokens and not set(params.eos_ids(sched.eos_ids)) <= set(sched.eos_ids):
             raise APIError(400, "min_tokens with stop_token_ids other than the model's EOS ids (or ignore_eos) is "
                                 "not supported", "min_tokens")
@@ -138,7 +144,7 @@ class Server:
         for i, ids in enumerate(ids_list):
             room = self.max_model_len - len(ids)
             max_new = limit if limit is not None else room
-            if max_new > room or room < 1:
+            if max_new > room or room < (1 if max_new else 0):
                 raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
                                     f"tokens (--max-len {sched.max_len} less {less}). However, you "
                                     f"requested {len(ids) + (limit or 1)} tokens ({len(ids)} in the prompt, "
@@ -189,18 +195,20 @@ class Server:
     def token_text(self, t: int) -> str:
         return self.tokenizer.decode([t])
 
-    def logprobs_block(self, chat: bool, tokens: list, lps: list, top: bool, offset: int = 0):
+    def logprobs_block(self, chat: bool, tokens: list, lps: list, top: bool, offset: int = 0, tops=None):
+        """A choice's `logprobs` (chat's or completions' shape) of `tokens` and their `lps`;
+        top: with the alternatives, `tops` per token its (id, log-probability) pairs (None
+        there: the token alone; a prompt's first id: None)."""
         strs = [self.token_text(t) for t in tokens]
+        tops = tops if tops is not None else [None] * len(strs)
         if chat:
-            return {"content": [dict(token=s, logprob=lp, bytes=list(s.encode()),
-                                     top_logprobs=[dict(token=s, logprob=lp, bytes=list(s.encode()))] if top else [])
-                                for s, lp in zip(strs, lps)]}
-        offsets, o = [], offset
-        for s in strs:
-            offsets.append(o)
-            o += len(s)
-        return dict(tokens=strs, token_logprobs=lps, top_logprobs=[{s: lp} for s, lp in zip(strs, lps)] if top
-                    else None, text_offset=offsets)
+            return {"content": [dict(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=[
+                dict(token=(a := self.token_text(i)), logprob=v, bytes=list(a.encode())) for i, v in alts or ()]
+                if top else []) for s, lp, alts in zip(strs, lps, tops)]}
+        offsets = list(itertools.accumulate([len(s) for s in strs[:-1]], initial=offset)) if strs else []
+        return dict(tokens=strs, token_logprobs=lps, text_offset=offsets, top_logprobs=[
+            None if alts is None else {self.token_text(i): v for i, v in alts}
+            for alts in tops] if top else None)
 
 
 def _sink(loop, queue):
@@ -225,6 +233,13 @@ def _gone(rid: str, t0: float, jobs) -> None:
     """The one log line of a request whose client went away."""
     log.info("%s: the client went away after %.1f s; its %d sequence(s) cancelled", rid, time.perf_counter() - t0,
              len(jobs))
+
+
+def _metrics(jobs, speculation) -> dict:
+    """The response's `metrics` (vLLM's per-request metrics): `speculative_decoding`, the
+    acceptance of a drafting request (`scheduler.Speculation.record`); for one sequence
+    only (a request of several prompts or samples gets none), and none without drafts."""
+    return {"metrics": {"speculative_decoding": speculation}} if speculation is not None and len(jobs) == 1 else {}
 
 
 def _usage(prompt_lens: list, completion: int) -> dict:
@@ -358,7 +373,9 @@ def build_app(server: Server) -> FastAPI:
 
     async def _whole(body, raw, chat, jobs, queue, head, prompt_lens):
         server = ref()
-        res = [dict(text=[], tokens=[], lps=[], finish=None, retrieval=None) for _ in jobs]
+        res = [dict(text=[], tokens=[], lps=[], tops=[], finish=None, retrieval=None, prompt_lps=None,
+                    prompt_top=None) for _ in jobs]
+        echo = bool(getattr(body, "echo", False))
         left = len(jobs)
         try:
             while left:
@@ -369,8 +386,11 @@ def build_app(server: Server) -> FastAPI:
                 r["text"].append(out.text)
                 r["tokens"] += out.tokens
                 r["lps"] += out.logprobs or []
+                r["tops"] += out.tops or [None] * len(out.tokens)
+                if out.prompt_logprobs is not None:  # (with the job's last tokens)
+                    r["prompt_lps"], r["prompt_top"] = out.prompt_logprobs, out.prompt_top
                 if out.finish:
-                    r["finish"], r["retrieval"] = out.finish, out.retrieval
+                    r["finish"], r["retrieval"], r["spec"] = out.finish, out.retrieval, out.speculation
                     left -= 1
         except BaseException:
             server.scheduler.cancel(jobs)
@@ -378,7 +398,17 @@ def build_app(server: Server) -> FastAPI:
         choices = []
         for k, r in enumerate(res):
             text = "".join(r["text"])
-            lp = server.logprobs_block(chat, r["tokens"], r["lps"], body.top_logprobs_wanted > 0) if body.wants_logprobs else None
+            top = body.top_logprobs_wanted > 0
+            if echo:  # the prompt, then the completion (OpenAI's echo); its ids scored by the prefill
+                ids = jobs[k].prompt_ids
+                p = body.prompts[k // body.n]
+                text = (p if isinstance(p, str) else server.tokenizer.decode(ids)) + text
+                lp = None if not body.wants_logprobs else server.logprobs_block(
+                    chat, ids + r["tokens"], r["prompt_lps"] + r["lps"], top,
+                    tops=r["prompt_top"] + r["tops"] if top else None)
+            else:
+                lp = server.logprobs_block(chat, r["tokens"], r["lps"], top, tops=r["tops"]) if body.wants_logprobs \
+                    else None
             c = dict(index=k, logprobs=lp, finish_reason=FINISH.get(r["finish"], r["finish"]))
             if chat:
                 c["message"] = dict(role="assistant", content=text)
@@ -389,7 +419,8 @@ def build_app(server: Server) -> FastAPI:
             if body.lookahead_jax.return_retrieval:
                 c["retrieval"] = server.retrieval_record(r["retrieval"])
             choices.append(c)
-        out = dict(head, choices=choices, usage=_usage(prompt_lens, sum(len(r["tokens"]) for r in res)))
+        out = dict(head, choices=choices, usage=_usage(prompt_lens, sum(len(r["tokens"]) for r in res)),
+                   **_metrics(jobs, res[0].get("spec")))
         if body.token_ids_wanted:
             out["prompt_token_ids"] = [j.prompt_ids for j in jobs[::body.n]]
         return out
@@ -419,7 +450,8 @@ def build_app(server: Server) -> FastAPI:
                     left -= 1
                 if not (out.text or out.tokens or out.finish):
                     continue
-                lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], body.top_logprobs_wanted > 0, offsets[out.index]) \
+                lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], body.top_logprobs_wanted > 0,
+                                           offsets[out.index], tops=out.tops) \
                     if body.wants_logprobs and out.tokens else None
                 offsets[out.index] += len(out.text)
                 c = dict(index=out.index, logprobs=lp, finish_reason=FINISH.get(out.finish, out.finish))
@@ -429,7 +461,7 @@ def build_app(server: Server) -> FastAPI:
                     c["token_ids"] = out.tokens
                 if out.finish and body.lookahead_jax.return_retrieval:
                     c["retrieval"] = server.retrieval_record(out.retrieval)
-                yield chunk([c])
+                yield chunk([c], **_metrics(jobs, out.speculation if out.finish else None))
             if body.include_usage:
                 yield chunk([], usage=_usage(prompt_lens, n_tokens))
             yield "data: [DONE]\n\n"

@@ -3,7 +3,7 @@
 Every field of OpenAI's completion and chat completion requests is either applied or,
 when sent with another value than its default, refused with a 400 naming it (`param`):
 nothing is accepted and ignored. Refused, with what is not served: `logit_bias`
-(non-empty), `best_of` (other than `n`), `suffix`, `echo`, `response_format` (other than
+(non-empty), `best_of` (other than `n`), `suffix`, `echo` with `stream`, `response_format` (other than
 text), `tool_choice` other than "none" and `parallel_tool_calls` (tool calls are not
 parsed from the output), `audio` / `modalities` beyond text, the deprecated `functions` /
 `function_call`, `store`, `service_tier` (other than auto / default), `reasoning_effort`,
@@ -49,7 +49,8 @@ def _null(v, _data) -> bool:
 # field -> (accepted(value, the fields validated before it), why another value is refused)
 NOT_SERVED = {
     "logit_bias": (lambda v, _: not v, "logit_bias is not supported yet"),
-    "echo": (lambda v, _: not v, "echo is not supported (the prompt is not returned with the completion)"),
+    "echo": (lambda v, d: not v or not d.get("stream"), "echo is served without stream: true (the prompt and its "
+             "log-probabilities come whole with the answer)"),
     "suffix": (lambda v, _: not v, "suffix (text after the completion) is not supported"),
     "best_of": (lambda v, d: v is None or v == d.get("n", 1),
                 "best_of other than n is not supported (no completions are generated to choose from)"),
@@ -145,6 +146,10 @@ class SamplingFields(BaseModel):
     def stops(self) -> tuple:
         return tuple([self.stop] if isinstance(self.stop, str) else (self.stop or []))
 
+    @property
+    def prompt_logprobs_wanted(self) -> Optional[int]:
+        return None
+
     def field_name(self, name: str) -> str:
         """This request's name of a `GenerationParams` field (for a `ParamError`)."""
         names = dict(max_new_tokens=getattr(self, "limit_field", "max_tokens"), min_new_tokens="min_tokens",
@@ -176,7 +181,7 @@ class SamplingFields(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=0 if self.top_k in (None, -1) else self.top_k, top_p=1.0 if self.top_p is None else self.top_p,
             seed=seed, stop=self.stops, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-            n=self.n, logprobs=self.wants_logprobs, top_logprobs=k,
+            n=self.n, logprobs=self.wants_logprobs, top_logprobs=k, prompt_logprobs=self.prompt_logprobs_wanted,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0)
 
@@ -224,6 +229,14 @@ class CompletionRequest(SamplingFields):
     def top_logprobs_wanted(self) -> int:
         """Most likely alternatives per token (completions: `logprobs` k)."""
         return self.logprobs or 0
+
+    @property
+    def prompt_logprobs_wanted(self) -> Optional[int]:
+        """`echo` with `logprobs` k: the prompt's log-probabilities and k alternatives (as
+        lm-eval's loglikelihood asks); echo with max_tokens 0 scores the prompt too."""
+        if not self.echo:
+            return None
+        return self.logprobs if self.logprobs is not None else (0 if self.max_tokens == 0 else None)
 
 
 class Prediction(BaseModel):

@@ -57,7 +57,9 @@ class Output:
     """What the engine hands a job after an insert or step: `tokens` kept (EOS / stop cut),
     their `logprobs` (None unless the job asked), the `text` delta, and at the end
     `finish` ("eos" | "stop" | "length" | "abort" | "error") with `error` / `status`, and
-    a retrieval strategy's record of the request (`Slots.free(slot).retrieval`)."""
+    a retrieval strategy's record of the request (`Slots.free(slot).retrieval`); with its
+    last tokens (the output before the finish), a job that asked for prompt
+    log-probabilities gets them (`RowState.prompt_logprobs` / `prompt_top`)."""
 
     index: int
     tokens: list
@@ -67,6 +69,32 @@ class Output:
     error: Optional[str] = None
     status: int = 200
     retrieval: Optional[dict] = None
+    prompt_logprobs: Optional[list] = None
+    prompt_top: Optional[list] = None
+    tops: Optional[list] = None  # per token its most likely (id, log-probability) pairs (top_logprobs)
+    speculation: Optional[dict] = None  # with the finish: the job's `Speculation.record()` (drafting jobs)
+
+
+@dataclasses.dataclass
+class Speculation:
+    """One job's speculative decoding: the verify steps that checked drafts for it, the
+    draft tokens (tree nodes) they checked and how many of them it kept; `record()` is the
+    response's `metrics.speculative_decoding` (vLLM's per-request acceptance metrics)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    histogram: dict = dataclasses.field(default_factory=dict)  # accepted draft tokens -> steps
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.steps, self.drafted, self.accepted = self.steps + 1, self.drafted + drafted, self.accepted + accepted
+        self.histogram[accepted] = self.histogram.get(accepted, 0) + 1
+
+    def record(self) -> dict:
+        return dict(num_spec_steps=self.steps, num_draft_tokens=self.drafted, num_accepted_draft_tokens=self.accepted,
+                    draft_acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0,
+                    mean_acceptance_length=1.0 + self.accepted / self.steps if self.steps else 1.0,
+                    acceptance_histogram={str(k): v for k, v in sorted(self.histogram.items())})
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,6 +118,7 @@ class Job:
     t_first: Optional[float] = None
     t_last: Optional[float] = None
     retrieval: Optional[dict] = None
+    spec: Speculation = dataclasses.field(default_factory=Speculation)
     _text: list = dataclasses.field(default_factory=list)
 
     def request(self) -> Request:
@@ -353,8 +382,13 @@ class Scheduler:
             return
         self.steps += 1
         result = getattr(self.slots, "last_step", None)
-        if self.metrics is not None and result is not None and result.drafted is not None:
-            self.metrics.speculation(result, [s for s, j in self.running.items() if j.strategy is None])
+        if result is not None and result.drafted is not None:
+            drafting = [s for s, j in self.running.items() if j.strategy is None]
+            for s in drafting:  # each job's own count (a step with no drafts for it is a plain one)
+                if result.drafted[s] > 0:
+                    self.running[s].spec.add(int(result.drafted[s]), int(result.n_emit[s]) - 1)
+            if self.metrics is not None:
+                self.metrics.speculation(result, drafting)
         if self.metrics is not None and self.slots.run is not None:  # a retrieval run's counters
             self.metrics.retrieval(self.slots.run)
         self._deliver(events)
@@ -366,9 +400,11 @@ class Scheduler:
             if job is None:
                 continue
             row = self.slots.row(ev.slot)
-            lps = None
+            lps = tops = None
             if job.params.logprobs and row.logprobs is not None and ev.tokens:
                 lps = row.logprobs[len(row.ids) - len(ev.tokens):len(row.ids)]
+            if row.tops is not None and ev.tokens:
+                tops = row.tops[len(row.ids) - len(ev.tokens):len(row.ids)]
             text = "".join(job._text)
             job._text.clear()
             if ev.tokens and self.metrics is not None:
@@ -377,11 +413,14 @@ class Scheduler:
                 job.t_first = job.t_first or now
                 job.t_last = now
             job.n_out += len(ev.tokens)
+            scored = (None, None)
             if ev.finish:
-                job.retrieval = self.slots.free(ev.slot).retrieval
+                freed = self.slots.free(ev.slot)
+                job.retrieval, scored = freed.retrieval, (freed.prompt_logprobs, freed.prompt_top)
                 del self.running[ev.slot]
             if ev.tokens or text or ev.finish:
-                job.sink(Output(job.index, list(ev.tokens), text, lps))
+                job.sink(Output(job.index, list(ev.tokens), text, lps, prompt_logprobs=scored[0],
+                                prompt_top=scored[1], tops=tops))
             if ev.finish:
                 self._finish(job, ev.finish)
         if any(ev.finish for ev in events):  # the running count went down
@@ -395,7 +434,9 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.finished(job, reason)
         try:
-            job.sink(Output(job.index, [], "", None, reason, error, status, job.retrieval))
+            drafting = self.slots.drafter is not None and job.strategy is None
+            job.sink(Output(job.index, [], "", None, reason, error, status, job.retrieval,
+                            speculation=job.spec.record() if drafting else None))
         except Exception:  # a sink whose loop has gone (shutdown): nothing to tell
             log.debug("sink failed", exc_info=True)
 
