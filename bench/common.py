@@ -178,12 +178,15 @@ def cold_stores(model) -> None:
     takes the engine's cache when it is made: call this before making the server / calling
     generate."""
     from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.drafters.suffix import SuffixStore
+    from lookahead_jax.drafters.trie import TrieStore
+    from lookahead_jax.strategies.specinfer import DraftStore
 
     stores = engine_for(model).stores
-    stores.tries.clear()
-    stores.suffix_cache = None
-    stores.acceptance.clear()
-    stores.draft_budgets.clear()  # SpecInfer's auto budget: gains measured on earlier runs' prompts
+    stores.clear(TrieStore)  # the tries and their acceptance statistics
+    stores.clear(SuffixStore)  # the cache of earlier outputs and its acceptance statistics
+    # SpecInfer's auto budget: gains measured on earlier runs' prompts (its draft engines stay)
+    stores.of(DraftStore).budgets.clear()
 
 
 def model_gguf(model: str) -> Path:

@@ -5,6 +5,8 @@
   of a name that a package's `__init__` holds: that is an import of the `__init__`);
 * no module imports another module's private (`_name`) names;
 * nothing imports the CLI (`lookahead_jax.cli`) but the `python -m` entry modules;
+* the core (`lookahead_jax.core`) imports no plug-in (drafters, strategies, knnlm,
+  retrieval): a plug-in's cache is its own store type (`core.engine.Stores`);
 * `models/` and `convert/` are imported under one name only (`lookahead_jax.models`,
   `lookahead_jax.convert`), never as top-level `models` / `convert`;
 * `models/` imports nothing from the package above it (the rest of `lookahead_jax`);
@@ -137,6 +139,15 @@ def test_no_private_name_imports():
     bad = [f"{m}:{line} imports {t}.{n}" for m in MODULES for t, names, line in _imports(m)
            for n in names if n.startswith("_") and not n.startswith("__") and t.startswith("lookahead_jax")]
     assert not bad, "\n".join(bad)
+
+
+PLUGINS = ("lookahead_jax.drafters", "lookahead_jax.strategies", "lookahead_jax.knnlm", "lookahead_jax.retrieval")
+
+
+def test_core_imports_no_plugin():
+    bad = [f"{m}:{line} imports {t}" for m in MODULES if m.startswith("lookahead_jax.core")
+           for t, _, line in _imports(m) if any(t == p or t.startswith(p + ".") for p in PLUGINS)]
+    assert not bad, "the core imports plug-ins:\n" + "\n".join(bad)
 
 
 def test_nothing_imports_the_cli():

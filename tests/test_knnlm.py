@@ -306,7 +306,7 @@ def test_speculative_equals_plain(model, tok, ds, sampling):
         ends |= {r.new_tokens for r in plain.rows if r.finish_reason == "eos"}
         for s in (1, 2, 5, "auto"):
             if s == "auto":  # OS3 from no measurements: default strides, then its own picks
-                engine_for(model).stores.knnlm_os3.clear()
+                engine_for(model).stores.of(S.KnnlmStore).os3.clear()
             spec = run(model, tok, KNNLM(datastore=ds, knn_k=k, speculative=True, speculation_stride=s), **kw)
             assert_same(spec, plain)
             st = spec.stats["retrieval"]
@@ -468,7 +468,7 @@ def test_os3_plain_rounds_keep_tokens_and_measure_g(model, tok, ds, monkeypatch)
     picks = iter([2, 0, 0, 0, 0, 3] * 100)
     monkeypatch.setattr(knn_strategy, "os3_stride_knnlm", lambda *a, **k: next(picks))
     monkeypatch.setattr(speculation, "KNN_WINDOW", 10 ** 6)  # every outcome stays countable
-    engine_for(model).stores.knnlm_os3.clear()
+    engine_for(model).stores.of(S.KnnlmStore).os3.clear()
     noted = []
     real_plain_step = KnnSpecRun._plain_step
 
@@ -492,7 +492,7 @@ def test_os3_measures_carry_across_calls(model, tok, ds, monkeypatch):
     measured a round), and another k starts afresh."""
     from lookahead_jax.strategies import knnlm_runs as knn_strategy
 
-    engine_for(model).stores.knnlm_os3.clear()
+    engine_for(model).stores.of(S.KnnlmStore).os3.clear()
     consulted = []
     real = knn_strategy.os3_stride_knnlm
     # s >= 1: a plain (s = 0) choice holds 16 rounds without asking OS3, and whether OS3 picks
@@ -509,10 +509,10 @@ def test_os3_measures_carry_across_calls(model, tok, ds, monkeypatch):
     consulted.clear()
     second = run(model, tok, strat)
     assert second.token_ids == first.token_ids and len(consulted) == rounds(second)
-    assert len(engine_for(model).stores.knnlm_os3) == 1
+    assert len(engine_for(model).stores.of(S.KnnlmStore).os3) == 1
     consulted.clear()
     other = run(model, tok, KNNLM(datastore=ds, knn_k=2, speculative=True, speculation_stride="auto"))
-    assert len(consulted) < rounds(other) and len(engine_for(model).stores.knnlm_os3) == 2
+    assert len(consulted) < rounds(other) and len(engine_for(model).stores.of(S.KnnlmStore).os3) == 2
 
 
 def test_speculation_predicts_text_from_the_datastore(model, tok, ds):

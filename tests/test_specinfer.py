@@ -36,6 +36,7 @@ from lookahead_jax.core.slots import Request, Slots
 from lookahead_jax.models import forward, init_cache
 from lookahead_jax.core.sampling import SamplingParams, filter_logits
 from lookahead_jax.strategies import SpecInfer
+from lookahead_jax.strategies.specinfer import DraftStore
 from tiny import ByteTokenizer, EditRun, load_prompts, tiny_model
 
 chisquare = pytest.importorskip("scipy.stats").chisquare
@@ -283,7 +284,7 @@ def test_auto_budget_end_to_end_is_greedy(model, tok, greedy, drafts):
     # the first forward step is the prefill; under overlap decode.step defers `score`, and the
     # gains are still read once the state holds each step's tokens (measures cleared: the
     # run probes, so it drafts, instead of starting from the measures of the calls above)
-    engine_for(model).stores.draft_budgets.clear()
+    engine_for(model).stores.of(DraftStore).budgets.clear()
     lapped = generate(model, tok, TEXTS[:4], strategy="specinfer", draft_model=drafts["same"],
                       max_new_tokens=MAX_NEW, max_cache_len=CACHE, budget="auto", overlap=True)
     assert lapped.token_ids == greedy[:4]

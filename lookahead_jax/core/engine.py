@@ -39,26 +39,61 @@ from ..models.config import ModelConfig
 log = logging.getLogger("lookahead_jax")
 
 
-@dataclasses.dataclass
 class Stores:
-    """What outlives requests on an engine, by owner (typed, so each owner's keys are visible
-    in one place): lookahead's suffix drafter's cache of earlier outputs (drafters/suffix.py);
-    the trie per branch length (drafts="trie", drafters/trie.py); acceptance statistics per
-    drafter geometry (the suffix drafter's: per settings); SpecInfer's draft engines and
-    models by name, the drafts already warned about, and its auto budget's measurements
-    (strategies/specinfer.py); the
-    KNN-LM index in use, with the datastore identity it was built from, and speculative
-    KNN-LM's OS3 measurements per datastore and settings (strategies/knnlm_runs.py)."""
+    """What outlives requests on an engine, one store per owner: the core knows no plug-in's
+    cache. A plug-in defines its store type next to the code that uses it and reaches its
+    one store per engine through `of` (created on first use; it lives as long as the
+    engine):
 
-    tries: dict = dataclasses.field(default_factory=dict)  # branch_length -> NgramTrie
-    acceptance: dict = dataclasses.field(default_factory=dict)  # drafter geometry -> AcceptanceStats
-    draft_engines: dict = dataclasses.field(default_factory=dict)  # (draft, weights, no mesh) -> Engine
-    draft_models: dict = dataclasses.field(default_factory=dict)  # preset / path -> Model
-    draft_size_warned: set = dataclasses.field(default_factory=set)  # ids of drafts warned about
-    draft_budgets: dict = dataclasses.field(default_factory=dict)  # (draft engine, rule, B, S, T) -> DraftMeasures
-    knnlm_index: Optional[tuple] = None  # (datastore identity, KnnIndex)
-    knnlm_os3: dict = dataclasses.field(default_factory=dict)  # (datastore identity, settings) -> KnnMeasures
-    suffix_cache: Optional[object] = None  # drafters/suffix.py: SuffixCache of earlier outputs
+        store = engine.stores.of(TrieStore)       # drafters/trie.py: TrieStore()
+        store = engine.stores.get(key, factory)   # any hashable key, factory() on first use
+
+    `peek(key)`: the store if made (else None), making nothing; `clear(key)` forgets one
+    owner's store (the next `of` / `get` makes a fresh one), `clear()` all of them;
+    iteration: the keys of the stores made; `len`, `in` as for a dict. The stores today:
+    `drafters/suffix.py`'s `SuffixStore` (the cache of earlier outputs, acceptance
+    statistics), `drafters/trie.py`'s `TrieStore` (tries, acceptance statistics),
+    `strategies/specinfer.py`'s `DraftStore` (draft engines and models, warnings, the auto
+    budget's measurements), `knnlm/search.py`'s `KnnlmStore` (the index in use, OS3's
+    measurements)."""
+
+    def __init__(self):
+        self._by_key: dict = {}  # owner key -> its store
+
+    def get(self, key, factory):
+        """The store under `key`, made by `factory()` on first use."""
+        store = self._by_key.get(key)
+        if store is None:
+            store = self._by_key[key] = factory()
+        return store
+
+    def of(self, owner: type):
+        """The store of type `owner` (keyed by the type itself, made by `owner()`)."""
+        return self.get(owner, owner)
+
+    def peek(self, key, default=None):
+        """The store under `key` if one was made, else `default` (nothing is made)."""
+        return self._by_key.get(key, default)
+
+    def clear(self, key=None) -> None:
+        """Forget the store under `key` (None: every store); the next use makes a new one."""
+        if key is None:
+            self._by_key.clear()
+        else:
+            self._by_key.pop(key, None)
+
+    def __iter__(self):
+        return iter(list(self._by_key))
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __contains__(self, key) -> bool:
+        return key in self._by_key
+
+    def __repr__(self) -> str:
+        names = (getattr(k, "__name__", repr(k)) for k in self._by_key)
+        return f"Stores({', '.join(names)})"
 
 
 def _same_leaves(a, b) -> bool:
@@ -78,7 +113,7 @@ class Engine:
         self.compiled = CompiledFunctions()
         self.verify_costs: dict = {}  # (rule, sampling mode, B, S, T, window) -> seconds
         self.step_times: dict = {}  # (rule, B, S) -> budget.StepTimes
-        self.stores = Stores()  # what outlives requests (tries, statistics, draft engines, KNN-LM index)
+        self.stores = Stores()  # what outlives requests, per owning plug-in (tries, draft engines, ...)
         self._placed: Optional[tuple] = None  # (source leaves, params as the steps take them)
         self._weight_dtype = None  # storage of packed weights (None: the params' own, f32)
         self._mesh_steps: dict = {}  # jitted steps with explicit shardings (mesh only)

@@ -21,7 +21,7 @@ per class against what was really accepted and picks the prefix (tree bucket) wi
 most expected tokens per unit of measured verify time for the whole batch, plain decoding
 (no drafts) included. The statistics live with the drafter when given (`acceptance`, a
 `budget.AcceptanceStats` shared by the requests of a process like the cache: the
-strategy keeps one per settings on the engine). `costs=` instead trims each draft here,
+strategy keeps one per settings on the engine, in its `SuffixStore`). `costs=` instead trims each draft here,
 with the drafter's own calibration: for offline replay (bench/suffix_replay.py).
 
 Data structure (chosen by host time per step, bench/suffix_replay.py; a numpy suffix match
@@ -36,6 +36,7 @@ Host module: pure Python (numpy only to save / load the cache), no jax.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 
@@ -196,6 +197,17 @@ class SuffixCache:
         return cache
 
 
+@dataclasses.dataclass
+class SuffixStore:
+    """What the suffix drafter keeps on an engine across requests (`engine.stores.of(SuffixStore)`,
+    made on first use, kept as long as the engine): the cache of earlier outputs that
+    `SuffixDrafter.shared` drafts from, and the acceptance statistics per drafter settings
+    (strategies/lookahead.py's, for `decoding_length="auto"`)."""
+
+    cache: SuffixCache = dataclasses.field(default_factory=SuffixCache)
+    acceptance: dict = dataclasses.field(default_factory=dict)  # settings -> AcceptanceStats
+
+
 class SuffixDrafter:
     """The drafter protocol (`drafters/base.py`) over per-request token stores and a shared
     `SuffixCache` (module docstring)."""
@@ -224,10 +236,9 @@ class SuffixDrafter:
 
     @classmethod
     def shared(cls, engine, **kw) -> "SuffixDrafter":
-        """A drafter over the engine's cache of earlier outputs (created on first use)."""
-        if engine.stores.suffix_cache is None:
-            engine.stores.suffix_cache = SuffixCache()
-        return cls(cache=engine.stores.suffix_cache, **kw)
+        """A drafter over the engine's cache of earlier outputs (its `SuffixStore`, created on
+        first use)."""
+        return cls(cache=engine.stores.of(SuffixStore).cache, **kw)
 
     @property
     def defer_update(self) -> bool:

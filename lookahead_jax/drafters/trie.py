@@ -7,11 +7,13 @@ references) and its own output n-grams are its own as well, ranked first, so its
 begins with what its own n-grams alone would draft (`ngram_trie`, "Retrieval"); they
 leave the trie when the request ends (a slot's next request starts with none).
 `acceptance` (a `budget.AcceptanceStats`, per draft class `Draft.key` = (match length,
-dominance)) also outlives the request: `decoding_length="auto"` reads it.
+dominance)) also outlives the request: `decoding_length="auto"` reads it. Both live in the
+engine's `TrieStore` (`engine.stores.of(TrieStore)`, core/engine.py's `Stores`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from ..core.budget import AcceptanceStats
@@ -19,6 +21,16 @@ from ..core.drafts import EMPTY, DraftBatch
 from .ngram_trie import MODES, NgramTrie
 
 _request_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class TrieStore:
+    """What the trie drafter keeps on an engine across requests (`engine.stores.of(TrieStore)`,
+    made on first use, kept as long as the engine): the shared trie per branch length and
+    the acceptance statistics per drafter geometry."""
+
+    tries: dict = dataclasses.field(default_factory=dict)  # branch_length -> NgramTrie
+    acceptance: dict = dataclasses.field(default_factory=dict)  # (branch_length, mode, ...) -> AcceptanceStats
 
 
 class TrieDrafter:
@@ -47,10 +59,11 @@ class TrieDrafter:
     def shared(cls, engine, branch_length: int = 12, mode: str = "hierarchical", **kw) -> "TrieDrafter":
         """A drafter over the engine's global output trie and acceptance statistics
         (created on first use; the statistics are kept per drafter geometry)."""
-        tries = engine.stores.tries
+        store = engine.stores.of(TrieStore)
+        tries = store.tries
         if branch_length not in tries:
             tries[branch_length] = NgramTrie(branch_length=branch_length)
-        stats = engine.stores.acceptance
+        stats = store.acceptance
         geometry = (branch_length, mode, kw.get("max_nodes", 64), kw.get("max_match", 2))
         if geometry not in stats:
             stats[geometry] = AcceptanceStats()

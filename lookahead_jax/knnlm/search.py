@@ -57,6 +57,7 @@ k neighbours, kp shortlist, M candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -405,9 +406,21 @@ class KnnIndex:
         return np.concatenate([base, extra], axis=1)
 
 
+@dataclasses.dataclass
+class KnnlmStore:
+    """What KNN-LM keeps on an engine across calls (`engine.stores.of(KnnlmStore)`, made on
+    first use, kept as long as the engine): the index in use with the identity of the
+    datastore it was built from (`engine_index`: one, the last used), and speculative
+    KNN-LM's OS3 measurements per datastore and settings (strategies/knnlm_runs.py)."""
+
+    index: Optional[tuple] = None  # (datastore identity, KnnIndex)
+    os3: dict = dataclasses.field(default_factory=dict)  # (datastore identity, settings) -> KnnMeasures
+
+
 def engine_index(engine, datastore, corpus) -> KnnIndex:
     """The KnnIndex of a datastore (a directory, a `Datastore` or None: the model's default,
-    checked against `corpus` when given), kept by the engine (one: the last used)."""
+    checked against `corpus` when given), kept by the engine (one: the last used, in its
+    `KnnlmStore`)."""
     from pathlib import Path
 
     from .datastore import Datastore, StaleDatastore, mismatch, build_command, load_datastore, model_identity
@@ -426,10 +439,11 @@ def engine_index(engine, datastore, corpus) -> KnnIndex:
     else:
         ds = load_datastore(engine.model, corpus, ds)
     key = (str(Path(ds.path).resolve()), ds.meta.get("created"), ds.size)
-    hit = engine.stores.knnlm_index
+    store = engine.stores.of(KnnlmStore)
+    hit = store.index
     if hit is not None and hit[0] == key:
         return hit[1]
-    engine.stores.knnlm_index = None  # the old index goes before the new one is built
+    store.index = None  # the old index goes before the new one is built
     index = KnnIndex(ds)
-    engine.stores.knnlm_index = (key, index)
+    store.index = (key, index)
     return index

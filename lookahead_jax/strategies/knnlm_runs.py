@@ -62,7 +62,7 @@ import time
 import numpy as np
 
 from ..core.decode import accept, call_compiled, rollback, set_logprob
-from ..knnlm.search import resolve_speculate
+from ..knnlm.search import KnnlmStore, resolve_speculate
 from .base import StrategyBase
 from .speculation import (SHADOW_EVERY, FinalTextStream, KnnMeasures, SpeculationStats, SuccessorCache,
                           os3_stride_knnlm)
@@ -258,9 +258,10 @@ class KnnSpecRun(KnnRun):
         self._stream = FinalTextStream(tokenizer)
         s = self.strat  # OS3's measurements: kept on the engine across calls
         self.speculate = resolve_speculate(s.knn_speculate, self.index.size)  # "cache" or "ivf"
-        key = (engine.stores.knnlm_index[0], self.k, s.knn_lambda, s.knn_temperature, s.knn_cache_next,
+        store = engine.stores.of(KnnlmStore)
+        key = (store.index[0], self.k, s.knn_lambda, s.knn_temperature, s.knn_cache_next,
                self.speculate, s.knn_nprobe)
-        self.m = engine.stores.knnlm_os3.setdefault(key, KnnMeasures())
+        self.m = store.os3.setdefault(key, KnnMeasures())
         self.plain_rounds = 0  # rounds with s = 0 (this call)
         self._plain_hold = 0  # real steps left before OS3 is asked again (s = 0 chosen)
         self.ivf_s = 0.0  # host time in the IVF index (knn_speculate="ivf")

@@ -95,11 +95,11 @@ class Lookahead(StrategyBase):
 
     def drafter(self, engine):
         if self.drafts == "suffix":
-            from ..drafters.suffix import SuffixDrafter
+            from ..drafters.suffix import SuffixDrafter, SuffixStore
 
             # its acceptance statistics outlive requests, as the trie's (one per settings)
-            stats = engine.stores.acceptance.setdefault(("suffix",) + tuple(SUFFIX_SETTINGS.items()),
-                                                        AcceptanceStats())
+            stats = engine.stores.of(SuffixStore).acceptance.setdefault(tuple(SUFFIX_SETTINGS.items()),
+                                                                        AcceptanceStats())
             # a fixed decoding_length above its usual 32 nodes is the tree's cap instead
             nodes = 32 if self.auto else max(32, self.decoding_length)
             return SuffixDrafter.shared(engine, acceptance=stats, max_nodes=nodes, **SUFFIX_SETTINGS)

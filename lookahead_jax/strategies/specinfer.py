@@ -174,13 +174,13 @@ class SpecInfer(StrategyBase):
         model = next(d for d in getattr(drafter, "drafters", (drafter,)) if isinstance(d, ModelDrafter))
         # what earlier batches of this engine measured (the draft's cost, the gains): a new
         # batch (a generate call, the server's slots rebuilt) starts from it, not from probes
-        measures = engine.stores.draft_budgets.setdefault((id(model.engine), rule, B, S, T), DraftMeasures())
+        measures = engine.stores.of(DraftStore).budgets.setdefault((id(model.engine), rule, B, S, T), DraftMeasures())
         return drafter, rule, DraftBudget(drafter.max_nodes, prior, times, model, measures)
 
 
 class DraftMeasures:
     """What a `DraftBudget` has measured, kept per engine, draft, rule and batch shape
-    (`Stores.draft_budgets`) so that the next batch of the same shape starts from it:
+    (`DraftStore.budgets`) so that the next batch of the same shape starts from it:
     delta (the draft's step in plain steps of the target, a moving average) and the
     extra tokens per row of the last drafted steps."""
 
@@ -340,6 +340,20 @@ class DraftBudget:
             draft_cost_ratio=None if self.delta is None else round(self.delta, 3))}
 
 
+@dataclasses.dataclass
+class DraftStore:
+    """What SpecInfer keeps on the target's engine across requests
+    (`engine.stores.of(DraftStore)`, made on first use, kept as long as the engine): the
+    draft engines (`draft_engine`) and draft models loaded by name (`load_draft`), the
+    drafts already warned about (`check_draft`), and the auto budget's measurements
+    (`DraftMeasures`, per draft engine, rule and batch shape)."""
+
+    engines: dict = dataclasses.field(default_factory=dict)  # (draft, weights, no mesh) -> Engine
+    models: dict = dataclasses.field(default_factory=dict)  # preset / path -> Model
+    size_warned: set = dataclasses.field(default_factory=set)  # ids of drafts warned about
+    budgets: dict = dataclasses.field(default_factory=dict)  # (draft engine, rule, B, S, T) -> DraftMeasures
+
+
 def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     """The Engine that runs the draft for `engine`'s target (`load_draft`), made once per
     (target engine, draft, weights). weights="bfloat16" on one CPU device: a private Engine
@@ -351,7 +365,7 @@ def draft_engine(engine, draft_model, weights: str = "bfloat16"):
     if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft weights must be 'bfloat16' or 'float32', got {weights!r}")
     by_name = isinstance(draft_model, str)
-    engines = engine.stores.draft_engines
+    engines = engine.stores.of(DraftStore).engines
     key = (draft_model if by_name else id(draft_model), weights, engine.mesh is None)
     hit = engines.get(key)
     if hit is not None and (by_name or _runs(hit, draft_model)):
@@ -386,7 +400,7 @@ def load_draft(engine, draft_model, pack: bool = True):
     when it is not smaller than the target. A draft loaded by name is ours alone: with
     `pack` (one CPU device) its packed copy replaces its params (one copy in memory)."""
     if isinstance(draft_model, str):
-        cache = engine.stores.draft_models
+        cache = engine.stores.of(DraftStore).models
         if draft_model not in cache:
             cache[draft_model] = _load_by_name(engine, draft_model)
         draft = cache[draft_model]
@@ -418,7 +432,7 @@ def check_draft(engine, draft, draft_model):
     import jax
 
     size = lambda m: sum(x.size for x in jax.tree.leaves(m.params))  # noqa: E731
-    warned = engine.stores.draft_size_warned
+    warned = engine.stores.of(DraftStore).size_warned
     if id(draft) not in warned and size(draft) >= size(engine.model):
         warned.add(id(draft))
         log.warning("the draft model (%d params) is not smaller than the target (%d): SpecInfer "

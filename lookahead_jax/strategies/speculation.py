@@ -179,8 +179,8 @@ def fit_verify_cost(calls) -> tuple:
 @dataclasses.dataclass
 class KnnMeasures:
     """What OS3 has measured of speculative KNN-LM with one datastore and settings, kept on
-    the engine (`Stores.knnlm_os3`) so that a call starts from the last call's figures
-    instead of the default stride: the last KNN_WINDOW check outcomes (g), the last
+    the engine (`KnnlmStore.os3`, knnlm/search.py) so that a call starts from the last
+    call's figures instead of the default stride: the last KNN_WINDOW check outcomes (g), the last
     VERIFY_FIT_CALLS (queries, seconds) of verifications and real searches (b(n)), and the
     seconds of speculative steps (a) and of real steps less their searches (a0)."""
 
