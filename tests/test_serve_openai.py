@@ -385,6 +385,9 @@ def test_a_dropped_request_logs_one_line(caplog):
     uvicorn_log = logging.getLogger("uvicorn")  # (it does not propagate to the root, where caplog listens)
     uvicorn_log.addHandler(caplog.handler)
     caplog.set_level(logging.INFO)
+    # the server's own logger too: an in-process CLI run earlier in this worker leaves the
+    # library's logger at WARNING (`cli._run` without -v), which hid the line (CI of aaeeefb)
+    caplog.set_level(logging.INFO, logger="lookahead_jax.serve")
     try:
         # The client leaves once its request waits in the scheduler, not after a fixed
         # time: on a loaded machine a 0.5 s client timeout could end before the server
