@@ -5,6 +5,12 @@ every verify and prefill step, `sampling.penalize` under a `lax.cond`) against
 requests, alternated A B B A per round.
 
     python bench/penalty_rows.py --out bench/results/penalty-rows.json
+    python bench/penalty_rows.py --option scores --out bench/results/scores-on-demand.json
+
+`--option scores`: the same for top / prompt log-probabilities on demand on slots that
+return log-probabilities (the server's, `Slots(logprobs=True)`: every step compiled with 20
+alternatives and, for a prefill, the prompt's log-probabilities, under a `lax.cond` that no
+request here takes) against `DecodeState.scores_on_demand = False` (programs without them).
 
 Each side: fresh `Slots` of `--slots` rows and a `--max-len` cache, `--strategy`
 (lookahead or greedy, i.e. plain decoding), `--prefill-chunk` 64 as the server; the
@@ -39,6 +45,8 @@ def main(argv=None):
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--prefill-chunk", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--option", default="penalty_rows", choices=("penalty_rows", "scores"),
+                    help="what is carried as data on one side (module docstring)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/penalty-rows.json"))
     a = ap.parse_args(argv)
 
@@ -55,11 +63,13 @@ def main(argv=None):
     prompts = [tok.encode(t) for t in dataset_prompts("humaneval", a.n)[0]][:a.slots]
     eos = tuple(getattr(tok, "eos_token_ids", ()) or ())
 
-    def run(penalty_rows: bool):
+    def run(on: bool):
         cold_stores(model)  # no run drafts from an earlier run's outputs of the same prompts
         strat = Lookahead() if a.strategy == "lookahead" else Greedy()
-        slots = Slots(eng, tok, a.slots, a.max_len, strat, eos_ids=eos, prefill_chunk=a.prefill_chunk,
-                      penalty_rows=penalty_rows)
+        kw = dict(penalty_rows=on) if a.option == "penalty_rows" else dict(logprobs=True)
+        slots = Slots(eng, tok, a.slots, a.max_len, strat, eos_ids=eos, prefill_chunk=a.prefill_chunk, **kw)
+        if a.option == "scores":
+            slots.state.scores_on_demand = on
         t0 = time.perf_counter()
         slots.insert(list(range(len(prompts))), [Request(p, GenerationParams(max_new_tokens=a.max_new)) for p in prompts])
         while slots.busy:
@@ -70,12 +80,13 @@ def main(argv=None):
         return dict(wall_s=wall, steps=steps, tokens=sum(map(len, ids)), ids=ids,
                     compile_s=slots.state.compile_s)
 
-    sides = {"penalty_rows": True, "plain": False}
+    data = a.option  # the side that carries the option as data
+    sides = {data: True, "plain": False}
     for pr in sides.values():  # compiled (and auto calibrated) before anything is timed
         run(pr)
     runs = {k: [] for k in sides}
     for r in range(a.rounds):
-        order = ["plain", "penalty_rows"] if r % 2 == 0 else ["penalty_rows", "plain"]
+        order = ["plain", data] if r % 2 == 0 else [data, "plain"]
         for k in order + order[::-1]:
             runs[k].append(run(sides[k]))
             print(f"round {r} {k:13s} {runs[k][-1]['wall_s']:.2f} s {runs[k][-1]['tokens']} tokens "
@@ -86,12 +97,13 @@ def main(argv=None):
         wall = statistics.median(x["wall_s"] for x in xs)
         summary[k] = dict(median_wall_s=round(wall, 3), walls=[round(x["wall_s"], 3) for x in xs],
                           tokens=xs[0]["tokens"], steps=xs[0]["steps"], tokens_per_s=round(xs[0]["tokens"] / wall, 2))
-    ratio = summary["plain"]["median_wall_s"] / summary["penalty_rows"]["median_wall_s"]
-    result = dict(config=vars(a), same_tokens=same, speed_ratio_penalty_rows_vs_plain=round(ratio, 3),
-                  note="tokens/s of penalty_rows over plain (> 1: penalty_rows faster); runs stop at EOS or "
+    ratio = summary["plain"]["median_wall_s"] / summary[data]["median_wall_s"]
+    result = dict(config=vars(a), same_tokens=same,
+                  **{f"speed_ratio_{data}_vs_plain": round(ratio, 3)},
+                  note=f"tokens/s of {data} over plain (> 1: {data} faster); runs stop at EOS or "
                        "max_new tokens", **summary)
-    print(f"same tokens: {same}; penalty_rows / plain speed: {ratio:.3f} "
-          f"(medians {summary['penalty_rows']['median_wall_s']} vs {summary['plain']['median_wall_s']} s)")
+    print(f"same tokens: {same}; {data} / plain speed: {ratio:.3f} "
+          f"(medians {summary[data]['median_wall_s']} vs {summary['plain']['median_wall_s']} s)")
     save(result, a.out)
 
 

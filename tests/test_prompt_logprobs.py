@@ -50,15 +50,18 @@ def check_row(model, ids, lps, top):
         np.testing.assert_allclose(ref[i - 1, list(got_ids)], got_v, atol=1e-4)
 
 
+@pytest.mark.parametrize("served", [False, True])
 @pytest.mark.parametrize("chunk", [None, 8])
 @pytest.mark.parametrize("strategy", [None, "lookahead"])
-def test_prompt_logprobs_equal_a_plain_forward_and_change_no_token(model, chunk, strategy):
+def test_prompt_logprobs_equal_a_plain_forward_and_change_no_token(model, chunk, strategy, served):
+    """served: slots that return log-probabilities (the server's) compute the scores on
+    demand (`StepInputs.scores`), the others in programs of their own."""
     tok = ByteTokenizer()
     ids = [tok.encode(t) for t in TEXTS]
     strat = Lookahead(decoding_length=4) if strategy else None
 
     def run(params):
-        slots = Slots(engine_for(model), tok, 2, 256, strat, prefill_chunk=chunk)
+        slots = Slots(engine_for(model), tok, 2, 256, strat, prefill_chunk=chunk, logprobs=served)
         rows = {}
         slots.insert(0, Request(ids[0], GenerationParams(max_new_tokens=30)))  # decoding beside the others
         order, holder = [1, 2], {0: 0}
@@ -110,6 +113,41 @@ def test_top_logprobs_of_generated_tokens_are_the_model_s(model, strategy):
             at = ref[len(r.prompt_token_ids) + j - 1]
             ids, vs = zip(*alts)
             assert len(alts) == K and ids[0] == t  # greedy: the pick is the most likely
+            assert vs[0] == r.logprobs[j]  # bit for bit (clients test greediness by equality)
             np.testing.assert_allclose(vs, np.sort(at)[::-1][:K], atol=1e-4)
             np.testing.assert_allclose(at[list(ids)], vs, atol=1e-4)
         assert p.top_logprobs is None
+
+
+@pytest.mark.parametrize("strategy", [None, "lookahead"])
+def test_scores_on_demand_compile_nothing_of_their_own(model, strategy):
+    """On slots that return log-probabilities (the server's: `Slots(logprobs=True)`) top
+    and prompt log-probabilities are computed on demand: requests that ask run the very
+    programs a batch without them compiled (whole and chunked prefill, plain and tree
+    verify steps), and get the values a plain forward gives."""
+    tok = ByteTokenizer()
+    ids = [tok.encode(t) for t in TEXTS]
+    engine = engine_for(model)
+    strat = Lookahead(decoding_length=4) if strategy else None
+
+    def run(params):
+        slots = Slots(engine, tok, 2, 256, strat, prefill_chunk=8, logprobs=True)
+        slots.insert(0, Request(ids[0], GenerationParams(max_new_tokens=20)))
+        slots.step()
+        slots.insert(1, Request(ids[1], params))  # chunked: blocks while row 0 decodes
+        while slots.busy:
+            slots.step()
+        return slots.free(1)
+
+    plain = run(GenerationParams(max_new_tokens=12))
+    n = len(engine.compiled.compilations)
+    scored = run(GenerationParams(max_new_tokens=12, prompt_logprobs=K, logprobs=True, top_logprobs=K))
+    assert engine.compiled.compilations[n:] == []
+    assert scored.ids == plain.ids and plain.tops is None and plain.prompt_logprobs is None
+    check_row(model, ids[1], scored.prompt_logprobs, scored.prompt_top)
+    ref = reference(model, ids[1] + scored.ids)
+    assert len(scored.tops) == len(scored.ids)
+    for j, (t, alts) in enumerate(zip(scored.ids, scored.tops)):
+        got_ids, got_v = zip(*alts)
+        assert len(alts) == K and got_ids[0] == t and got_v[0] == scored.logprobs[j]
+        np.testing.assert_allclose(got_v, np.sort(ref[len(ids[1]) + j - 1])[::-1][:K], atol=1e-4)

@@ -80,7 +80,8 @@ def extend_block(engine, state: DecodeState, group, block, n_new, *, window: int
     (a row's `prompt_logprobs`); top_logprobs: k, the k most likely ids after every
     position (the prompt's alternatives, the first token's). ahead: only check or queue
     its compilation (`Engine._dispatch`)."""
-    x = state.step_inputs(block, rows=group, options=emit, n_new=n_new)
+    x = state.scores(state.step_inputs(block, rows=group, options=emit, n_new=n_new),
+                     prompt_logprobs or top_logprobs > 0)
     mode = state.step_mode(window, options=emit, emit=emit, prompt_logprobs=prompt_logprobs, top_logprobs=top_logprobs)
     return engine.extend(state.cache, x, mode, ahead=ahead)
 
@@ -354,8 +355,8 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
     drafts = drafts.truncated(budget.plan(drafts, state))
     T = tree_lib.bucket_for(drafts.max_nodes, budget.buckets)
     L = int(state.lengths[active].max())  # the longest active row's cached slots
-    x = state.step_inputs(None, active=active)  # the block's arrays per bucket, below
     top_k = state.top_k(np.flatnonzero(active))  # alternatives of each token, where a row keeps them
+    x = state.scores(state.step_inputs(None, active=active), top_k > 0)  # the block's arrays per bucket, below
 
     def verify(T2, blk=None, ahead=None):  # the verify step of bucket T2 (blk None: an empty tree's shapes)
         blk = tree_lib.verify_block(state.root, DraftBatch.empty(B).drafts, T2) if blk is None else blk

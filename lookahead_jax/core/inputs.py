@@ -52,6 +52,10 @@ class StepInputs(NamedTuple):
     sel: Any = None  # [G] int32 prefill: the block is for these cache rows only (every [B] field has G rows)
     remaining: Any = None  # [B] int32 plain_steps: tokens each row may still emit
     stop_ids: Any = None  # [B,E] int32 plain_steps: each row's EOS ids, -1 padded
+    # bool scalar: whether this step computes the mode's top / prompt log-probabilities
+    # (a `lax.cond`: one program serves steps whose rows ask and steps whose rows don't;
+    # the outputs are zeros when false). None: the mode's are always computed
+    scores: Any = None
 
     @classmethod
     def tree(cls, block, active, seed, row, **fields) -> "StepInputs":
@@ -68,7 +72,7 @@ class StepInputs(NamedTuple):
         set, every per-row field but the block's own, tokens and n_new, taken at them)."""
         sel = np.asarray(sel, np.int32)
         cut = {k: jax.tree.map(lambda a: np.asarray(a)[sel], v) for k, v in self._asdict().items()
-               if v is not None and k not in ("tokens", "n_new", "sel")}
+               if v is not None and k not in ("tokens", "n_new", "sel", "scores")}
         return self._replace(sel=sel, **cut)
 
 
@@ -79,7 +83,7 @@ class StepMode(NamedTuple):
     ban: tuple = ()  # ids banned below `StepInputs.suppress` (EOS and stop ids; () = no ban)
     logprobs: bool = False  # also the emitted tokens' log-probabilities
     hidden: bool = False  # also the final hidden states (verify: every node; prefill: each row's last token)
-    top_logprobs: int = 0  # k > 0: also the k most likely ids and their log-probabilities
+    top_logprobs: int = 0  # k > 0: also the k most likely ids and their log-probabilities (see `StepInputs.scores`)
     emit: bool = True  # prefill: commit every forwarded token and pick the next (False: the last stays the root)
     steps: int = 0  # plain_steps: up to this many decode steps in one call
     prompt_logprobs: bool = False  # prefill: also each forwarded token's log-probability given those before it

@@ -10,10 +10,11 @@ per tree size the budget may pick, at each window a step of that size may take: 
 with the attention kernel only the whole cache, `Engine.window`) and plain decoding's
 multi-token blocks (`device_steps`). Sampling, `min_new_tokens`, each row's values and,
 on slots with `penalty_rows` (the server's), penalties are data (`sampling.select_tokens`,
-`sampling.penalize`, `DecodeState.step_inputs`), so they add no programs. A draft model's
-steps (SpecInfer) compile in the background at first sight while the steps go without
-drafts (`ModelDrafter.propose`); `top_logprobs` and a retrieval run's own steps compile
-at first use.
+`sampling.penalize`, `DecodeState.step_inputs`), so they add no programs; so are top and
+prompt log-probabilities on slots that return log-probabilities (the server's: every step
+carries them under a `lax.cond`, `DecodeState.step_mode`). A draft model's steps
+(SpecInfer) compile in the background at first sight while the steps go without drafts
+(`ModelDrafter.propose`); a retrieval run's own steps are rehearsed (below).
 
 The minimum set (`Program.minimum`) is what every request can be served with: plain
 decoding at every window it may need and the prefill blocks at the widest window (a block

@@ -57,6 +57,9 @@ class DecodeState:
     min_new: int = 0
     ban: tuple = ()
     logprobs: bool = False
+    # with logprobs: top / prompt log-probabilities on demand, in every step's program
+    # (`step_mode`); False: in programs of their own, compiled when a request asks
+    scores_on_demand: bool = True
     penalties: Penalties = Penalties()  # the rows' default (a row's own: RowState.penalties)
     vocab: int = 0
     # every row's sampling values and penalties as device arrays (`set_row_values`)
@@ -229,6 +232,8 @@ class DecodeState:
         prefill block of those rows only (`StepInputs.rows`: `tokens` and n_new have their
         rows, everything else is cut to them)."""
         x = StepInputs(tokens, self.seeds, self.rowids, sampling=self.step_sampling(), **block)
+        if self.logprobs and self.scores_on_demand:  # (`step_mode`): the caller sets whether its rows ask
+            x = x._replace(scores=np.False_)
         pen = {}
         if options:
             x = x._replace(suppress=self.suppress())
@@ -241,12 +246,32 @@ class DecodeState:
         e.g. draft_probs, or plain_steps' remaining / stop_ids)."""
         return self.step_inputs(None, active=active, **fields).with_block(block)
 
-    def step_mode(self, window: int, options: bool = True, **static) -> StepMode:
+    def step_mode(self, window: int, options: bool = True, *, top_logprobs: int = 0,
+                  prompt_logprobs: Optional[bool] = None, **static) -> StepMode:
         """This step's `inputs.StepMode`: the window, and with `options` the rows' ban ids
-        and whether they return log-probabilities (`static`: e.g. emit, steps)."""
+        and whether they return log-probabilities (`static`: e.g. emit, steps).
+        top_logprobs: the alternatives the step's rows ask for (`top_k`); prompt_logprobs:
+        a prefill block's, whether one of its rows scores its prompt (None: not a prefill).
+        Slots that return log-probabilities (`logprobs`, the server's) serve both on
+        demand: every step but plain_steps' is compiled with MAX_TOP_LOGPROBS alternatives
+        (and a prefill with its prompt's log-probabilities), and the inputs' `scores`
+        (`scores`) say whether a step computes them, so a request that asks compiles
+        nothing of its own."""
+        if self.logprobs and self.scores_on_demand and not static.get("steps"):
+            top_logprobs = MAX_TOP_LOGPROBS
+            prompt_logprobs = None if prompt_logprobs is None else True
+        if prompt_logprobs:
+            static["prompt_logprobs"] = True
+        static["top_logprobs"] = top_logprobs
         if not options:
             return StepMode(window=window, **static)
         return StepMode(window=window, ban=tuple(int(t) for t in self.ban), logprobs=bool(self.logprobs), **static)
+
+    @staticmethod
+    def scores(inputs: StepInputs, wanted: bool) -> StepInputs:
+        """`inputs` computing its mode's top / prompt log-probabilities or not (`wanted`:
+        some row of the step asks), where the slots serve them on demand (`step_mode`)."""
+        return inputs if inputs.scores is None else inputs._replace(scores=np.bool_(bool(wanted)))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t_start - self.compile_s

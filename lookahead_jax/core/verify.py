@@ -53,7 +53,9 @@ then unchanged):
   log-probabilities (`top_k_logprobs` of the same raw logits) where each emitted token
   was chosen (`extend_step`: after every forwarded token, the prompt's included). The
   tokens are those of the step without it; the first id is the raw logits' argmax (the
-  greedy pick where no penalty or ban applies).
+  greedy pick where no penalty or ban applies). With `inputs.scores` (a bool scalar) they
+  and a prefill's `mode.prompt_logprobs` are computed only where it is true (`on_demand`:
+  a `lax.cond`), so slots that serve them compile one program for steps with and without.
 """
 
 from __future__ import annotations
@@ -151,6 +153,19 @@ def top_k_logprobs(logits, k: int):
     return v, i.astype(jnp.int32)
 
 
+def on_demand(flag, fn, *args):
+    """fn(*args) where `flag` (`StepInputs.scores`) is None or true, else zeros of its
+    shapes: under a `lax.cond`, so one program serves steps whose rows ask for these scores
+    and steps whose rows don't, and only the first pay for them."""
+    if flag is None:
+        return fn(*args)
+
+    def zeros(*a):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *a))
+
+    return jax.lax.cond(flag, fn, zeros, *args)
+
+
 def verify_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConfig, rule, mode: StepMode):
     """Returns (`VerifyOut`, cache): the emitted tokens, their count and the accepted path;
     with `mode.logprobs` their log-probabilities, with `mode.hidden` the final hidden state
@@ -183,7 +198,7 @@ def verify_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     n_acc = jnp.take_along_axis(depth, best[:, None], axis=1)[:, 0]  # [B] accepted drafts
     n_emit = jnp.where(active, n_acc + 1, 0).astype(jnp.int32)
     if T1 == 1:  # plain decoding
-        top = top_k_logprobs(raw, top_logprobs) if top_logprobs else (None, None)
+        top = on_demand(x.scores, lambda r: top_k_logprobs(r, top_logprobs), raw) if top_logprobs else (None, None)
         out = VerifyOut(bonus[:, None], n_emit, jnp.zeros((B, 1), jnp.int32),
                         token_logprobs(raw, bonus[:, None]) if mode.logprobs else None, h if mode.hidden else None,
                         *top)
@@ -201,14 +216,15 @@ def verify_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     emitted = jnp.where(d < n_acc[:, None], nxt, jnp.where(d == n_acc[:, None], bonus[:, None], -1))
     cache = commit(cache, path, n_emit)
     lp, top = None, (None, None)
-    if mode.logprobs or top_logprobs:  # emitted[d] was chosen at the path's node of depth d
+    if mode.logprobs:  # emitted[d] was chosen at the path's node of depth d
         at_path = jnp.take_along_axis(raw, path[:, :, None], axis=1)  # [B,1+T,V]
-        kept = d <= n_acc[:, None]  # [B,1+T]
-    if mode.logprobs:
-        lp = jnp.where(kept, token_logprobs(at_path, emitted), 0.0)
+        lp = jnp.where(d <= n_acc[:, None], token_logprobs(at_path, emitted), 0.0)
     if top_logprobs:
-        v, i = top_k_logprobs(at_path, top_logprobs)
-        top = (jnp.where(kept[..., None], v, 0.0), jnp.where(kept[..., None], i, -1))
+        def tops(raw, path, kept):
+            v, i = top_k_logprobs(jnp.take_along_axis(raw, path[:, :, None], axis=1), top_logprobs)
+            return jnp.where(kept[..., None], v, 0.0), jnp.where(kept[..., None], i, -1)
+
+        top = on_demand(x.scores, tops, raw, path, d <= n_acc[:, None])
     return VerifyOut(emitted, n_emit, path, lp, h if mode.hidden else None, *top), cache
 
 
@@ -268,13 +284,17 @@ def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
                         length=full.length.at[sel].set(cache.length))
     top, prompt_lps = (None, None), None
     if top_logprobs or mode.prompt_logprobs:
-        every = logits_from_hidden(params, h, config)  # [B,P,V]
-        # at n_new - 1 the very logits the pick above came from (a [B,P] matmul may round differently)
-        last_pos = (jnp.arange(P)[None, :] == jnp.maximum(n_new - 1, 0)[:, None])[..., None]  # [B,P,1]
-        if top_logprobs:
-            top = top_k_logprobs(jnp.where(last_pos, raw, every), top_logprobs)
-        if mode.prompt_logprobs:  # p -> tokens[p + 1] (the last position's is junk: 0's target)
-            prompt_lps = token_logprobs(every, jnp.concatenate([tokens[:, 1:], tokens[:, :1] * 0], axis=1))
+        def scores(h, raw, tokens, n_new):
+            every = logits_from_hidden(params, h, config)  # [B,P,V]
+            # at n_new - 1 the very logits the pick above came from (a [B,P] matmul may round differently)
+            last_pos = (jnp.arange(P)[None, :] == jnp.maximum(n_new - 1, 0)[:, None])[..., None]  # [B,P,1]
+            top = top_k_logprobs(jnp.where(last_pos, raw, every), top_logprobs) if top_logprobs else (None, None)
+            # p -> tokens[p + 1] (the last position's is junk: 0's target)
+            lps = token_logprobs(every, jnp.concatenate([tokens[:, 1:], tokens[:, :1] * 0], axis=1)) \
+                if mode.prompt_logprobs else None
+            return top, lps
+
+        top, prompt_lps = on_demand(x.scores, scores, h, raw, tokens, n_new)
     return ExtendOut(nxt, token_logprobs(raw, nxt[:, None])[:, 0] if mode.logprobs else None,
                      last[:, 0] if mode.hidden else None, *top, prompt_logprobs=prompt_lps), cache
 
