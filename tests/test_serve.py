@@ -52,7 +52,7 @@ def server(loaded):
     """A lookahead server (fixed decoding length: one verify bucket) on 4 slots."""
     model, tok, name = loaded
     cfg = ServeConfig(model=name, strategy="lookahead", strategy_options=(("decoding_length", 16),),
-                      max_batch=SLOTS, max_len=MAX_LEN, max_waiting=64)
+                      max_batch=SLOTS, max_len=MAX_LEN, max_waiting=64, warmup="none")  # (steps compile at first use)
     srv = make_server(cfg, model, tok)
     uv, thread, srv.url = start_in_thread(srv)
     yield srv
@@ -305,7 +305,7 @@ def test_chunked_prefill_server_equals_generate(loaded):
     short ones, all concurrent, each equal to offline generate."""
     model, tok, name = loaded
     cfg = ServeConfig(model=name, strategy="lookahead", strategy_options=(("decoding_length", 16),),
-                      max_batch=SLOTS, max_len=MAX_LEN, max_waiting=64, prefill_chunk=32)
+                      max_batch=SLOTS, max_len=MAX_LEN, max_waiting=64, prefill_chunk=32, warmup="none")
     srv = make_server(cfg, model, tok)
     uv, thread, url = start_in_thread(srv)
     try:
@@ -358,7 +358,7 @@ def test_a_stopped_server_is_freed():
 
     from tiny import ByteTokenizer, tiny_model
 
-    srv = make_server(ServeConfig(model="tiny", strategy="greedy", max_batch=2, max_len=128),
+    srv = make_server(ServeConfig(model="tiny", strategy="greedy", max_batch=2, max_len=128, warmup="none"),
                       tiny_model("llama", seed=1), ByteTokenizer())
     uv, thread, url = start_in_thread(srv)
     try:
@@ -380,12 +380,10 @@ def test_health_tells_the_warm_up_and_requests_wait_for_its_minimum_set():
     none compiled on the request path."""
     from tiny import ByteTokenizer, tiny_model
 
-    from lookahead_jax.serve.server import warm_up_in_background
-
-    srv = make_server(ServeConfig(model="tiny", strategy="lookahead", max_batch=2, max_len=256, prefill_chunk=32),
-                      tiny_model("llama", seed=3), ByteTokenizer())
+    srv = make_server(ServeConfig(model="tiny", strategy="lookahead", max_batch=2, max_len=256, prefill_chunk=32,
+                                  warmup="none"), tiny_model("llama", seed=3), ByteTokenizer())
     sched = srv.scheduler
-    sched.ready.clear()  # as `warm_up_in_background` does before its thread starts
+    sched.ready.clear()  # as `warm_up_in_background` does before its thread starts (here: when the test says)
     uv, thread, url = start_in_thread(srv)
     try:
         r = httpx.get(url + "/health")
@@ -395,7 +393,7 @@ def test_health_tells_the_warm_up_and_requests_wait_for_its_minimum_set():
                               json=dict(model="tiny", prompt="hello there", max_tokens=4), timeout=300)
             time.sleep(1.0)
             assert not ask.done() and sched.running == {}  # waits for the warm-up
-            warm_up_in_background(sched).join(300)
+            sched.warm_up_in_background().join(300)
             assert ask.result().status_code == 200
         body = httpx.get(url + "/health").json()
         assert body["status"] == "ok" and body["programs_total"] == len(sched.slots.programs())

@@ -50,7 +50,7 @@ class ToolTokenizer(ByteTokenizer):
 
 def serve(tokenizer, **kw):
     cfg = ServeConfig(model=NAME, strategy="lookahead", strategy_options=(("decoding_length", 4),), max_batch=2,
-                      max_len=160, **kw)
+                      max_len=160, **{"warmup": "none", **kw})  # (steps compile at first use)
     srv = make_server(cfg, tiny_model("llama", seed=1), tokenizer)
     uv, thread, srv.url = start_in_thread(srv)
     return srv, uv, thread
@@ -378,9 +378,9 @@ def test_running_gauge_returns_to_zero(server):
 def test_a_dropped_request_logs_one_line(caplog):
     """A non-streaming request whose client goes away (here while it waits: the engine
     thread admits nothing until `ready`) is cancelled with one INFO line and no traceback."""
-    srv = make_server(ServeConfig(model=NAME, strategy="greedy", max_batch=1, max_len=64),
+    srv = make_server(ServeConfig(model=NAME, strategy="greedy", max_batch=1, max_len=64, warmup="none"),
                       tiny_model("llama", seed=1), ByteTokenizer())
-    srv.scheduler.ready.clear()  # as a warm-up does: requests wait
+    srv.scheduler.ready.clear()  # as a warm-up does: requests wait (no warm-up here: they wait for good)
     uv, thread, url = start_in_thread(srv)
     uvicorn_log = logging.getLogger("uvicorn")  # (it does not propagate to the root, where caplog listens)
     uvicorn_log.addHandler(caplog.handler)

@@ -74,8 +74,8 @@ def flags(strategy, **options):
 @contextlib.contextmanager
 def serving(model, tok, argv):
     """A server configured from `argv` (as `python -m lookahead_jax.serve` parses it):
-    (server, openai client)."""
-    srv = make_server(serve_parse(argv), model, tok)
+    (server, openai client). Without a `--warmup` in argv: none (steps compile at first use)."""
+    srv = make_server(serve_parse(argv if "--warmup" in argv else argv + ["--warmup", "none"]), model, tok)
     uv, thread, url = start_in_thread(srv)
     srv.url = url
     try:

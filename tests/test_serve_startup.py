@@ -87,6 +87,32 @@ def test_the_port_answers_while_the_server_is_built():
     assert startup.error is None and not server.scheduler.alive  # the built app's lifespan drained it
 
 
+def test_a_server_served_any_way_warms_up():
+    """A `make_server` server served without `run` / `lazy_app` (a library user's own
+    uvicorn, `start_in_thread`, `build_app`): its app's lifespan starts the warm-up
+    `ServeConfig.warmup` asks for (default greedy) as the command does: /health counts the
+    configuration's programs, the minimum set compiled before a request is admitted, none
+    compiled on the request path; `warmup="none"` leaves the programs to their first use."""
+    served = {}
+    for warmup in ("greedy", "none"):
+        cfg = ServeConfig(model="tiny", strategy="lookahead", max_batch=2, max_len=256, prefill_chunk=32,
+                          warmup=warmup)
+        srv = make_server(cfg, tiny_model("llama", seed=4), ByteTokenizer())
+        uv, thread, url = start_in_thread(srv)
+        try:
+            wait_for(lambda: httpx.get(url + "/health").status_code == 200)
+            r = httpx.post(url + "/v1/completions", json=dict(model="tiny", prompt="hello", max_tokens=4), timeout=300)
+            assert r.status_code == 200
+            served[warmup] = httpx.get(url + "/health").json()
+        finally:
+            uv.should_exit = True
+            thread.join(60)
+    warm, cold = served["greedy"], served["none"]
+    assert warm["programs_total"] == len(srv.scheduler.slots.programs())
+    assert warm["programs_ready"] >= warm["programs_minimum"] > 0 and warm["compiled_in_requests"] == 0
+    assert cold["programs_total"] is None and cold["compiled_in_requests"] > 0
+
+
 @pytest.mark.parametrize("error, status", [(ValueError, 2), (RuntimeError, 1)])
 def test_a_failed_build_stops_the_server(capsys, caplog, error, status):
     """`serve` (what `main` runs) with a build that raises once the port is open: uvicorn

@@ -55,9 +55,13 @@ class Server:
     """What the routes need: the scheduler (engine thread), tokenizer, the served model's
     name, and the metrics."""
 
-    def __init__(self, scheduler, tokenizer, model_name: str, metrics=None, vocab: int = 0, max_position: int = 0):
+    def __init__(self, scheduler, tokenizer, model_name: str, metrics=None, vocab: int = 0, max_position: int = 0,
+                 warmup: str = "none"):
         self.scheduler, self.tokenizer, self.model_name, self.metrics = scheduler, tokenizer, model_name, metrics
         self.vocab, self.max_position = vocab, max_position
+        # "none", or the warm-up the app's lifespan starts before the engine thread
+        # (`Scheduler.warm_up_in_background`: requests wait for the minimum set)
+        self.warmup = warmup
         strat = scheduler.strategy
         self.strategy_name = getattr(strat, "name", "greedy")
         self.drafting = scheduler.slots.drafter is not None
@@ -248,7 +252,8 @@ def _usage(prompt_lens: list, completion: int) -> dict:
 
 
 def build_app(server: Server) -> FastAPI:
-    """The FastAPI app over a `Server` (its scheduler started and drained with the app).
+    """The FastAPI app over a `Server` (its scheduler started, after its warm-up started,
+    and drained with the app).
     The app holds the server (`app.state.server`); its routes reach it through a weak
     reference, since FastAPI keeps route functions in process-wide caches: a route that
     closed over the server would keep it (its engine, model and KV caches) alive after
@@ -258,6 +263,10 @@ def build_app(server: Server) -> FastAPI:
     async def lifespan(app):
         server = app.state.server
         if not server.scheduler.alive:
+            # /health says 503 with the progress until the minimum set is compiled (unless
+            # the caller warmed the scheduler up itself before serving it)
+            if server.warmup != "none" and server.scheduler.slots.warm is None:
+                server.scheduler.warm_up_in_background()
             server.scheduler.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, server.scheduler.shutdown)

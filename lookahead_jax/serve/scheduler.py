@@ -165,6 +165,23 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="lookahead-jax-engine", daemon=True)
         self._thread.start()
 
+    def warm_up_in_background(self, wait: str = "minimum"):
+        """`warm_up` in a daemon thread: the engine thread admits nothing until the minimum
+        set of step programs is compiled (/health: 503 with the progress, then 200), and the
+        rest compile while it serves. Returns the thread."""
+        self.ready.clear()  # before the thread starts: no request is admitted meanwhile
+
+        def work():
+            try:
+                self.warm_up(wait=wait)
+            except Exception:  # noqa: BLE001 - the steps then compile at first use; the log says why
+                log.exception("warm-up failed: the step programs compile at first use")
+                self.ready.set()
+
+        thread = threading.Thread(target=work, name="lookahead-jax-warm-up", daemon=True)
+        thread.start()
+        return thread
+
     def warm_up(self, sampled: bool = False, wait: str = "all") -> int:
         """Compile the step programs the slots run (`Slots.programs`) before the thread
         serves, logging progress: returns once `wait` ("all"; "minimum": the set every
@@ -174,7 +191,7 @@ class Scheduler:
         number of programs queued (0 when an earlier warm-up on this engine had them)."""
         if self.alive and self.ready.is_set():
             raise RuntimeError("warm_up() runs before start(), or before the thread serves")
-        self.ready.clear()  # (a warm-up thread clears it before it starts: `server.warm_up_in_background`)
+        self.ready.clear()  # (a warm-up thread clears it before it starts: `warm_up_in_background`)
         t0, shown = time.perf_counter(), [0]
 
         def progress(done, total):

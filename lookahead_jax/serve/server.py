@@ -61,7 +61,8 @@ def check(cfg: ServeConfig, model_name: bool = True):
 
 
 def make_server(cfg: ServeConfig, model=None, tokenizer=None, stage: Optional[Callable[[str], None]] = None):
-    """A `Server` (its scheduler not yet started: the app's lifespan starts it). `model` /
+    """A `Server` (its scheduler not yet started: the app's lifespan starts it, after
+    starting the warm-up `cfg.warmup` asks for, however it is served). `model` /
     `tokenizer`: already loaded ones (tests), else `load(cfg.model)`. `stage(name)` is told
     what it is doing ("model": loading it, "engine": the rest; `Startup`'s /health shows it).
 
@@ -92,15 +93,15 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None, stage: Optional[Ca
                       max_waiting=cfg.max_waiting, eos_ids=eos, logprobs=cfg.logprobs, metrics=metrics,
                       prefill_chunk=cfg.prefill_chunk or None, step_budget=cfg.step_budget)
     server = Server(sched, tokenizer, name, metrics, vocab=int(engine.config.vocab_size),
-                    max_position=int(engine.config.max_position))
+                    max_position=int(engine.config.max_position), warmup=cfg.warmup)
     server.model = model  # the engine holds its model weakly
     return server
 
 
 def lazy_app(cfg: ServeConfig, build: Optional[Callable] = None):
     """The app `run` serves, a `startup.Startup`: once it listens, a background thread
-    runs `build(stage)` (default `make_server(cfg, stage=stage)`), starts the warm-up
-    (`cfg.warmup`) and mounts `build_app` of the server it built. Until then every
+    runs `build(stage)` (default `make_server(cfg, stage=stage)`) and mounts `build_app`
+    of the server it built (whose lifespan starts the warm-up and the engine thread). Until then every
     request gets a 503 at once (/health: {"status": "loading", "stage", "seconds"})."""
     from .app import build_app
     from .startup import Startup
@@ -108,10 +109,7 @@ def lazy_app(cfg: ServeConfig, build: Optional[Callable] = None):
     build = build or (lambda stage: make_server(cfg, stage=stage))
 
     def app(stage):
-        server = build(stage)
-        if cfg.warmup != "none":  # /health says 503 with the progress until the minimum set is compiled
-            warm_up_in_background(server.scheduler)
-        return build_app(server)
+        return build_app(build(stage))  # (its lifespan starts the warm-up: `Server.warmup`)
 
     return Startup(app)
 
@@ -129,26 +127,6 @@ def run(cfg: ServeConfig, server=None, build: Optional[Callable] = None) -> None
         pass
     if startup.error is not None:
         raise startup.error
-
-
-def warm_up_in_background(scheduler, wait: str = "minimum"):
-    """`Scheduler.warm_up` in a daemon thread: the engine thread admits nothing until the
-    minimum set of step programs is compiled (/health: 503 with the progress, then 200),
-    and the rest compile while it serves. Returns the thread."""
-    import threading
-
-    scheduler.ready.clear()  # before the thread starts: no request is admitted meanwhile
-
-    def work():
-        try:
-            scheduler.warm_up(wait=wait)
-        except Exception:  # noqa: BLE001 - the steps then compile at first use; the log says why
-            log.exception("warm-up failed: the step programs compile at first use")
-            scheduler.ready.set()
-
-    thread = threading.Thread(target=work, name="lookahead-jax-warm-up", daemon=True)
-    thread.start()
-    return thread
 
 
 def start_in_thread(server):
