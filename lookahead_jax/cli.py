@@ -19,7 +19,7 @@ from typing import Optional
 
 from .core.engine import engine_for
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
-from .core.params import GenerationParams, ParamError
+from .core.params import GenerationParams, ParamError, parse_logit_bias
 from .generate import generate
 from .argparsing import Parser
 from .interrupt import EXIT_INTERRUPTED, CtrlC, exit_now
@@ -207,6 +207,9 @@ def build_parser(prog: Optional[str] = None):
     ap.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
                     help="in [-2, 2], 0 = off (OpenAI/vLLM): X times its count in the answer so far is "
                     "subtracted from each id's logit")
+    ap.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                    help="add BIAS (in [-100, 100]) to token ID's logit at every step, as OpenAI's logit_bias "
+                    "(repeatable; 100 forces the id, -100 bans it; exact under every strategy)")
     ap.add_argument("--logprobs", action="store_true",
                     help="with --json: each row carries the model's log-probability of every generated token")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
@@ -239,7 +242,7 @@ def _config(ap, flags: dict, a) -> CliConfig:
             top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=tuple(a.stop),
             stop_token_ids=tuple(t for ids in a.stop_token_ids for t in ids), n=a.n, logprobs=a.logprobs,
             repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-            frequency_penalty=a.frequency_penalty)
+            frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias))
     except ParamError as e:
         ap.error(f"--{e.field.replace('_', '-')} {e.detail}")
     if a.logprobs and not a.json:

@@ -297,6 +297,20 @@ def test_penalty_flags(fake_load, tiny, capsys):
         assert parse_json_lines(out)[0][0]["token_ids"] == want
 
 
+def test_logit_bias_flag(fake_load, tiny, capsys):
+    """--logit-bias ID=BIAS (repeatable) reaches generate: its tokens (a banned first token
+    and a forced id), also under lookahead; a bad value is a usage error naming it."""
+    first = generate(tiny, ByteTokenizer(), PROMPTS[0], max_new_tokens=8).token_ids[0][0]
+    bias = {first: -100.0, 77: 5.0}
+    want = generate(tiny, ByteTokenizer(), PROMPTS[0], max_new_tokens=8, logit_bias=bias).token_ids[0]
+    assert want[0] != first
+    for strategy in ("greedy", "lookahead"):
+        rc, out, err = run_main(capsys, "--prompt", PROMPTS[0], "--max-new-tokens", "8", "--json", "--strategy",
+                                strategy, "--logit-bias", f"{first}=-100", "--logit-bias", "77=5")
+        assert rc == 0, err
+        assert parse_json_lines(out)[0][0]["token_ids"] == want
+
+
 def test_ralm_and_ralmspec_from_the_command_line(fake_load, tiny, capsys, tmp_path, monkeypatch):
     """--strategy ralm|ralmspec share --retriever/--corpus/--stride; the BM25 index built
     by the retrieval command is found in the cache; ralmspec prints ralm's tokens; a
@@ -458,6 +472,9 @@ def test_argument_errors(fake_load, capsys, argv, msg):
     (["--repetition-penalty", "0"], "--repetition-penalty must be a number > 0"),
     (["--presence-penalty", "2.5"], "--presence-penalty must be a number in [-2, 2]"),
     (["--frequency-penalty", "-3"], "--frequency-penalty must be a number in [-2, 2]"),
+    (["--logit-bias", "5=101"], "--logit-bias values must be numbers in [-100, 100]"),
+    (["--logit-bias", "x=1"], "--logit-bias keys must be token ids"),
+    (["--logit-bias", "5"], "--logit-bias takes ID=BIAS"),
 ])
 def test_generation_errors(fake_load, capsys, argv, msg):
     rc, out, err = run_main(capsys, "--prompt", "hi", "--max-new-tokens", "4", *argv)

@@ -43,6 +43,14 @@ from tiny import ByteTokenizer, tiny_model
     ("repetition_penalty", math.inf, "> 0"),
     ("presence_penalty", 2.5, "[-2, 2]"),
     ("frequency_penalty", -3, "[-2, 2]"),
+    ("logit_bias", {"a": 1}, "token ids"),
+    ("logit_bias", {-1: 1}, "token ids"),
+    ("logit_bias", {5: 100.5}, "[-100, 100]"),
+    ("logit_bias", {5: math.nan}, "[-100, 100]"),
+    ("logit_bias", {5: "1"}, "[-100, 100]"),
+    ("logit_bias", {i: 1 for i in range(301)}, "at most 300"),
+    ("logit_bias", [(1, 2), ("1", 3)], "twice"),
+    ("logit_bias", "5=1", "map token ids"),
 ])
 def test_each_bad_value_is_an_error_naming_its_field(field, value, words):
     with pytest.raises(ParamError) as e:
@@ -78,6 +86,12 @@ def test_values_are_normalized_and_derived():
         p.check_vocab(5)
     with pytest.raises(ParamError, match="temperature"):  # a copy is checked again
         p.replace(temperature=-1)
+    b = GenerationParams(logit_bias={"50": 5, 3: -100})  # OpenAI's JSON keys are strings
+    assert b.logit_bias == ((3, -100.0), (50, 5.0)) and b == GenerationParams(logit_bias=[(50, 5.0), (3, -100)])
+    assert hash(b) == hash(b.replace()) and b.adjusts_logits and not GenerationParams().adjusts_logits
+    assert GenerationParams(logit_bias={i: 1 for i in range(300)}).logit_bias[-1] == (299, 1.0)  # OpenAI's limit
+    with pytest.raises(ParamError, match=r"logit_bias keys must be token ids in \[0, 40\), got \[50\]"):
+        b.check_vocab(40)
 
 
 def test_sampling_and_penalties_share_the_checks():

@@ -191,19 +191,18 @@ def test_prediction_is_a_reference_lookahead_drafts_from(server):
 # what the server does with each field of OpenAI's request types (each listed once)
 APPLIED = {
     "completion": ["prompt", "model", "max_tokens", "n", "stream", "stream_options", "stop", "temperature", "top_p",
-                   "seed", "presence_penalty", "frequency_penalty", "logprobs", "echo"],
+                   "seed", "presence_penalty", "frequency_penalty", "logprobs", "echo", "logit_bias"],
     "chat": ["messages", "model", "max_tokens", "max_completion_tokens", "n", "stream", "stream_options", "stop",
              "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
-             "tools", "prediction"],
+             "tools", "prediction", "logit_bias"],
 }
 # labels OpenAI defines with no effect on the output (abuse monitoring, dashboards, cache routing): taken
 LABELS = {"completion": {"user": "u1"},
           "chat": {"user": "u1", "metadata": {"k": "v"}, "safety_identifier": "s1", "prompt_cache_key": "c1"}}
 # refused fields: a value other than the default, and a word its 400 must hold
 REFUSED = {
-    "completion": {"best_of": (3, "best_of"), "suffix": ("}", "suffix"),
-                   "logit_bias": ({"50": 5}, "not supported yet")},
-    "chat": {"logit_bias": ({"50": 5}, "not supported yet"), "audio": ({"voice": "alloy", "format": "wav"}, "text"),
+    "completion": {"best_of": (3, "best_of"), "suffix": ("}", "suffix")},
+    "chat": {"audio": ({"voice": "alloy", "format": "wav"}, "text"),
              "modalities": (["text", "audio"], "text"), "function_call": ("auto", "tool_choice"),
              "functions": ([{"name": "f"}], "tools"), "moderation": ({"policy": "default"}, "moderation"),
              "parallel_tool_calls": (True, "not parsed"), "prompt_cache_options": ({"mode": "explicit"}, "cache"),
@@ -260,6 +259,34 @@ def test_every_openai_field_is_applied_or_refused(server, kind):
         refused(post(server, path, dict(streamed, stream_options={field: value})), f"stream_options.{field}", word)
     refused(post(server, path, dict(base, stream_options={"include_usage": True})), "stream_options", "stream: true")
     refused(post(server, path, dict(base, best_effort=True)), "best_effort", "unknown field")
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_logit_bias_is_applied(server, kind):
+    """`logit_bias` {"<id>": 100} makes every token that id (the keys are token ids as
+    strings, as OpenAI sends them; the openai client's too); -100 on the unbiased first
+    token bans it; keys that are not token ids of the model and values out of [-100, 100]
+    are a 400 naming logit_bias."""
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    base = dict(model=NAME, max_tokens=3, temperature=0, return_token_ids=True)
+    base.update(prompt="Hi") if kind == "completion" else base.update(messages=[{"role": "user", "content": "Hi"}])
+
+    def ids(bias):
+        r = post(server, path, dict(base, logit_bias=bias))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    assert ids({"77": 100}) == [77] * 3
+    first = ids(None)[0]
+    assert ids({str(first): -100})[0] != first
+    for bias, words in (({"abc": 1}, "token ids"), ({"77": 101}, "[-100, 100]"), ({"-3": 5}, "token ids"),
+                        ({"100000": 5}, "[0, 259)"), ({str(i): 1 for i in range(301)}, "at most 300")):
+        refused(post(server, path, dict(base, logit_bias=bias)), "logit_bias", words)
+    assert post(server, path, dict(base, logit_bias={"77": "x"})).status_code == 400  # pydantic's type check
+    if kind == "completion":
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=NAME, prompt="Hi", max_tokens=3, temperature=0, logit_bias={"77": 100})
+        assert r.choices[0].text == ByteTokenizer().decode([77] * 3)
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])

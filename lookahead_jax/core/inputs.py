@@ -5,7 +5,8 @@ the signature `step(params, cache, inputs, *, config, <rule>, mode)` (gemma's sa
 `SamplingState` carries a decode loop's arrays in one pytree, is the model):
 
 * `StepInputs`: every array the step reads, one pytree. The per-row sampling values
-  (`sampling.RowSampling`) and penalties (`sampling.RowPenalties`) are in it as arrays,
+  (`sampling.RowSampling`), penalties (`sampling.RowPenalties`) and logit biases
+  (`sampling.RowBias`) are in it as arrays,
   so their values never recompile; a field that is None is absent (the step does without:
   no penalties, no draft distributions, the whole batch instead of a `sel`). Its treedef
   (which fields are present, and the rows' sampling / penalty flags) is part of the
@@ -45,6 +46,7 @@ class StepInputs(NamedTuple):
     active: Any = None  # [B] bool verify / plain_steps: rows that take the step
     sampling: Any = None  # sampling.RowSampling: each row's values (None: every row greedy)
     penalties: Any = None  # sampling.RowPenalties: each row's (None: none)
+    bias: Any = None  # sampling.RowBias: each row's logit_bias (None: none)
     seen: Any = None  # [B,V] bool: ids in each row's context (penalties that use it)
     counts: Any = None  # [B,V] int32: each id's count in the generated ids (penalties that use it)
     suppress: Any = None  # [B] int32: below this position the mode's `ban` ids are banned (min_new_tokens)

@@ -2,7 +2,7 @@
 
 `GenerationParams` is every per-request option of a generation (vLLM's `SamplingParams`
 is the model): its length, stop conditions, sampling, penalties, log-probabilities and
-samples per prompt. `generate`, the CLI, the server's protocol and the scheduler each
+samples per prompt, logit bias. `generate`, the CLI, the server's protocol and the scheduler each
 build one from their own spelling of the options and pass it on; `core.slots.Request`
 carries it whole. Every field is checked here, once, when the object is made: a bad
 value raises `ParamError` (a ValueError) that names the field, so each front end can
@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Callable, Optional
 
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (OpenAI's limit); every step's bias arrays hold this many
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 
 
 class ParamError(ValueError):
@@ -109,6 +112,50 @@ def _top_logprobs(v, p):
         return "needs logprobs (the chosen tokens' log-probabilities) on"
 
 
+def _bias_pairs(v):
+    """logit_bias as given -> its (id, bias) pairs as given (a mapping's items, or pairs);
+    None: it is neither (the check says so)."""
+    if v is None:
+        return ()
+    if isinstance(v, Mapping):
+        return tuple(v.items())
+    if isinstance(v, (str, bytes)):
+        return None
+    try:
+        pairs = tuple(tuple(x) for x in v)
+    except TypeError:
+        return None
+    return pairs if all(len(x) == 2 for x in pairs) else None
+
+
+def _bias_id(k):
+    """A logit_bias key as a token id: an integer >= 0, or its decimal string (OpenAI's
+    JSON keys, e.g. "50256"); None otherwise."""
+    if _is_int(k):
+        return int(k) if k >= 0 else None
+    if isinstance(k, str) and k.strip().isdigit() and k.strip().isascii():
+        return int(k)
+    return None
+
+
+def _logit_bias(v, _p):
+    pairs = _bias_pairs(v)
+    if pairs is None:
+        return f"must map token ids to biases ({{id: bias}}, or (id, bias) pairs), got {v!r}"
+    if len(pairs) > MAX_LOGIT_BIAS:
+        return f"may bias at most {MAX_LOGIT_BIAS} token ids (OpenAI's limit), got {len(pairs)}"
+    bad = [k for k, _ in pairs if _bias_id(k) is None]
+    if bad:
+        return f"keys must be token ids (integers >= 0, or their decimal strings), got {bad[:5]!r}"
+    ids = [_bias_id(k) for k, _ in pairs]
+    if len(set(ids)) < len(ids):
+        return f"biases a token id twice: {sorted({t for t in ids if ids.count(t) > 1})[:5]}"
+    r = LOGIT_BIAS_RANGE
+    out = {k: b for k, b in pairs if not _is_number(b) or not math.isfinite(b) or not -r <= b <= r}
+    if out:
+        return f"values must be numbers in [-{r:g}, {r:g}], got {dict(list(out.items())[:5])!r}"
+
+
 # field -> check(value, params) -> None or what is wrong; in the order they are checked
 _CHECKS = {
     "max_new_tokens": _max_new_tokens,
@@ -127,6 +174,7 @@ _CHECKS = {
     "repetition_penalty": _number(lambda r: r > 0, "a number > 0 (1 = off)"),
     "presence_penalty": _number(lambda x: -2 <= x <= 2, "a number in [-2, 2] (0 = off)"),
     "frequency_penalty": _number(lambda x: -2 <= x <= 2, "a number in [-2, 2] (0 = off)"),
+    "logit_bias": _logit_bias,
 }
 
 
@@ -210,6 +258,12 @@ class GenerationParams:
         likely ids at each prompt position; with it max_new_tokens may be 0 (score only).
     repetition_penalty (> 0, 1 = off), presence_penalty / frequency_penalty ([-2, 2],
         0 = off): as `Penalties`.
+    logit_bias: {token id: bias} (or (id, bias) pairs; ids may be decimal strings, as
+        OpenAI's JSON keys), at most MAX_LOGIT_BIAS ids, biases in [-100, 100]: added to
+        the raw logits at every position, before the penalties, temperature, top-k/p and
+        the min_new_tokens ban (OpenAI / vLLM), so greedy picks and sampling follow the
+        biased distribution (logprobs stay the raw logits'). Kept as (id, bias) pairs
+        sorted by id, both numbers; () = none.
     """
 
     max_new_tokens: int = 128
@@ -228,14 +282,19 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple = ()
 
     def __post_init__(self):
         # sequences as tuples (hashable, and one string is one stop string)
         set_ = object.__setattr__
         set_(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()))
         set_(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        pairs = _bias_pairs(self.logit_bias)
+        if pairs is not None:
+            set_(self, "logit_bias", pairs)
         for name in _CHECKS:
             check_field(name, getattr(self, name), self)
+        set_(self, "logit_bias", tuple(sorted((_bias_id(k), float(b)) for k, b in self.logit_bias)))
         set_(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         for name in ("max_new_tokens", "min_new_tokens", "top_k", "seed", "n", "top_logprobs"):
             set_(self, name, int(getattr(self, name)))
@@ -272,13 +331,35 @@ class GenerationParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit bias: what a strategy that picks tokens from its own
+        distribution (`supports_penalties` False) does not apply."""
+        return self.penalties.on or bool(self.logit_bias)
+
     def eos_ids(self, model_eos) -> tuple:
         """The ids that end a row: the model's EOS ids (none with ignore_eos) and
         stop_token_ids."""
         return tuple(sorted(set(() if self.ignore_eos else (int(t) for t in model_eos)) | set(self.stop_token_ids)))
 
     def check_vocab(self, vocab: int) -> None:
-        """stop_token_ids must be ids of a vocabulary of `vocab` tokens."""
+        """stop_token_ids and logit_bias's keys must be ids of a vocabulary of `vocab` tokens."""
         bad = [t for t in self.stop_token_ids if t >= vocab]
         if bad:
             raise ParamError("stop_token_ids", f"must be token ids in [0, {vocab}), got {bad}")
+        bad = [t for t, _ in self.logit_bias if t >= vocab]
+        if bad:
+            raise ParamError("logit_bias", f"keys must be token ids in [0, {vocab}), got {bad[:5]}")
+
+
+def parse_logit_bias(items) -> tuple:
+    """The CLI's `ID=BIAS` strings -> (id, bias) pairs for `GenerationParams.logit_bias`
+    (which checks them); a string that is not ID=BIAS is a `ParamError`."""
+    pairs = []
+    for s in items:
+        k, eq, b = str(s).partition("=")
+        try:
+            pairs.append((k.strip(), float(b if eq else "")))
+        except ValueError:
+            raise ParamError("logit_bias", f"takes ID=BIAS (a token id, a number in [-100, 100]), got {s!r}") from None
+    return tuple(pairs)

@@ -9,9 +9,10 @@ bucket), verify steps (one
 per tree size the budget may pick, at each window a step of that size may take: on CPU
 with the attention kernel only the whole cache, `Engine.window`) and plain decoding's
 multi-token blocks (`device_steps`). Sampling, `min_new_tokens`, each row's values and,
-on slots with `penalty_rows` (the server's), penalties are data (`sampling.select_tokens`,
-`sampling.penalize`, `DecodeState.step_inputs`), so they add no programs; so are top and
-prompt log-probabilities on slots that return log-probabilities (the server's: every step
+on slots with `penalty_rows` (the server's), penalties and logit biases are data
+(`sampling.select_tokens`, `sampling.penalize`, `sampling.add_bias`,
+`DecodeState.step_inputs`), so they add no programs; so are top and prompt
+log-probabilities on slots that return log-probabilities (the server's: every step
 carries them under a `lax.cond`, `DecodeState.step_mode`). A draft model's steps
 (SpecInfer) compile in the background at first sight while the steps go without drafts
 (`ModelDrafter.propose`); a retrieval run's own steps are rehearsed (below).

@@ -81,6 +81,7 @@ class RowState:
         self.min_new = 0  # EOS / stop ids banned until this many tokens are out (min_new_tokens)
         # the row's own SamplingParams / Penalties (None: the batch's; DecodeState.set_row_values)
         self.sampling = self.penalties = None
+        self.logit_bias: tuple = ()  # its (id, bias) pairs (GenerationParams.logit_bias)
         self.finish: Optional[str] = None  # why the request ended: "eos" | "stop" | "length" | "abort"
         self.phase = Phase.DECODING
         self.steps = 0

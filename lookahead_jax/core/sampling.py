@@ -21,6 +21,8 @@ never cut). Static in `RowPenalties` is which penalty arrays are needed; no `Row
 without penalties. A greedy row of a sampling batch still takes the argmax, and a row with top_k 0 / top_p 1
 / repetition 1 / presence 0 / frequency 0 is computed exactly as without that filter or
 penalty (`tests/test_row_sampling.py`), so a row's tokens are those it gives alone.
+A request's logit_bias is data as well (`RowBias`: [B, MAX_LOGIT_BIAS] ids and values,
+`add_bias`, which runs first).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models import cpu_kernels
-from .params import Penalties, SamplingParams  # noqa: F401  (the values' types live with the request's checks)
+from .params import MAX_LOGIT_BIAS, Penalties, SamplingParams  # noqa: F401  (the values' types live with the request's checks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +87,32 @@ class RowPenalties:
                             uses_counts=any(p.uses_counts for p in pens))
 
 
+@dataclasses.dataclass(frozen=True)
+class RowBias:
+    """Each row's logit_bias as arrays [B,K] (a pytree, as `RowSampling`), K =
+    MAX_LOGIT_BIAS always: one shape whatever a request biases, so a bias never compiles
+    a program of its own where the step carries every row's (`DecodeState.penalty_rows`).
+    A row biases ids[b, :n] by values[b, :n]; the rest is padding (id 0, bias 0: adds
+    nothing). A row without a bias is all padding."""
+
+    ids: jax.Array  # [B,K] int32
+    values: jax.Array  # [B,K] f32
+
+    @staticmethod
+    def of(biases: Sequence[tuple], put=np.asarray) -> "RowBias":
+        """The rows' biases (each a `GenerationParams.logit_bias`: (id, bias) pairs; `put`
+        places the arrays)."""
+        ids = np.zeros((len(biases), MAX_LOGIT_BIAS), np.int32)
+        values = np.zeros((len(biases), MAX_LOGIT_BIAS), np.float32)
+        for b, pairs in enumerate(biases):
+            for j, (t, v) in enumerate(pairs):
+                ids[b, j], values[b, j] = t, v
+        return RowBias(put(ids), put(values))
+
+
 for _cls, _data, _meta in ((RowSampling, ["temperature", "top_k", "top_p"], ["filter"]),
-                           (RowPenalties, ["repetition", "presence", "frequency"], ["uses_context", "uses_counts"])):
+                           (RowPenalties, ["repetition", "presence", "frequency"], ["uses_context", "uses_counts"]),
+                           (RowBias, ["ids", "values"], [])):
     jax.tree_util.register_dataclass(_cls, data_fields=_data, meta_fields=_meta)
 
 
@@ -95,6 +121,25 @@ def _per_row(x, like):
     if isinstance(x, (int, float)):
         return x
     return x.reshape(x.shape + (1,) * (like.ndim - 1))
+
+
+def add_bias(logits, bias):
+    """logits [B,T,V] plus each row's logit_bias (`RowBias`; None: unchanged) at every
+    position: OpenAI / vLLM's logit_bias, added to the raw logits before the penalties,
+    the filters and the argmax, so greedy picks and samples follow the biased distribution
+    in plain decoding and at every node of a verified tree alike. The work runs under a
+    `lax.cond` only when some row has a non-zero bias (a step that carries every row's
+    padding costs nothing, and its logits are exactly as they were).
+    # ids [[5, 0]], values [[100., 0.]] -> row 0's logit of id 5 + 100 at every position"""
+    if bias is None:
+        return logits
+
+    def apply(logits):
+        B, V = logits.shape[0], logits.shape[-1]
+        dense = jnp.zeros((B, V), jnp.float32).at[jnp.arange(B)[:, None], bias.ids].add(bias.values)  # [B,V]
+        return logits + dense[:, None, :].astype(logits.dtype)
+
+    return jax.lax.cond(jnp.any(bias.values != 0), apply, lambda x: x, logits)
 
 
 def penalize(logits, pen, seen=None, counts=None, path=None):

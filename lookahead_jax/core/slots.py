@@ -18,15 +18,15 @@ requests (lookahead's cache of earlier outputs or trie, acceptance statistics, d
 engine's stores, as for `generate`.
 
 Each request brings its own options in one checked object (`Request.params`, a
-`core.params.GenerationParams`: length, stops, sampling, penalties, seed): its sampling
-values and penalties reach the step as per-row arrays
-(`sampling.RowSampling`, `RowPenalties`), so greedy, sampled (any temperature / top-k /
-top-p / seed) and penalized requests share one batch and values never recompile; whether
-a row samples or cuts is data too (one program for greedy and sampled rows, the argmax
-alone where none samples: `sampling.select_tokens`); with `penalty_rows` (the server's
-slots) every step carries every row's penalties, neutral where a request has none, so
-penalized requests share those programs too (otherwise which penalties some row needs
-is compiled in). What one verify step
+`core.params.GenerationParams`: length, stops, sampling, penalties, logit bias, seed): its
+sampling values, penalties and bias reach the step as per-row arrays
+(`sampling.RowSampling`, `RowPenalties`, `RowBias`), so greedy, sampled (any
+temperature / top-k / top-p / seed), penalized and biased requests share one batch and
+values never recompile; whether a row samples or cuts is data too (one program for
+greedy and sampled rows, the argmax alone where none samples: `sampling.select_tokens`);
+with `penalty_rows` (the server's slots) every step carries every row's penalties and
+bias, neutral where a request has none, so such requests share those programs too
+(otherwise whether some row needs them is compiled in). What one verify step
 compiles in is shared by the slots: the acceptance rule, whether log-probabilities are
 returned, the ids that `min_new_tokens` bans; and a retrieval run (below) decodes with
 the slots' sampling and penalties. A request asking for other values of these gets a
@@ -149,8 +149,8 @@ class Slots:
     (`decode.step`; insert, free, close and a run's step run it first). step_budget: None
     (one prefill block a step) or k >= 1: a step's prefill blocks fill it up to k x a decode
     step of the running batch (module docstring). penalty_rows: every step carries each
-    row's penalties as data (`DecodeState.penalty_rows`; not with a run or a strategy
-    without penalties), so a request with penalties compiles nothing of its own. Call
+    row's penalties and logit bias as data (`DecodeState.penalty_rows`; not with a run or
+    a strategy without penalties), so such a request compiles nothing of its own. Call
     `close()` when done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
@@ -260,7 +260,7 @@ class Slots:
                            p.stop, p.max_new_tokens, req.on_text)
             row.min_new = p.min_new_tokens
             row.logprobs = [] if st.logprobs else None
-            row.sampling, row.penalties = p.sampling, p.penalties
+            row.sampling, row.penalties, row.logit_bias = p.sampling, p.penalties, p.logit_bias
             row.top_k, row.tops = p.top_logprobs, [] if p.top_logprobs else None
             if p.prompt_logprobs is not None:  # the first prompt id has none (nothing before it)
                 row.prompt_logprobs, row.prompt_top, row.prompt_k = [None], [None], p.prompt_logprobs
@@ -522,8 +522,9 @@ class Slots:
                              "the prompt): prompt_logprobs and top_logprobs are not served on them")
         if p.logprobs and not self.state.logprobs:
             raise ValueError("these slots were built without log-probabilities (Slots(logprobs=True) keeps them)")
-        if p.penalties.on and strat is not None and not strat.supports_penalties:
-            raise ValueError(f"strategy {strat.name!r} does not apply repetition / presence / frequency penalties")
+        if p.adjusts_logits and strat is not None and not strat.supports_penalties:
+            raise ValueError(f"strategy {strat.name!r} does not apply repetition / presence / frequency penalties "
+                             "or logit_bias")
         if self._plain_request(req) and (self.run is not None or req.strategy.runs_own_loop
                                          or req.strategy.drafter(self.engine) is not None):
             only = ("only its own requests" if self.run is not None else "only plain decoding shares them")

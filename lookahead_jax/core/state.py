@@ -3,8 +3,8 @@ it (`StepResult`). The loop and the state edits are in `decode.py`, which re-exp
 every commit of a row's emitted tokens goes through `DecodeState.commit`.
 
 Per row: the prompt, the verified generated ids, the finish reason and its text
-(`RowState`), its sampling parameters and penalties (host values on the row, arrays on
-device: `set_row_values`); the KV cache; the root of every row (its last emitted token,
+(`RowState`), its sampling parameters, penalties and logit bias (host values on the
+row, arrays on device: `set_row_values`); the KV cache; the root of every row (its last emitted token,
 not yet in the cache); the committed cache length (host mirror of `cache.length`).
 Invariant per row: cache slots 0..length-1 hold `context[:length]` and
 `root = context[length]`, where context = prompt + generated.
@@ -21,7 +21,7 @@ import numpy as np
 
 from .inputs import StepInputs, StepMode
 from .params import MAX_TOP_LOGPROBS
-from .sampling import Penalties, RowPenalties, RowSampling, SamplingParams
+from .sampling import Penalties, RowBias, RowPenalties, RowSampling, SamplingParams
 
 
 # ----------------------------------------------------------------------------- state
@@ -62,9 +62,10 @@ class DecodeState:
     scores_on_demand: bool = True
     penalties: Penalties = Penalties()  # the rows' default (a row's own: RowState.penalties)
     vocab: int = 0
-    # every row's sampling values and penalties as device arrays (`set_row_values`)
+    # every row's sampling values, penalties and logit bias as device arrays (`set_row_values`)
     row_sampling_values: Optional[RowSampling] = None
     row_penalty_values: Optional[RowPenalties] = None
+    row_bias_values: Optional[RowBias] = None
     # bookkeeping of the call (wall times exclude compilation)
     steps: int = 0
     tree_sizes: list = dataclasses.field(default_factory=list)
@@ -90,7 +91,8 @@ class DecodeState:
     # penalty_rows: every step but plain_steps' carries each row's penalties as data, rows
     # without any at their neutral values (the step skips the work when no row has any:
     # `sampling.penalize`), so requests with and without penalties share one compiled
-    # step (a server's slots: a request's penalties never compile a program of their own)
+    # step (a server's slots: a request's penalties never compile a program of their own);
+    # so does each row's logit bias (`step_bias`), all zeros where a request has none
     penalty_rows: bool = False
     _zeros: dict = dataclasses.field(default_factory=dict, repr=False)  # (shape, dtype) -> host zeros
 
@@ -123,11 +125,13 @@ class DecodeState:
         return self.penalties if p is None else p
 
     def set_row_values(self, put) -> None:
-        """Every row's sampling values and penalties (its own, else the defaults) onto the
-        device (`put`, e.g. `Engine.put`): after prefill, and when requests enter rows."""
+        """Every row's sampling values and penalties (its own, else the defaults) and logit
+        bias onto the device (`put`, e.g. `Engine.put`): after prefill, and when requests
+        enter rows."""
         B = self.batch
         self.row_sampling_values = RowSampling.of([self.sampling_of(b) for b in range(B)], put=put)
         self.row_penalty_values = RowPenalties.of([self.penalties_of(b) for b in range(B)], put=put)
+        self.row_bias_values = RowBias.of([self.rows[b].logit_bias for b in range(B)], put=put)
 
     def row_sampling(self, rows=None) -> Optional[RowSampling]:
         """Each row's sampling for a step over `rows` (default: the batch; a list: a block
@@ -208,6 +212,17 @@ class DecodeState:
                                       for b in idx]).astype(np.int32)
         return out
 
+    def step_bias(self) -> dict:
+        """The bias field of a step: every row's logit_bias (`sampling.RowBias`, one shape:
+        [B, MAX_LOGIT_BIAS]) when some live row has one, and always with `penalty_rows`
+        (one program for requests with and without: the step skips the work where every
+        bias is 0); else {} (no bias in the step)."""
+        if not self.penalty_rows and not any(r.logit_bias for r in self.rows if r.live):
+            return {}
+        if self.row_bias_values is None:  # (a state built without set_row_values)
+            self.set_row_values(np.asarray)
+        return dict(bias=self.row_bias_values)
+
     def _zero(self, shape: tuple, dtype) -> np.ndarray:
         key = (shape, np.dtype(dtype).str)
         if key not in self._zeros:
@@ -228,7 +243,8 @@ class DecodeState:
         """This step's `inputs.StepInputs`: the block (`tokens` and `block`'s arrays: a
         prefill's n_new, or a tree's parent / depth / mask and active: `tree_inputs`) with
         each row's seed, id and sampling values (`step_sampling`) and, with `options`, the
-        options' arrays: `suppress`, and each row's penalties (`step_penalties`). rows: a
+        options' arrays: `suppress`, each row's logit bias (`step_bias`) and penalties
+        (`step_penalties`). rows: a
         prefill block of those rows only (`StepInputs.rows`: `tokens` and n_new have their
         rows, everything else is cut to them)."""
         x = StepInputs(tokens, self.seeds, self.rowids, sampling=self.step_sampling(), **block)
@@ -236,7 +252,7 @@ class DecodeState:
             x = x._replace(scores=np.False_)
         pen = {}
         if options:
-            x = x._replace(suppress=self.suppress())
+            x = x._replace(suppress=self.suppress(), **self.step_bias())
             pen = self.step_penalties(rows)
         x = x if rows is None else x.rows(rows)
         return x._replace(**pen)

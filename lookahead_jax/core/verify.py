@@ -38,6 +38,10 @@ then unchanged):
 * each row's sampling values (`StepInputs.sampling`, a `sampling.RowSampling`: None =
   every row greedy, the argmax path) and penalties (`StepInputs.penalties`, a
   `sampling.RowPenalties`): values are arrays, only their flags are compiled in.
+* each row's logit_bias (`StepInputs.bias`, a `sampling.RowBias`): added to the raw
+  logits of every node (`sampling.add_bias`), first, so every rule (token match, the
+  speculative sampler's target distribution) verifies against the biased distribution,
+  as plain decoding picks from it.
 * penalties (repetition / presence / frequency) with the row's `seen` [B,V] (ids in the
   context up to the root) and `counts` [B,V] (generated ids up to the root): node i's
   logits are penalized by its own context, the base plus the drafted tokens on its path
@@ -70,7 +74,7 @@ from .acceptance import GREEDY, TokenMatch
 from ..models import KVCache, advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
 from .inputs import StepInputs, StepMode
-from .sampling import SamplingParams, penalize, select_tokens
+from .sampling import SamplingParams, add_bias, penalize, select_tokens
 
 
 def tree_mask(length, anc, n_slots):
@@ -174,9 +178,9 @@ def verify_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     inputs (`inputs.StepInputs`): tokens / parent / depth / mask (the packed block), active,
     seed, row; optional: sampling (each row's `RowSampling`; None: every row greedy; the
     rule's own field is not used), draft_probs (the drafts' distributions, for rules that
-    need them), suppress (with `mode.ban`: min_new_tokens), penalties with seen / counts:
-    see the module docstring. rule: the acceptance rule (`acceptance.TokenMatch`, ...),
-    static. mode.window: the number of cache slots attention reads (0: all). Every active
+    need them), suppress (with `mode.ban`: min_new_tokens), penalties with seen / counts,
+    bias (each row's logit_bias): see the module docstring. rule: the acceptance rule
+    (`acceptance.TokenMatch`, ...), static. mode.window: the number of cache slots attention reads (0: all). Every active
     row needs length + 1 + T <= window; the decode loop picks it with `window_for`."""
     mode.check(inputs)
     x = inputs
@@ -190,7 +194,7 @@ def verify_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     raw = logits_from_hidden(params, h, config)  # [B,1+T,V]
     pen = x.penalties
     path = (lambda: path_counts(tokens, anc, raw.shape[-1])) if T1 > 1 else None
-    logits = penalize(raw, pen, x.seen, x.counts, path)
+    logits = penalize(add_bias(raw, x.bias), pen, x.seen, x.counts, path)
     logits = banned(logits, positions, x.suppress, mode.ban)
     best, bonus = rule(logits, tokens, parent, depth, anc, positions, x.seed, x.row, x.draft_probs,
                        sampling=GREEDY if x.sampling is None else x.sampling)
@@ -241,9 +245,9 @@ def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     root the next step forwards, as after any decode step. Rows with n_new = 0 are left
     as they are. mode.window: slots attention reads (>= max(length) + P; a fresh prefill
     reads only its own P slots). inputs.sampling (`RowSampling`): each row's values (None:
-    every row greedy). suppress / mode.ban, mode.logprobs, penalties: as in `verify_step`;
-    seen / counts cover the whole context up to the last forwarded token (the token picked
-    here follows it). mode.top_logprobs = k: also the top log-probs [B,P,k] and their ids
+    every row greedy). suppress / mode.ban, mode.logprobs, penalties, bias: as in
+    `verify_step`; seen / counts cover the whole context up to the last forwarded token
+    (the token picked here follows it). mode.top_logprobs = k: also the top log-probs [B,P,k] and their ids
     of the distribution after every forwarded token (position n_new-1: the one the next
     token is picked from; padding positions past it hold junk): what a teacher needs over a
     whole prompt (distillation). mode.prompt_logprobs: also the log-probability of each
@@ -272,7 +276,7 @@ def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     h, cache = hidden_states(params, tokens, positions, cache, mask, config)
     last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)  # [B,1,D]
     raw = logits_from_hidden(params, last, config)  # [B,1,V]
-    logits = penalize(raw, x.penalties, x.seen, x.counts)
+    logits = penalize(add_bias(raw, x.bias), x.penalties, x.seen, x.counts)
     logits = banned(logits, (length + n_new - 1)[:, None], x.suppress, mode.ban)
     sp = GREEDY if x.sampling is None else x.sampling
     nxt = select_tokens(logits, sp, x.seed, x.row, (length + n_new)[:, None])[:, 0]

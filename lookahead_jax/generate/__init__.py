@@ -101,7 +101,7 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              min_new_tokens: int = 0, logprobs: bool = False, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, overlap: bool = False,
              fallback: bool = False, on_step: Optional[Callable[[], None]] = None,
-             params: Optional[GenerationParams] = None, **strategy_options) -> GenerateOutput:
+             params: Optional[GenerationParams] = None, logit_bias=None, **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -148,6 +148,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         verify step each tree node is penalized by its own path (the context plain
         decoding would have there), so every strategy stays exact. For ralm / ralmspec the
         context includes the retrieved passage (it is part of the row's prompt).
+    logit_bias: {token id: bias in [-100, 100]} (at most 300 ids; OpenAI's logit_bias):
+        added to the raw logits at every position before the penalties and the rest, so
+        greedy rows take the biased argmax and sampled rows sample the biased distribution;
+        every verify step checks drafts against the same biased logits, so every strategy
+        stays exact (`logprobs` stay those of the raw logits).
     first_index: index of the first prompt (for prompt_index, error messages and the
         sampling key's row), so a long list decoded in batches samples as one batch.
     mesh: a `jax.sharding.Mesh` with axes ("data", "model") (`sharding.make_mesh`): params
@@ -162,15 +167,15 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     on_step(): called between two steps (after each), in the calling thread; what it raises
         ends the call there (the CLI's Ctrl-C: a KeyboardInterrupt at a step boundary).
     params: the per-request options as one `GenerationParams` (max_new_tokens, sampling,
-        seed, stop, stop_token_ids, ignore_eos, n, min_new_tokens, logprobs, penalties),
-        instead of the keyword arguments of the same names (give one or the other). Every
-        option is checked there: a ValueError (`ParamError`) names the bad one.
+        seed, stop, stop_token_ids, ignore_eos, n, min_new_tokens, logprobs, penalties,
+        logit_bias), instead of the keyword arguments of the same names (give one or the
+        other). Every option is checked there: a ValueError (`ParamError`) names the bad one.
     """
     strat = resolve(strategy, **strategy_options)
     loose = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                  stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, n=n,
                  min_new_tokens=min_new_tokens, logprobs=logprobs, repetition_penalty=repetition_penalty,
-                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias)
     call = _Call(_params(params, loose), first_index, on_text, bool(overlap), bool(fallback), on_step)
     p = call.params
     engine = engine_for(model, mesh)
@@ -178,9 +183,9 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     B = len(ids)
     if drafter is None:
         drafter = strat.drafter(engine)
-    if p.penalties.on and not strat.supports_penalties:
+    if p.adjusts_logits and not strat.supports_penalties:
         raise ValueError(f"strategy {strat.name!r} picks tokens from its own distribution and does not apply "
-                         "repetition / presence / frequency penalties: leave them at their defaults")
+                         "repetition / presence / frequency penalties or logit_bias: leave them at their defaults")
     # a strategy that rewrites the prompts and drives the loop itself (retrieval: ralm, knnlm)
     run = strat.start(tokenizer, B, engine=engine)
     lens = [len(x) + (run.extra_tokens if run is not None else 0) for x in ids]

@@ -127,10 +127,10 @@ class Server:
         seed = req.seed if req.seed is not None else secrets.randbits(32)
         limit = req.token_limit
         params = self.params(req, max(req.min_tokens, 1) if limit is None else limit, seed)
-        if params.penalties.on and plain is None and sched.strategy is not None \
+        if params.adjusts_logits and plain is None and sched.strategy is not None \
                 and not sched.strategy.supports_penalties:
             raise APIError(400, f"strategy {self.strategy_name!r} does not apply repetition / presence / "
-                                "frequency penalties: leave them at their defaults or ask for "
+                                "frequency penalties or logit_bias: leave them at their defaults or ask for "
                                 '"lookahead_jax": {"strategy": "greedy"}')
         if params.logprobs and not sched.logprobs:
             raise APIError(400, "this server was started with --no-logprobs", "logprobs")

@@ -2,8 +2,9 @@
 
 Every field of OpenAI's completion and chat completion requests is either applied or,
 when sent with another value than its default, refused with a 400 naming it (`param`):
-nothing is accepted and ignored. Refused, with what is not served: `logit_bias`
-(non-empty), `best_of` (other than `n`), `suffix`, `echo` with `stream`, `response_format` (other than
+nothing is accepted and ignored. `logit_bias` is applied (its keys, token ids as
+strings, and values are checked by `GenerationParams`). Refused, with what is not
+served: `best_of` (other than `n`), `suffix`, `echo` with `stream`, `response_format` (other than
 text), `tool_choice` other than "none" and `parallel_tool_calls` (tool calls are not
 parsed from the output), `audio` / `modalities` beyond text, the deprecated `functions` /
 `function_call`, `store`, `service_tier` (other than auto / default), `reasoning_effort`,
@@ -48,7 +49,6 @@ def _null(v, _data) -> bool:
 
 # field -> (accepted(value, the fields validated before it), why another value is refused)
 NOT_SERVED = {
-    "logit_bias": (lambda v, _: not v, "logit_bias is not supported yet"),
     "echo": (lambda v, d: not v or not d.get("stream"), "echo is served without stream: true (the prompt and its "
              "log-probabilities come whole with the answer)"),
     "suffix": (lambda v, _: not v, "suffix (text after the completion) is not supported"),
@@ -125,10 +125,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     return_token_ids: bool = False
     user: Optional[str] = None  # a label (OpenAI: for abuse monitoring): no effect on the output
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None  # {"token id": bias}, OpenAI's JSON keys
     lookahead_jax: Extension = Field(default_factory=Extension)
-
-    _logit_bias = field_validator("logit_bias")(_refuse)
 
     @field_validator("n", mode="before")
     @classmethod
@@ -183,7 +181,7 @@ class SamplingFields(BaseModel):
             seed=seed, stop=self.stops, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
             n=self.n, logprobs=self.wants_logprobs, top_logprobs=k, prompt_logprobs=self.prompt_logprobs_wanted,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0)
+            frequency_penalty=self.frequency_penalty or 0.0, logit_bias=self.logit_bias or ())
 
     @property
     def references(self) -> list:
