@@ -134,12 +134,29 @@ def _strategy_flags(ap) -> dict:
     for flag, entries in flags.items():
         cls, field, _ = entries[0]
         names = ", ".join(c.name for c, _, _ in entries)
+        if "default" not in docs[flag].lower():
+            docs[flag] += _field_defaults(entries)
         # a switch (--speculative) for a boolean field; --speculative false also parses
         switch = dict(nargs="?", const="true") if isinstance(field.default, bool) else {}
         ap.add_argument(f"--{flag}", default=None, help=f"{names}: {docs[flag]}",
                         choices=getattr(cls, "choices", {}).get(field.name),
                         metavar=getattr(cls, "metavars", {}).get(field.name), **switch)
     return flags
+
+
+def _field_defaults(entries) -> str:
+    """" (default: X)" for a strategy flag whose help does not say it: the strategies'
+    field defaults, per strategy where they differ (--speculation-stride: ralmspec auto,
+    knnlm 4); "" where none has one (None: a required option, e.g. --draft-model)."""
+    def show(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    found = [(cls.name, show(field.default)) for cls, field, _ in entries if field.default is not None]
+    if not found:
+        return ""
+    if len({v for _, v in found}) == 1:
+        return f" (default: {found[0][1]})"
+    return " (default: " + ", ".join(f"{name} {v}" for name, v in found) + ")"
 
 
 def _auto_or_int(v: str):

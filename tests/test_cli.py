@@ -12,8 +12,6 @@ Subprocess runs check the real entry point: exit status and stderr of a bad prom
 
 from __future__ import annotations
 
-import argparse
-
 import importlib.util
 import json
 import os
@@ -701,53 +699,6 @@ def test_entry_points_enable_the_compilation_cache(tmp_path, entry):
     assert p.returncode == 2 and p.stderr == f"error: {f}:1: not valid JSON (Expecting property name " \
         "enclosed in double quotes)\n", p.stderr
     assert [d.name for d in (tmp_path / "cache" / "xla").iterdir()], "no compilation cache folder"
-
-
-def _parsers():
-    from lookahead_jax.cli import build_parser
-    from lookahead_jax.serve.__main__ import parser
-
-    return {"generate": build_parser()[0], "serve": parser()}
-
-
-@pytest.mark.parametrize("command", ["generate", "serve"])
-def test_help_shows_every_default(command, capsys):
-    """`--help` of both commands: every option that has a default (not None / False /
-    empty) says it in its help line."""
-    ap = _parsers()[command]
-    with pytest.raises(SystemExit) as e:
-        ap.parse_args(["--help"])
-    assert e.value.code == 0
-    text = "".join(capsys.readouterr().out.split())  # the help, line wrapping (and spaces) undone
-    fmt = ap._get_formatter()
-    missing = []
-    for action in ap._actions:
-        d = action.default
-        if not action.option_strings or d is None or d is False or d == [] or d == argparse.SUPPRESS:
-            continue
-        shown = "".join(fmt._expand_help(action).split()) if action.help else ""  # its help as printed
-        if "default" not in shown.lower() or shown not in text:
-            missing.append(action.option_strings[-1])
-    assert not missing, f"no default shown for {missing}"
-
-
-@pytest.mark.parametrize("command,argv", [("generate", ["--prompt", "x", "--max-new-tokens", "many"]),
-                                          ("generate", ["--prompt", "x", "--max-new-tokens", "0"]),
-                                          ("serve", ["--max-batch", "eight"])])
-def test_a_bad_command_line_is_one_error_line(command, argv, capsys):
-    """A bad command line: exit status 2, the error on one line and a pointer to --help
-    (not argparse's usage block)."""
-    ap = _parsers()[command]
-    with pytest.raises(SystemExit) as e:
-        if command == "generate":
-            from lookahead_jax.cli import parse_args
-
-            parse_args(argv)
-        else:
-            ap.parse_args(argv)
-    err = capsys.readouterr().err.splitlines()
-    assert e.value.code == 2
-    assert len(err) == 2 and ": error: " in err[0] and err[1].endswith("--help"), err
 
 
 # ----------------------------------------------------------------------------- subprocess
