@@ -429,9 +429,12 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy),
         fallback=True,  # a tree size compiles in the background while the steps do without it
     )
-    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
-                  prefill_s=0.0)
-    row_tokens = row_steps = 0  # tokens per step is per row: a batched forward of 4 greedy rows is 1.0, not 4
+    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, prefill_steps=0, compile_s=0.0, calibrate_s=0.0,
+                  host_s=0.0, prefill_s=0.0)
+    # tokens per step is per row (a batched forward of 4 greedy rows is 1.0, not 4) and
+    # counts the decode steps: the prefill's forward and the first token it gives are apart
+    # (knnlm's prefill gives none: its first token comes from a decode step)
+    row_tokens = row_steps = 0
     ttft = None  # the first batch's time to its first token
     decode_tokens, decode_s = 0, 0.0  # tokens after each row's first, and the time after the first token
     retrieval = []  # per batch, the strategy's retrieval counters (knnlm, ralm, ralmspec)
@@ -462,18 +465,18 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
             totals[k] += out.stats[k]
         if "retrieval" in out.stats:  # a retrieval strategy's counters (one shape: speculation.py)
             retrieval.append(out.stats["retrieval"])
-        row_tokens += sum(r.new_tokens for r in out.rows)
+        row_tokens += sum(r.new_tokens - r.prefill_tokens for r in out.rows)
         ttft = out.stats["ttft_s"] if ttft is None else ttft
         decode_tokens += sum(max(r.new_tokens - 1, 0) for r in out.rows)
         decode_s += out.stats["wall_s"] - out.stats["ttft_s"]
-        row_steps += sum(r.forward_steps for r in out.rows)
+        row_steps += sum(r.decode_steps for r in out.rows)
     summary = dict(
         model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
         new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
         tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
         prefill_s=round(totals["prefill_s"], 4), ttft_s=round(ttft or 0.0, 4),
         decode_tokens_per_s=round(decode_tokens / decode_s, 3) if decode_tokens and decode_s > 0 else 0.0,
-        forward_steps=totals["forward_steps"],
+        forward_steps=totals["forward_steps"], decode_steps=totals["forward_steps"] - totals["prefill_steps"],
         tokens_per_step=round(row_tokens / row_steps, 3) if row_steps else 0.0,
         compile_s=round(totals["compile_s"], 3), calibrate_s=round(totals["calibrate_s"], 3),
         host_s=round(totals["host_s"], 4),
@@ -489,8 +492,8 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         print(
             f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
             f"{summary['tokens_per_s']:.1f} tok/s (first token {summary['ttft_s']:.2f} s, then "
-            f"{summary['decode_tokens_per_s']:.1f} tok/s); {summary['forward_steps']} forward steps, "
-            f"{summary['tokens_per_step']:.2f} tokens/step"
+            f"{summary['decode_tokens_per_s']:.1f} tok/s); {totals['prefill_steps']} prefill + "
+            f"{summary['decode_steps']} decode steps, {summary['tokens_per_step']:.2f} tokens/step"
             + (" per row" if cfg.batch_size > 1 or cfg.params.n > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
             + (f", calibration {summary['calibrate_s']:.1f} s" if summary["calibrate_s"] else "") + "]",
             file=sys.stderr,

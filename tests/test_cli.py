@@ -31,7 +31,7 @@ from tiny import ByteTokenizer, tiny_model
 ROW_FIELDS = {"prompt_index", "text", "token_ids", "new_tokens", "finish_reason", "forward_steps",
               "mean_accepted_tokens", "wall_s", "tokens_per_s"}
 SUMMARY_FIELDS = {"model", "strategy", "dtype", "prompts", "new_tokens", "wall_s", "tokens_per_s",
-                  "prefill_s", "ttft_s", "decode_tokens_per_s", "forward_steps", "tokens_per_step",
+                  "prefill_s", "ttft_s", "decode_tokens_per_s", "forward_steps", "decode_steps", "tokens_per_step",
                   "compile_s", "calibrate_s", "host_s", "compilations"}
 PROMPTS = ["Hello there", "Once upon a time", "2+2="]
 
@@ -126,8 +126,10 @@ def test_streaming_prints_the_text(fake_load, tiny, capsys):
     want = generate(tiny, ByteTokenizer(), PROMPTS[0], max_new_tokens=8)
     assert out == want.texts[0] + "\n"
     assert "tokens in" in err and "tok/s" in err and "compile" in err
-    steps = want.stats["forward_steps"]
-    assert f"{steps} forward steps, {want.stats['new_tokens'] / steps:.2f} tokens/step" in err, err
+    # the prefill apart: it gives the first token, the decode steps one each after it
+    steps, new = want.stats["forward_steps"], want.stats["new_tokens"]
+    assert want.rows[0].prefill_steps == want.rows[0].prefill_tokens == 1 and steps == new == 8
+    assert f"1 prefill + {steps - 1} decode steps, 1.00 tokens/step" in err, err
 
 
 
@@ -141,7 +143,7 @@ def test_lookahead_auto_summary_shows_steps_and_calibration(fake_load, capsys):
     rc, _, err = run_main(capsys, *args)
     assert rc == 0, err
     line = err.strip().splitlines()[-1]
-    assert "tok/s" in line and "forward steps" in line and "tokens/step" in line, line
+    assert "tok/s" in line and re.search(r"1 prefill \+ \d+ decode steps", line) and "tokens/step" in line, line
     assert "compile" in line and "calibration" not in line, line
     assert re.search(r"first token \d+\.\d\d s, then \d+\.\d tok/s", line), line
     rc, _, err = run_main(capsys, *args, "--calibrate", "true")
@@ -151,8 +153,9 @@ def test_lookahead_auto_summary_shows_steps_and_calibration(fake_load, capsys):
     rc, out, err = run_main(capsys, *args, "--json", "--calibrate", "true")
     rows, summary = parse_json_lines(out)
     assert rc == 0 and summary["calibrate_s"] > 0 and summary["compile_s"] > 0
-    assert summary["forward_steps"] == rows[0]["forward_steps"]
-    assert summary["tokens_per_step"] == round(rows[0]["new_tokens"] / rows[0]["forward_steps"], 3)
+    assert summary["forward_steps"] == rows[0]["forward_steps"] == summary["decode_steps"] + 1
+    # per decode step: the tokens after the prefill's first over the steps after the prefill
+    assert summary["tokens_per_step"] == round((rows[0]["new_tokens"] - 1) / (rows[0]["forward_steps"] - 1), 3)
     # time to the first token, then the rate of the tokens after it (over the time after it)
     assert 0 < summary["ttft_s"] < summary["wall_s"] and summary["decode_tokens_per_s"] > 0
     later_s = (rows[0]["new_tokens"] - 1) / summary["decode_tokens_per_s"]
