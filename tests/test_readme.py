@@ -156,6 +156,19 @@ def test_commands_parse():
                     assert ("knnlm", cfg.model, opts["corpus"]) in built, argv
 
 
+def test_quick_run_names_what_it_deselected():
+    """The quick run's (-m 'not slow') closing line counts the slow tests it left out by kind
+    (tests/conftest.py; under xdist the workers hand their ids to the controller)."""
+    from conftest import slow_deselected_line
+
+    ids = [f"tests/test_readme.py::test_{i}" for i in range(8)] + ["tests/test_lossless.py::test_x[a]"]
+    assert slow_deselected_line(ids) == (
+        "9 tests deselected as slow: 8 run the README's commands (tests/test_readme.py), 1 larger grids "
+        "and real-model runs elsewhere; run them with -m slow, or everything with -m 'slow or not slow' "
+        "(as CI does)")
+    assert slow_deselected_line([]) == ""
+
+
 def test_python_block_compiles():
     (code,) = blocks("python")
     compile(code, "README.md", "exec")
