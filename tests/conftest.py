@@ -45,7 +45,10 @@ _SLOW_GROUPS = (  # (test file, what its slow tests run)
 
 
 def pytest_deselected(items):
-    _SLOW_DESELECTED.update(i.nodeid for i in items if i.get_closest_marker("slow") is not None)
+    """Slow tests left out where the mark expression leaves them out (the quick run's
+    'not slow'), not the ones another filter (-k) dropped from a run that selects them."""
+    if items and "not slow" in (items[0].config.getoption("markexpr") or ""):
+        _SLOW_DESELECTED.update(i.nodeid for i in items if i.get_closest_marker("slow") is not None)
 
 
 def pytest_sessionfinish(session):
