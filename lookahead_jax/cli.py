@@ -47,6 +47,7 @@ class CliConfig:
     max_cache_len: Optional[int] = None
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
     references_field: Optional[str] = None
+    raw: bool = False  # --no-chat: plain prompts are raw text on purpose (no instruct-model warning)
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -199,7 +200,10 @@ def build_parser(prog: Optional[str] = None):
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a single prompt")
     src.add_argument("--prompts-file", help="JSONL file: objects with 'prompt' (text) or 'messages' (chat)")
-    ap.add_argument("--chat", action="store_true", help="apply the model's chat template to plain prompts")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="apply the model's chat template to plain prompts; --no-chat: send them as raw text "
+                    "on purpose, for completion (code to complete, text to continue), without the warning an "
+                    "instruct model gets (default: raw text, with that warning)")
     ap.add_argument("--strategy", default="greedy", choices=tuple(REGISTRY),
                     help="; ".join(f"{n}: {c.help}" for n, c in REGISTRY.items()))
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per answer at most")
@@ -300,10 +304,11 @@ def _config(ap, flags: dict, a) -> CliConfig:
     else:
         prompts, refs, sources = _read_prompts_file(a.prompts_file, a.references_field)
     return CliConfig(
-        model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=a.chat,
+        model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=bool(a.chat),
         strategy=a.strategy, params=params, dtype=a.dtype, json=a.json,
         batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
         mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources), references_field=a.references_field,
+        raw=a.chat is False,
     )
 
 
@@ -416,10 +421,12 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if not cfg.chat and any(isinstance(p, str) for p in cfg.prompts) and is_instruct(cfg.model, tok):
+    if not cfg.chat and not cfg.raw and any(isinstance(p, str) for p in cfg.prompts) \
+            and is_instruct(cfg.model, tok):
         print(f"warning: {cfg.model} is an instruct (chat) model and --chat is not set: plain prompts are "
               "sent as raw text, which such models often continue with junk. Pass --chat to wrap them "
-              "in the model's chat template.", file=sys.stderr)
+              "in the model's chat template (--no-chat: raw text on purpose, e.g. code to complete).",
+              file=sys.stderr)
     error = check_chat_templates(cfg, tok)
     if error:
         print(f"error: {error}", file=sys.stderr)

@@ -951,3 +951,8 @@ def test_plain_prompt_to_an_instruct_model_warns_once(fake_load, capsys):
     assert rc == 0 and "warning" not in err
     rc, _, err = run_main(capsys, "--model", "org/Some-Base-Model", "--prompt", PROMPTS[0], "--max-new-tokens", "2")
     assert rc == 0 and "warning" not in err
+    # --no-chat: raw text on purpose (code to complete): the same answer as without it, no warning
+    args = ("--model", "org/Some-Model-Instruct", "--prompt", PROMPTS[0], "--max-new-tokens", "2", "--json")
+    (rc, out, err), (_, out2, _) = run_main(capsys, *args, "--no-chat"), run_main(capsys, *args)
+    assert rc == 0 and "warning" not in err, err
+    assert [r["token_ids"] for r in parse_json_lines(out)[0]] == [r["token_ids"] for r in parse_json_lines(out2)[0]]
