@@ -47,6 +47,7 @@ class CliConfig:
     max_cache_len: Optional[int] = None
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
     references_field: Optional[str] = None
+    raw: bool = False  # --no-chat: plain prompts are raw text on purpose (no instruct-model warning)
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -134,12 +135,29 @@ def _strategy_flags(ap) -> dict:
     for flag, entries in flags.items():
         cls, field, _ = entries[0]
         names = ", ".join(c.name for c, _, _ in entries)
+        if "default" not in docs[flag].lower():
+            docs[flag] += _field_defaults(entries)
         # a switch (--speculative) for a boolean field; --speculative false also parses
         switch = dict(nargs="?", const="true") if isinstance(field.default, bool) else {}
         ap.add_argument(f"--{flag}", default=None, help=f"{names}: {docs[flag]}",
                         choices=getattr(cls, "choices", {}).get(field.name),
                         metavar=getattr(cls, "metavars", {}).get(field.name), **switch)
     return flags
+
+
+def _field_defaults(entries) -> str:
+    """" (default: X)" for a strategy flag whose help does not say it: the strategies'
+    field defaults, per strategy where they differ (--speculation-stride: ralmspec auto,
+    knnlm 4); "" where none has one (None: a required option, e.g. --draft-model)."""
+    def show(v):
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    found = [(cls.name, show(field.default)) for cls, field, _ in entries if field.default is not None]
+    if not found:
+        return ""
+    if len({v for _, v in found}) == 1:
+        return f" (default: {found[0][1]})"
+    return " (default: " + ", ".join(f"{name} {v}" for name, v in found) + ")"
 
 
 def _auto_or_int(v: str):
@@ -182,7 +200,10 @@ def build_parser(prog: Optional[str] = None):
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a single prompt")
     src.add_argument("--prompts-file", help="JSONL file: objects with 'prompt' (text) or 'messages' (chat)")
-    ap.add_argument("--chat", action="store_true", help="apply the model's chat template to plain prompts")
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                    help="apply the model's chat template to plain prompts; --no-chat: send them as raw text "
+                    "on purpose, for completion (code to complete, text to continue), without the warning an "
+                    "instruct model gets (default: raw text, with that warning)")
     ap.add_argument("--strategy", default="greedy", choices=tuple(REGISTRY),
                     help="; ".join(f"{n}: {c.help}" for n, c in REGISTRY.items()))
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per answer at most")
@@ -286,10 +307,11 @@ def _config(ap, flags: dict, a) -> CliConfig:
     else:
         prompts, refs, sources = _read_prompts_file(a.prompts_file, a.references_field)
     return CliConfig(
-        model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=a.chat,
+        model=a.model, prompts=tuple(prompts), references=tuple(refs), chat=bool(a.chat),
         strategy=a.strategy, params=params, dtype=a.dtype, json=a.json,
         batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
         mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources), references_field=a.references_field,
+        raw=a.chat is False,
     )
 
 
@@ -402,10 +424,12 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if not cfg.chat and any(isinstance(p, str) for p in cfg.prompts) and is_instruct(cfg.model, tok):
+    if not cfg.chat and not cfg.raw and any(isinstance(p, str) for p in cfg.prompts) \
+            and is_instruct(cfg.model, tok):
         print(f"warning: {cfg.model} is an instruct (chat) model and --chat is not set: plain prompts are "
               "sent as raw text, which such models often continue with junk. Pass --chat to wrap them "
-              "in the model's chat template.", file=sys.stderr)
+              "in the model's chat template (--no-chat: raw text on purpose, e.g. code to complete).",
+              file=sys.stderr)
     error = check_chat_templates(cfg, tok)
     if error:
         print(f"error: {error}", file=sys.stderr)
@@ -415,9 +439,12 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy),
         fallback=True,  # a tree size compiles in the background while the steps do without it
     )
-    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, compile_s=0.0, calibrate_s=0.0, host_s=0.0,
-                  prefill_s=0.0)
-    row_tokens = row_steps = 0  # tokens per step is per row: a batched forward of 4 greedy rows is 1.0, not 4
+    totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, prefill_steps=0, compile_s=0.0, calibrate_s=0.0,
+                  host_s=0.0, prefill_s=0.0)
+    # tokens per step is per row (a batched forward of 4 greedy rows is 1.0, not 4) and
+    # counts the decode steps: the prefill's forward and the first token it gives are apart
+    # (knnlm's prefill gives none: its first token comes from a decode step)
+    row_tokens = row_steps = 0
     ttft = None  # the first batch's time to its first token
     decode_tokens, decode_s = 0, 0.0  # tokens after each row's first, and the time after the first token
     retrieval = []  # per batch, the strategy's retrieval counters (knnlm, ralm, ralmspec)
@@ -448,18 +475,18 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
             totals[k] += out.stats[k]
         if "retrieval" in out.stats:  # a retrieval strategy's counters (one shape: speculation.py)
             retrieval.append(out.stats["retrieval"])
-        row_tokens += sum(r.new_tokens for r in out.rows)
+        row_tokens += sum(r.new_tokens - r.prefill_tokens for r in out.rows)
         ttft = out.stats["ttft_s"] if ttft is None else ttft
         decode_tokens += sum(max(r.new_tokens - 1, 0) for r in out.rows)
         decode_s += out.stats["wall_s"] - out.stats["ttft_s"]
-        row_steps += sum(r.forward_steps for r in out.rows)
+        row_steps += sum(r.decode_steps for r in out.rows)
     summary = dict(
         model=cfg.model, strategy=cfg.strategy, dtype=cfg.dtype, prompts=len(cfg.prompts),
         new_tokens=totals["new_tokens"], wall_s=round(totals["wall_s"], 4),
         tokens_per_s=round(totals["new_tokens"] / totals["wall_s"], 3) if totals["wall_s"] else 0.0,
         prefill_s=round(totals["prefill_s"], 4), ttft_s=round(ttft or 0.0, 4),
         decode_tokens_per_s=round(decode_tokens / decode_s, 3) if decode_tokens and decode_s > 0 else 0.0,
-        forward_steps=totals["forward_steps"],
+        forward_steps=totals["forward_steps"], decode_steps=totals["forward_steps"] - totals["prefill_steps"],
         tokens_per_step=round(row_tokens / row_steps, 3) if row_steps else 0.0,
         compile_s=round(totals["compile_s"], 3), calibrate_s=round(totals["calibrate_s"], 3),
         host_s=round(totals["host_s"], 4),
@@ -475,8 +502,8 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         print(
             f"[{summary['new_tokens']} tokens in {summary['wall_s']:.2f} s = "
             f"{summary['tokens_per_s']:.1f} tok/s (first token {summary['ttft_s']:.2f} s, then "
-            f"{summary['decode_tokens_per_s']:.1f} tok/s); {summary['forward_steps']} forward steps, "
-            f"{summary['tokens_per_step']:.2f} tokens/step"
+            f"{summary['decode_tokens_per_s']:.1f} tok/s); {totals['prefill_steps']} prefill + "
+            f"{summary['decode_steps']} decode steps, {summary['tokens_per_step']:.2f} tokens/step"
             + (" per row" if cfg.batch_size > 1 or cfg.params.n > 1 else "") + f"; compile {summary['compile_s']:.1f} s"
             + (f", calibration {summary['calibrate_s']:.1f} s" if summary["calibrate_s"] else "") + "]",
             file=sys.stderr,

@@ -31,6 +31,58 @@ def pytest_configure(config):
     enable_compilation_cache("xla-tests")
 
 
+# ----------------------------------------------------------------------------- deselected
+# The quick run (`python -m pytest -q`, addopts' -m 'not slow') says what it left out: a
+# line before the final count, per group of slow tests. Under xdist each worker collects
+# and deselects; the controller gathers their node ids (workeroutput) and prints the line.
+_SLOW_DESELECTED: set = set()
+_SLOW_GROUPS = (  # (test file, what its slow tests run)
+    ("tests/test_readme.py", "run the README's commands"),
+    ("tests/test_notebooks.py", "run the notebooks"),
+    ("tests/test_real_model.py", "compare real packaged models with HF"),
+    ("tests/test_clients.py", "drive the server with lm-eval and guidellm"),
+)
+
+
+def pytest_deselected(items):
+    """Slow tests left out where the mark expression leaves them out (the quick run's
+    'not slow'), not the ones another filter (-k) dropped from a run that selects them."""
+    if items and "not slow" in (items[0].config.getoption("markexpr") or ""):
+        _SLOW_DESELECTED.update(i.nodeid for i in items if i.get_closest_marker("slow") is not None)
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the ids to the controller
+        session.config.workeroutput["slow_deselected"] = sorted(_SLOW_DESELECTED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _SLOW_DESELECTED.update(getattr(node, "workeroutput", {}).get("slow_deselected", ()))
+
+
+def slow_deselected_line(nodeids) -> str:
+    """'N tests deselected as slow (8 run the README's commands, ...); run them with -m slow'
+    ("" for none)."""
+    if not nodeids:
+        return ""
+    files = [n.split("::")[0] for n in nodeids]
+    parts = [f"{files.count(f)} {what} ({f})" for f, what in _SLOW_GROUPS if f in files]
+    rest = sum(1 for f in files if f not in dict(_SLOW_GROUPS))
+    if rest:
+        parts.append(f"{rest} larger grids and real-model runs elsewhere")
+    return (f"{len(nodeids)} tests deselected as slow: " + ", ".join(parts)
+            + "; run them with -m slow, or everything with -m 'slow or not slow' (as CI does)")
+
+
+@pytest.hookimpl(trylast=True)  # after --durations: next to the final count
+def pytest_terminal_summary(terminalreporter):
+    line = slow_deselected_line(sorted(_SLOW_DESELECTED))
+    if line:
+        terminalreporter.write_sep("-", "deselected")
+        terminalreporter.write_line(line)
+
+
 def _memory_maps() -> int:
     try:
         with open("/proc/self/maps") as f:

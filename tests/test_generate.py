@@ -430,6 +430,10 @@ def test_greedy_stats_and_compilations(tok):
     assert s["forward_steps"] == 8 and s["new_tokens"] == 8 and s["batch"] == 1
     assert out.rows[0].forward_steps == 8 and out.rows[0].new_tokens == 8
     assert s["mean_accepted_tokens"] == 1.0 and out.rows[0].mean_accepted_tokens == 1.0
+    # the prefill's forward gives the first token, 7 decode steps one token each
+    r = out.rows[0]
+    assert (s["prefill_steps"], r.prefill_steps, r.prefill_tokens, r.decode_steps, r.tokens_per_decode_step) == \
+        (1, 1, 1, 7, 1.0)
     # one prefill + one decode step, compile time reported apart from decode time
     assert s["compilations"] == 2 and len(engine_for(m).compiled.compilations) == 2
     assert [c.split("(")[0] for c in engine_for(m).compiled.compilations] == ["prefill", "verify"]

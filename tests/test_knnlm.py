@@ -275,7 +275,7 @@ def test_lambda_zero_is_plain_decoding(model, tok, ds, sampling):
     out = run(model, tok, KNNLM(datastore=ds, knn_lambda=0.0), **sampling)
     assert out.token_ids == plain.token_ids
     assert out.stats["retrieval"]["searches"] == sum(len(t) for t in out.token_ids)
-    assert all(r.forward_steps == r.new_tokens + 1 for r in out.rows)  # prompt + one forward per token
+    assert all(r.forward_steps - 1 == r.decode_steps == r.new_tokens for r in out.rows)  # a tokenless prefill, 1 a step
 
 
 def test_knnlm_follows_its_neighbours(model, tok, ds):
@@ -585,8 +585,9 @@ def test_cli_build_and_generate(model, tok, corpus, tmp_path, monkeypatch, capsy
     for extra in ([], ["--speculative", "--speculation-stride", "2"]):
         assert main(args + extra) == 0
         lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-        rows[bool(extra)] = lines[0]
-        assert lines[-1]["summary"]["retrieval"]["searches"] == lines[0]["retrieval"]["searches"]
+        rows[bool(extra)], summary = lines[0], lines[-1]["summary"]
+        assert summary["retrieval"]["searches"] == lines[0]["retrieval"]["searches"]
+        assert extra or (summary["decode_steps"], summary["tokens_per_step"]) == (8, 1.0)  # + prefill, not 8 / 9
     assert rows[True]["token_ids"] == rows[False]["token_ids"] and len(rows[False]["token_ids"]) == 8
     assert "speculation_accuracy" in rows[True]["retrieval"]
     assert knn_main(["build", "--corpus", str(tmp_path / "none.jsonl")]) == 2

@@ -11,7 +11,8 @@ The README's ```bash blocks are parsed (backslash continuations joined, `&&` cha
   the Qwen presets replaced by the default SmolLM2-135M (target and draft alike: CI does not
   install the Qwen packages). Every generate command gets `--json`, so that the outputs the
   README calls equal (greedy / lookahead, ralm / ralmspec, knnlm / speculative knnlm) are
-  compared token for token.
+  compared token for token. No command may print a warning (`warning:`, any case: ours, or a
+  library's `...Warning:`): the README's commands run clean as written.
 * the ```python block (the API) runs in a subprocess with `max_new_tokens=4`;
 * the server command runs (`--max-batch 2`, a free port, no warm-up) and its ```sh curl
   example and ```py `openai` client example are sent to it; SIGINT stops it.
@@ -156,6 +157,19 @@ def test_commands_parse():
                     assert ("knnlm", cfg.model, opts["corpus"]) in built, argv
 
 
+def test_quick_run_names_what_it_deselected():
+    """The quick run's (-m 'not slow') closing line counts the slow tests it left out by kind
+    (tests/conftest.py; under xdist the workers hand their ids to the controller)."""
+    from conftest import slow_deselected_line
+
+    ids = [f"tests/test_readme.py::test_{i}" for i in range(8)] + ["tests/test_lossless.py::test_x[a]"]
+    assert slow_deselected_line(ids) == (
+        "9 tests deselected as slow: 8 run the README's commands (tests/test_readme.py), 1 larger grids "
+        "and real-model runs elsewhere; run them with -m slow, or everything with -m 'slow or not slow' "
+        "(as CI does)")
+    assert slow_deselected_line([]) == ""
+
+
 def test_python_block_compiles():
     (code,) = blocks("python")
     compile(code, "README.md", "exec")
@@ -204,9 +218,16 @@ def small(argv: list[str], tmp: Path) -> list[str]:
 
 
 def run(argv: list[str], env: dict) -> str:
+    """The command's stdout; it must succeed and print no warning (a README command runs clean)."""
     p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{shlex.join(argv)}\nexit {p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
+    assert_no_warning(argv, p.stdout + p.stderr)
     return p.stdout
+
+
+def assert_no_warning(argv, output: str):
+    warned = [ln for ln in output.splitlines() if "warning:" in ln.lower()]
+    assert not warned, f"{shlex.join(argv)} warns:\n" + "\n".join(warned)
 
 
 @pytest.mark.slow
@@ -244,6 +265,7 @@ def test_readme_python_block_runs(env):
     p = subprocess.run([sys.executable, "-c", small_code], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, f"{p.stdout}\n{p.stderr[-4000:]}"
+    assert_no_warning(["python", "-c", "<README's python block>"], p.stdout + p.stderr)
 
 
 def _free_port() -> int:

@@ -71,6 +71,11 @@ class DecodeState:
     tree_sizes: list = dataclasses.field(default_factory=list)
     host_s: float = 0.0
     prefill_s: float = 0.0
+    # generate's prefill of its prompts: the steps it took, and per row (by index) the
+    # forward steps and tokens it gave (1 and 1; knnlm: 1 and 0, it picks the first token
+    # in a step of its own): decode steps and tokens are the rest
+    prefill_steps: int = 0
+    prefill_rows: dict = dataclasses.field(default_factory=dict)
     t_start: float = 0.0
     compile_s: float = 0.0  # compilation seen since t_start
     windows: set = dataclasses.field(default_factory=set)  # attention windows steps have used

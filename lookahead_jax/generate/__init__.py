@@ -49,6 +49,8 @@ class RowOutput:
     prompt_logprobs: Optional[list] = None
     prompt_top_logprobs: Optional[list] = None
     top_logprobs: Optional[list] = None  # per generated id (params.top_logprobs): its most likely (id, logprob) pairs
+    prefill_steps: int = 0  # of forward_steps, the prompt's prefill (1)
+    prefill_tokens: int = 0  # of token_ids, those the prefill gave (1; knnlm: 0)
 
     @property
     def new_tokens(self) -> int:
@@ -58,6 +60,16 @@ class RowOutput:
     def mean_accepted_tokens(self) -> float:
         """Tokens emitted per forward step (plain decoding: 1.0)."""
         return self.new_tokens / max(self.forward_steps, 1)
+
+    @property
+    def decode_steps(self) -> int:
+        """Forward steps after the prompt's prefill."""
+        return self.forward_steps - self.prefill_steps
+
+    @property
+    def tokens_per_decode_step(self) -> float:
+        """Tokens after the prefill's per decode step (plain decoding: 1.0, knnlm's too)."""
+        return (self.new_tokens - self.prefill_tokens) / self.decode_steps if self.decode_steps > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -293,6 +305,8 @@ def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: i
         slots.insert(list(range(len(ids))), requests)
         state.t_start += slots.begin_s  # the strategy's setup and the drafter's start: not decode time
         state.prefill_s = state.elapsed()  # time to the first token (a run's first retrieval included)
+        state.prefill_steps = state.steps
+        state.prefill_rows = {r.index: (r.steps, len(r.ids)) for r in state.rows}
         while slots.busy:
             slots.step()
             if call.on_step is not None:
@@ -314,7 +328,7 @@ def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:
         RowOutput(call.first_index + r.index // n, r.text, r.ids, r.prompt_ids, r.finish or "length", r.steps,
                   state.finish_s.get(r.index, wall), r.index % n, r.logprobs,
                   run.row_stats(r.index) if run is not None else None, r.prompt_logprobs,
-                  r.prompt_top if r.prompt_k else None, r.tops)
+                  r.prompt_top if r.prompt_k else None, r.tops, *state.prefill_rows.get(r.index, (0, 0)))
         for r in state.rows
     ]
     new = sum(o.new_tokens for o in outs)
@@ -324,7 +338,7 @@ def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:
     ttft = min(state.prefill_s, wall)
     later = sum(max(o.new_tokens - 1, 0) for o in outs)
     stats.update(
-        forward_steps=state.steps, new_tokens=new, wall_s=wall,
+        forward_steps=state.steps, prefill_steps=state.prefill_steps, new_tokens=new, wall_s=wall,
         tokens_per_s=new / wall if wall > 0 else 0.0, prefill_s=state.prefill_s, ttft_s=ttft,
         decode_tokens_per_s=later / (wall - ttft) if later and wall > ttft else 0.0,
         mean_accepted_tokens=float(np.mean([o.mean_accepted_tokens for o in outs])),
