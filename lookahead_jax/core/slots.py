@@ -263,7 +263,8 @@ class Slots:
             row.sampling, row.penalties, row.logit_bias = p.sampling, p.penalties, p.logit_bias
             row.top_k, row.tops = p.top_logprobs, [] if p.top_logprobs else None
             if p.prompt_logprobs is not None:  # the first prompt id has none (nothing before it)
-                row.prompt_logprobs, row.prompt_top, row.prompt_k = [None], [None], p.prompt_logprobs
+                row.prompt_logprobs, row.prompt_k = [None], p.prompt_logprobs
+                row.prompt_top = [None] if p.prompt_logprobs else None  # (alternatives only where k > 0)
             st.rows[s] = row
             st.finish_s.pop(s, None)
             self._sent[s] = 0

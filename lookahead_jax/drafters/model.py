@@ -205,7 +205,11 @@ def jitted_draft_tree(config: ModelConfig, expansion: tuple, mode: str):
 
 
 @jax.jit
-def _commit_only(cache, src, n):
+def _commit_only(params, cache, src, n):
+    """The draft's pending commit alone (a catch-up's, before its prefill). `params` is not
+    read: the engine's compiled steps (`CompiledFunctions`) take the params first, so this
+    one is compiled, checked and queued in the background as the draft's other steps are."""
+    del params
     return commit(cache, src, n)
 
 
@@ -360,6 +364,9 @@ class ModelDrafter:
         without drafts until they are: the same tokens)."""
         e, B = self.engine, state.batch
         ready = True
+        if upto is not None and self.commit_n.any() and not e.compiled.ready("draft_commit", *self._commit_args()):
+            e.compiled.prefetch("draft_commit", *self._commit_args(), compile=True)
+            ready = False
         if upto is not None:
             step = self._catch_up_inputs(state, upto)
             if step is not None and not e.extend(self.cache, *step, ahead="check"):
@@ -374,6 +381,11 @@ class ModelDrafter:
             e.compiled.prefetch("draft", fn, *args, compile=True, window=window)
             ready = False
         return ready
+
+    def _commit_args(self) -> tuple:
+        """`_commit_only` and its arguments (the pending commit of every row)."""
+        e = self.engine
+        return _commit_only, e.params, self.cache, e.arg(self.commit_src), e.arg(self.commit_n)
 
     def _catch_up_inputs(self, state, upto):
         """The prefill that forwards context[dlen:upto] of the rows behind into the draft
@@ -402,7 +414,7 @@ class ModelDrafter:
         """Forward context[dlen:upto] of every row into the draft cache (prefill)."""
         B = state.batch
         if self.commit_n.any():  # (dlen = base + commit_n stays: the catch-up's block is the same)
-            self.cache = _commit_only(self.cache, jnp.asarray(self.commit_src), jnp.asarray(self.commit_n))
+            self.cache = self.engine.compiled("draft_commit", *self._commit_args())
             self.base = self.base + self.commit_n
             self.commit_n = np.zeros(B, np.int32)
         n_new = np.maximum(np.asarray(upto, np.int64) - self.dlen, 0).astype(np.int32)
