@@ -417,3 +417,16 @@ class MiniLMEncoder:
         return out
 
     __call__ = encode
+
+    def warm_up(self, rows: int = 1) -> int:
+        """Compile the embedding of `rows` texts (one query at a time: a retriever's
+        `encode`) at every token-length bucket (LENGTH_STEP .. max_length), so no query
+        length compiles when it first comes (a server's retrieval strategy: its warm-up).
+        Returns the number of buckets."""
+        lengths = range(LENGTH_STEP, self.max_length + LENGTH_STEP, LENGTH_STEP)
+        B = _row_bucket(rows, 1 << 30)
+        for T in sorted({_length_bucket(n, LENGTH_STEP, self.max_length) for n in lengths}):
+            mask = np.zeros((B, T), bool)
+            mask[:, 0] = True
+            embed_jit(self.params, np.zeros((B, T), np.int32), mask, config=self.config).block_until_ready()
+        return len(lengths)

@@ -214,3 +214,31 @@ def test_encode_api(enc):
     assert len(short) == 32 and short[0] == 101 and short[-1] == 102  # [CLS] ... [SEP]
     e = enc.encode(["word " * 100], max_length=32, progress=True)
     assert e.shape == (1, 384)
+
+
+def test_warm_up_compiles_every_query_length():
+    """A server's retrieval warm-up: after `MiniLMEncoder.warm_up` (one text per call, as a
+    retriever encodes queries) no query length compiles when it comes, and a
+    `DenseRetriever`'s warm-up covers its scoring of up to that many queries too."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from lookahead_jax.retrieval import DenseRetriever
+    from lookahead_jax.retrieval import dense as D
+
+    words = [f"w{i}" for i in range(60)]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(["[UNK]"] + words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    cfg = E.EncoderConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, max_position=128)
+    enc = E.MiniLMEncoder(E.init_params(cfg, jax.random.PRNGKey(0)), cfg, tok, max_length=96)
+    texts = [" ".join(words[:n]) for n in (3, 40, 70, 95)]  # every bucket: 32, 64, 96
+    docs = np.stack([enc([t])[0] for t in ("w1 w2", "w3 w4", "w5")])
+    retriever = DenseRetriever(docs, enc)
+    E.embed_jit.clear_cache()
+    D._chunk_scores.clear_cache()
+    retriever.warm_up(4)
+    assert E.embed_jit._cache_size() == 3 and D._chunk_scores._cache_size() == 3  # 1, 2 and 4 queries
+    for n in (1, 3, 4):
+        retriever.retrieve(texts[:n], 2)
+    assert E.embed_jit._cache_size() == 3 and D._chunk_scores._cache_size() == 3  # nothing new

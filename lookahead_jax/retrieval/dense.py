@@ -146,6 +146,18 @@ class DenseRetriever(Retriever):
     def dim(self) -> int:
         return self.embeddings.shape[1]
 
+    def warm_up(self, max_queries: int = 1) -> None:
+        """Compile what a retrieval of up to `max_queries` queries runs, ahead of the first
+        one (a server's warm-up): the encoder's query shapes where it has a `warm_up` (the
+        built-in MiniLM: every token-length bucket) and, for the exact kind, the scoring of
+        every power-of-two query count against the chunks."""
+        warm = getattr(self.encoder, "warm_up", None)
+        if callable(warm):
+            warm(1)  # `encode` embeds one query at a time
+        if self.kind == "dense":
+            for q in sorted({1 << max(0, (n - 1).bit_length()) for n in range(1, max_queries + 1)}):
+                _chunk_scores(np.zeros((q, self.dim), np.float32), self._chunks[0]).block_until_ready()
+
     def clear_query_cache(self) -> None:
         """Forget the cached query embeddings (benchmarks: no call reuses another's work)."""
         with self._cache_lock:

@@ -34,6 +34,8 @@ Host logic only: the forwards are decode.py's (`step`, `replace_prompt`).
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +45,8 @@ from ..core.decode import replace_prompt, step
 from ..drafters.trie import TrieDrafter
 from .base import StrategyBase
 from .speculation import FinalTextStream, auto_or_int, number_in
+
+log = logging.getLogger(__name__)
 
 SEPARATOR = "\n\n"  # between the passage and the prompt
 MAX_STRIDE = 4096
@@ -234,6 +238,25 @@ class RalmRun:
         self.reprefill_tokens = self.reused_tokens = 0
         self._stream = FinalTextStream(tokenizer)
         self._seg = None  # the verify steps since the last pause: (seconds, steps, tokens per row)
+
+    def warm_up(self, state):
+        """For `Slots.rehearse`: the retriever's own shapes a short request does not reach
+        (a dense retriever's query lengths and counts: `DenseRetriever.warm_up`), compiled
+        in a background thread while requests are served. Returns the thread (None: the
+        retriever has nothing to warm up)."""
+        warm = getattr(self.retriever, "warm_up", None)
+        if not callable(warm):
+            return None
+
+        def work():
+            try:
+                warm(state.batch)
+            except Exception:  # noqa: BLE001 - the shapes then compile at first use
+                log.exception("the retriever's warm-up failed: its query shapes compile at first use")
+
+        thread = threading.Thread(target=work, name="lookahead-jax-retriever-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     # ---- text
     def _passage_tokens(self, pid: int) -> list:
