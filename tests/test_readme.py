@@ -225,8 +225,15 @@ def run(argv: list[str], env: dict) -> str:
     return p.stdout
 
 
+# what only this test's stand-ins cause (`small`: SmolLM2 as SpecInfer's target and draft
+# where the README names two Qwen models), not the command as the README writes it
+SUBSTITUTED = "is not smaller than the target"
+
+
 def assert_no_warning(argv, output: str):
-    warned = [ln for ln in output.splitlines() if "warning:" in ln.lower()]
+    same = "--draft-model" in argv and argv[argv.index("--draft-model") + 1] == DEFAULT_MODEL \
+        and "--model" in argv and argv[argv.index("--model") + 1] == DEFAULT_MODEL
+    warned = [ln for ln in output.splitlines() if "warning:" in ln.lower() and not (same and SUBSTITUTED in ln)]
     assert not warned, f"{shlex.join(argv)} warns:\n" + "\n".join(warned)
 
 
