@@ -12,7 +12,8 @@ with the same tokens, which forward only the rest.
 * Exactness by construction, checked: the cached blocks are bit for bit the K/V a fresh
   prefill writes, and so is the whole prompt of a request that took them.
 * LRU order and the byte bound (host unit test), the bound under real requests.
-* The block copy / write programs compile once, whatever the row and position.
+* The block copy / write programs compile once, whatever the row and position; on a
+  (data=2, model=4) mesh of 8 CPU devices the same holds, with the same tokens.
 * Through the server: the second request with the same long prompt hits (/metrics) and
   returns the same text.
 """
@@ -229,6 +230,56 @@ def test_block_programs_compile_once(model, tok):
     assert s["prefix_cache_stored"] >= 9 and s["prefix_cache_hit_blocks"] >= 9 and len(out) == len(TEXTS)
     names = [c.split("(")[0] for c in engine.compiled.compilations]
     assert names.count("kv_copy") == 1 and names.count("kv_write") == 1
+
+
+MESH_CHILD = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from lookahead_jax.core import sharding as sh
+from lookahead_jax.core.engine import Engine
+from lookahead_jax.core.params import GenerationParams
+from lookahead_jax.core.slots import Request, Slots
+from lookahead_jax.strategies import Lookahead
+from tiny import ByteTokenizer, load_prompts, tiny_model
+
+model = tiny_model("llama", vocab_size=260, n_heads=8, n_kv_heads=4, head_dim=8)
+eng, tok = Engine(model, sh.make_mesh(data=2, model=4)), ByteTokenizer()
+passage = load_prompts()[0]["prompt"][:150]
+
+def run(cache):
+    s = Slots(eng, tok, 2, 512, Lookahead(decoding_length=7), prefill_chunk=16, prefix_cache=cache)
+    out = []
+    for i, q in enumerate([" Q: one", " Q: two", " Q: one"]):
+        s.insert(i % 2, Request(tok.encode(passage + q), GenerationParams(max_new_tokens=8)))
+        while s.busy:
+            s.step()
+        out.append(s.free(i % 2).ids)
+    return out, s
+
+want, _ = run(None)
+got, s = run(64 << 20)
+print("RESULT " + json.dumps(dict(same=got == want, hits=s.prefix.cache.summary()["prefix_cache_hit_blocks"],
+      programs=[c.split("(")[0] for c in eng.compiled.compilations if c.startswith("kv_")])))
+"""
+
+
+def test_on_a_mesh():
+    """On 8 CPU devices, a (data=2, model=4) mesh (a child process, as tests/test_sharding.py
+    runs its mesh checks): requests sharing a passage hit, with the tokens they give without
+    the cache, one copy and one write program."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    code = MESH_CHILD.format(tests=str(pathlib.Path(__file__).resolve().parent))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, out.stderr[-3000:]
+    res = json.loads(line[len("RESULT "):])
+    assert res["same"] and res["hits"] >= 18 and res["programs"] == ["kv_copy", "kv_write"], res
 
 
 def test_off_and_where_it_does_not_apply(model, tok):
