@@ -32,7 +32,8 @@ PACKAGES = {"lookahead_jax": ROOT / "lookahead_jax", "lookahead_jax.models": ROO
 MAX_LINES = 600
 HOST_ONLY = ("lookahead_jax.drafters.ngram_trie", "lookahead_jax.drafters.ngram_counts", "lookahead_jax.drafters.suffix",
              "lookahead_jax.drafters.trie_drafts", "lookahead_jax.core.drafts", "lookahead_jax.prompts",
-             "lookahead_jax.retrieval.remote", "lookahead_jax.retrieval.server", "lookahead_jax.core.params")
+             "lookahead_jax.retrieval.remote", "lookahead_jax.retrieval.server", "lookahead_jax.core.params",
+             "lookahead_jax.core.prefix_cache")
 
 
 def _modules() -> dict:

@@ -107,3 +107,19 @@ def depths(parents: Sequence[int]) -> list:
         out.append(1 if p < 0 else out[p] + 1)
     return out
 
+
+class SkipRows:
+    """A drafter whose drafts for `rows` are dropped (plain-decoding requests among drafting
+    ones); everything else goes to `inner`."""
+
+    def __init__(self, inner, rows):
+        self.inner, self.rows = inner, rows
+        self.max_nodes = inner.max_nodes
+        self.defer_update = getattr(inner, "defer_update", False)
+
+    def propose(self, state, budget: int) -> DraftBatch:
+        out = self.inner.propose(state, budget)
+        return dataclasses.replace(out, drafts=tuple(EMPTY if b in self.rows else d for b, d in enumerate(out.drafts)))
+
+    def update(self, state, step) -> None:
+        self.inner.update(state, step)

@@ -55,7 +55,7 @@ class Stores:
     statistics), `drafters/trie.py`'s `TrieStore` (tries, acceptance statistics),
     `strategies/specinfer.py`'s `DraftStore` (draft engines and models, warnings, the auto
     budget's measurements), `knnlm/search.py`'s `KnnlmStore` (the index in use, OS3's
-    measurements)."""
+    measurements), `core/prefix_cache.py`'s `PrefixCache` (prompt blocks' K/V)."""
 
     def __init__(self):
         self._by_key: dict = {}  # owner key -> its store

@@ -61,6 +61,15 @@ step's budget). The last block gives the first token exactly as a whole prefill
 the request then (a draft model prefills the whole prompt in its `begin`). `free` cancels
 a prefilling slot like any other. A retrieval run's slots prefill whole prompts.
 
+A prefix cache (`prefix_cache=` bytes, with `prefill_chunk`; `core.prefix_cache`): the
+K/V of every prompt block but the last is kept on the engine as it is prefilled, and a
+prompt that begins with cached blocks (the same passage, system prompt or few-shot header)
+gets them written into its row at insert and forwards only the rest (at least its last
+block: the first token comes from a real forward). A cached block is bit for bit the K/V
+its own block would compute (same tokens, positions and program), so the tokens are those
+without the cache. Not for a retrieval run's slots, nor for requests that score their
+prompt (prompt_logprobs); a draft model's K/V is not cached.
+
 A request's tokens do not depend on the other slots: a row's logits do not depend on the
 other rows of a forward, its sampling key is (seed, sampling row, position), and its
 filters and penalties are its own, so a request inserted mid-decode gives the tokens it
@@ -82,8 +91,10 @@ from .decode import DecodeState, forward_rows, prompt_bucket, step
 from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
 from .rows import Phase, RowState
-from .drafts import EMPTY, DraftBatch
+from .drafts import SkipRows
 from .params import GenerationParams
+from .prefix_cache import budget_bytes
+from .prefix_rows import PrefixRows
 from .sampling import Penalties, SamplingParams
 
 
@@ -150,14 +161,17 @@ class Slots:
     (one prefill block a step) or k >= 1: a step's prefill blocks fill it up to k x a decode
     step of the running batch (module docstring). penalty_rows: every step carries each
     row's penalties and logit bias as data (`DecodeState.penalty_rows`; not with a run or
-    a strategy without penalties), so such a request compiles nothing of its own. Call
-    `close()` when done (a run's workers stop)."""
+    a strategy without penalties), so such a request compiles nothing of its own.
+    prefix_cache: bytes of prompt-block K/V kept on the engine for later prompts that begin
+    alike (`core.prefix_cache`; shared by every Slots of the engine, the last one built sets
+    its size; None / 0: off); only with prefill_chunk and without a run (else ignored).
+    Call `close()` when done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
                  overlap: bool = False, fallback: bool = False, step_budget: Optional[float] = None,
-                 penalty_rows: bool = False):
+                 penalty_rows: bool = False, prefix_cache: Optional[int] = None):
         if not isinstance(n_slots, int) or n_slots < 1:
             raise ValueError(f"n_slots must be a positive integer, got {n_slots!r}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool)
@@ -194,6 +208,9 @@ class Slots:
         if prefill_chunk is not None:  # every block one row of the chunk's bucket: a few programs (a
             self.state.block = prompt_bucket(int(prefill_chunk), max_len)  # run's whole prompts and re-prefills too)
         self.state.set_row_values(engine.put)
+        capacity = budget_bytes(prefix_cache)  # (a retrieval run's slots prefill their own way)
+        self.prefix = PrefixRows(engine, self.state, self.prefill_chunk, capacity) \
+            if capacity and self.prefill_chunk else None
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
             drafter = strategy.drafter(engine)
@@ -292,6 +309,8 @@ class Slots:
         else:  # every prompt enters as prefilling; those of at most C tokens finish in this block
             for s in slots:
                 self._prefill[s], st.rows[s].phase = st.rows[s].prompt_ids, Phase.PREFILLING
+            if self.prefix is not None:  # cached leading blocks into the rows; the rest is forwarded
+                self.prefix.fill(st, slots)
             if not decoding or self.step_budget is None:  # (with a budget the steps take every block)
                 self._forward_chunks(slots)
             while not decoding and (rest := [s for s in slots if s in self._prefill]):
@@ -311,7 +330,7 @@ class Slots:
         t0 = self._clock()
         decoding = bool(self.state.active.any())
         if decoding:
-            drafter = _SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain \
+            drafter = SkipRows(self.drafter, self._plain) if self.drafter is not None and self._plain \
                 else self.drafter
             if self.run is not None:
                 self.state.flush()
@@ -364,6 +383,8 @@ class Slots:
         if row.finish is None:
             row.finish = "abort"
         self._refs.pop(slot, None)
+        if self.prefix is not None:
+            self.prefix.done([slot])
         if self.drafter is not None and slot not in self._plain and began:
             self.drafter.end([slot])
         if self.run is not None:
@@ -402,6 +423,8 @@ class Slots:
                 shown += 1
                 progress(shown, warm.total)
 
+        if self.prefix is not None:  # its two block programs (tiny), in the background
+            self.prefix.warm_up(self.state)
         self.warm = warm_programs(self, wait, ticks)
         self.state.compile_s += self.engine.compiled.compile_s - c0
         return self.warm.queued
@@ -469,8 +492,13 @@ class Slots:
                 r.prompt_ids = prompt[:int(st.lengths[s]) + C]
                 more.append(s)
         if more:
+            before = st.lengths.copy()
             forward_rows(self.engine, st, more, emit=False)
+            if self.prefix is not None:  # each block's committed unit into the prefix cache
+                self.prefix.save(st, more, before)
         if last:
+            if self.prefix is not None:
+                self.prefix.done(last)
             forward_rows(self.engine, st, last)
             self._activate(last)
 
@@ -546,20 +574,3 @@ class Slots:
             raise ValueError(f"the request needs {need} cache slots (prompt {len(ids)}{note} + max_new_tokens "
                              f"{p.max_new_tokens} + {self.max_nodes + 1} for verification) but the slots "
                              f"hold {self.state.max_len}: shorten it or build Slots with a larger max_len")
-
-
-class _SkipRows:
-    """A drafter whose drafts for `rows` are dropped (plain-decoding requests among drafting
-    ones); everything else goes to `inner`."""
-
-    def __init__(self, inner, rows):
-        self.inner, self.rows = inner, rows
-        self.max_nodes = inner.max_nodes
-        self.defer_update = getattr(inner, "defer_update", False)
-
-    def propose(self, state, budget: int) -> DraftBatch:
-        out = self.inner.propose(state, budget)
-        return dataclasses.replace(out, drafts=tuple(EMPTY if b in self.rows else d for b, d in enumerate(out.drafts)))
-
-    def update(self, state, step) -> None:
-        self.inner.update(state, step)

@@ -17,7 +17,7 @@ import sys
 from ..argparsing import Parser
 from ..strategies import REGISTRY
 
-from .server import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_BUDGET, ServeConfig, check, run
+from .server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB, DEFAULT_STEP_BUDGET, ServeConfig, check, run
 
 log = logging.getLogger("lookahead_jax.serve")
 
@@ -71,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
                    help="experimental: while requests decode, a step forwards prefill blocks of the waiting "
                    "prompts up to K times the running batch's recent decode step (at least one block), and an "
                    "insert forwards none; 0 (the default): one block a step, the first at insert")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB, metavar="MB",
+                   help="MiB of prompt-block K/V kept for later prompts that begin with the same tokens (a "
+                   "repeated passage, system prompt or earlier turns): they prefill only the rest, with the same "
+                   "tokens; least recently used blocks go first; 0: off; needs --prefill-chunk (default "
+                   f"{DEFAULT_PREFIX_CACHE_MB}: ~11,600 tokens of SmolLM2-135M in float32)")
     p.add_argument("--no-logprobs", action="store_true", help="decode without log-probabilities")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the weights' dtype")
     p.add_argument("--served-model-name", default=None, help="the model name requests give and responses "
@@ -105,7 +110,7 @@ def _config(p, a) -> ServeConfig:
         opts.append((k, _value(v.strip())))
     return ServeConfig(a.model, a.strategy, tuple(opts), a.max_batch, a.max_len, a.max_waiting, not a.no_logprobs,
                        a.dtype, a.served_model_name, a.host, a.port, a.warmup, a.prefill_chunk,
-                       a.step_budget or None)
+                       a.step_budget or None, a.prefix_cache_mb)
 
 
 def main(argv=None) -> None:

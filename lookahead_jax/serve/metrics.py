@@ -34,8 +34,17 @@ A retrieval strategy's run (ralm, ralmspec, knnlm) keeps its own counters
     lookahead_jax:retrieval_rollback_tokens_total  generated tokens they took back
     lookahead_jax:retrieval_verify_calls_total     batched verifications (part of retrieval_calls)
 
-speculation accuracy = hits / checks (`speculation.SpeculationStats`). Each `Metrics` has
-its own registry (several servers in one process, as in the tests, do not collide).
+speculation accuracy = hits / checks (`speculation.SpeculationStats`).
+
+The prefix cache (`--prefix-cache-mb`, `core.prefix_cache`), as vLLM's counters (tokens):
+
+    lookahead_jax:prefix_cache_queries_total    prompt tokens looked up in the prefix cache
+    lookahead_jax:prefix_cache_hits_total       of those, served from it (hit rate = hits / queries)
+    lookahead_jax:prefix_cache_evictions_total  blocks evicted (least recently used)
+    lookahead_jax:prefix_cache_bytes            bytes of K/V it holds now (gauge; its bound: the flag)
+
+Each `Metrics` has its own registry (several servers in one process, as in the tests, do
+not collide).
 """
 
 from __future__ import annotations
@@ -48,6 +57,12 @@ P = "lookahead_jax:"
 LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
            20.0, 40.0, 80.0, 160.0)
 MAX_POSITIONS = 32  # accepted-per-position counters kept for positions 0..31
+# metric name -> (the prefix cache's counter, help)
+PREFIX = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+    "prefix_cache_evictions": ("prefix_cache_evictions", "Prefix cache blocks evicted (least recently used)"),
+}
 # metric name (after "retrieval_") -> the run's counter names (ralm / ralmspec's, knnlm's)
 RETRIEVAL = {
     "calls": ("retrieval_calls", "search_calls", "Calls to the full retrieval index or datastore search"),
@@ -87,6 +102,8 @@ class Metrics:
                                     "position", lab + ["position"], registry=r)
         self.retrieval_counters = {k: Counter(P + "retrieval_" + k, h, lab, registry=r)
                                    for k, (_, _, h) in RETRIEVAL.items()}
+        self.prefix_counters = {k: Counter(P + k, h, lab, registry=r) for k, (_, h) in PREFIX.items()}
+        self.prefix_bytes = Gauge(P + "prefix_cache_bytes", "Bytes of K/V the prefix cache holds", lab, registry=r)
         self.programs_compiled = Gauge(P + "programs_compiled", "Step programs of this configuration compiled",
                                        lab, registry=r)
         self.programs_total = Gauge(P + "programs_total", "Step programs of this configuration", lab, registry=r)
@@ -95,6 +112,7 @@ class Metrics:
         self.name = model_name
         self._pos: dict = {}
         self._run, self._seen = None, {}  # the run last read, and its counters then
+        self._prefix_seen: dict = {}  # the prefix cache's counters last read
 
     # ------------------------------------------------------------------ engine-thread hooks
     def admitted(self, job, t_prefill: float) -> None:
@@ -143,6 +161,20 @@ class Metrics:
             if gained > 0:
                 self.retrieval_counters[k].labels(self.name).inc(gained)
             self._seen[k] = max(v, self._seen.get(k, 0))
+
+    def prefix_cache(self, slots) -> None:
+        """The prefix cache's counters (`Slots.prefix`; none: nothing): what they gained
+        since the last read (the cache lives on the engine: its counters only grow)."""
+        rows = getattr(slots, "prefix", None)
+        if rows is None:
+            return
+        now = rows.cache.summary()
+        for k, (name, _) in PREFIX.items():
+            gained = now[name] - self._prefix_seen.get(k, 0)
+            if gained > 0:
+                self.prefix_counters[k].labels(self.name).inc(gained)
+            self._prefix_seen[k] = max(now[name], self._prefix_seen.get(k, 0))
+        self.prefix_bytes.labels(self.name).set(now["prefix_cache_bytes"])
 
     def programs(self, info: dict) -> None:
         """The step programs' compilation (`Scheduler.programs`)."""

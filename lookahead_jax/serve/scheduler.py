@@ -134,14 +134,18 @@ class Scheduler:
     log-probabilities on (a job may then ask for them); prefill_chunk: prompt tokens forwarded
     per block (`Slots(prefill_chunk=)`; None: whole prompts at insert); step_budget: the
     prefill blocks a step carries, in decode steps of the running batch (`Slots(step_budget=)`;
-    None: one block a step). A prefilling job holds
+    None: one block a step); prefix_cache: bytes of prompt-block K/V the slots keep for later
+    prompts that begin alike (`Slots(prefix_cache=)`, on the engine: slots rebuilt keep it;
+    None / 0: off; needs prefill_chunk). A prefilling job holds
     its slot (not free) and gets its first output, TTFT included, when its last block is out."""
 
     def __init__(self, engine, tokenizer, strategy=None, *, max_batch: int = 8, max_len: int = 2048,
                  max_waiting: int = 256, eos_ids=(), logprobs: bool = True, metrics=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
-                 prefill_chunk: Optional[int] = None, step_budget: Optional[float] = None):
+                 prefill_chunk: Optional[int] = None, step_budget: Optional[float] = None,
+                 prefix_cache: Optional[int] = None):
         self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
+        self.prefix_cache = prefix_cache
         self.prefill_chunk, self.step_budget = prefill_chunk, step_budget
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
         self.eos_ids, self.logprobs, self.metrics = tuple(eos_ids), logprobs, metrics
@@ -375,6 +379,7 @@ class Scheduler:
         if self.metrics is not None:
             for j in jobs:
                 self.metrics.admitted(j, t0)
+            self.metrics.prefix_cache(self.slots)
         for s, j in batch:
             self.running[s] = j
         self._deliver(events)
@@ -408,6 +413,8 @@ class Scheduler:
                 self.metrics.speculation(result, drafting)
         if self.metrics is not None and self.slots.run is not None:  # a retrieval run's counters
             self.metrics.retrieval(self.slots.run)
+        if self.metrics is not None:  # blocks stored as prompts are prefilled
+            self.metrics.prefix_cache(self.slots)
         self._deliver(events)
 
     def _deliver(self, events) -> None:
@@ -489,7 +496,7 @@ class Scheduler:
         return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
                      sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids,
                      prefill_chunk=self.prefill_chunk, fallback=True, step_budget=self.step_budget,
-                     penalty_rows=True)
+                     penalty_rows=True, prefix_cache=self.prefix_cache)
 
     def _gauges(self) -> None:
         if self.metrics is not None:

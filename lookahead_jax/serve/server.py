@@ -19,6 +19,9 @@ DEFAULT_PREFILL_CHUNK = 64
 # the stream's largest gap at 1.3-1.9 s against 0.9 s for one 64-token block a step
 # (bench/results/admission.json; docs/serving.md, "Admission")
 DEFAULT_STEP_BUDGET = None
+# prompt-block K/V kept for later prompts that begin alike (`core.prefix_cache`): SmolLM2-135M
+# in f32 holds 46 KB per token, so 512 MB keep ~11,600 prompt tokens (~180 blocks of 63)
+DEFAULT_PREFIX_CACHE_MB = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ServeConfig:
     warmup: str = "greedy"  # none | greedy | all: the steps compiled before serving (`Scheduler.warm_up`)
     prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill block (None / 0: whole prompts)
     step_budget: Optional[float] = DEFAULT_STEP_BUDGET  # prefill blocks a step carries, in decode steps (None: one)
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # MiB of the prefix cache (0: off; needs prefill_chunk)
 
 
 def check(cfg: ServeConfig, model_name: bool = True):
@@ -55,6 +59,8 @@ def check(cfg: ServeConfig, model_name: bool = True):
     if cfg.step_budget is not None and not cfg.step_budget >= 1:
         raise ValueError(f"--step-budget must be >= 1 (decode steps a step with prefill may take) or 0 for one "
                          f"block a step, got {cfg.step_budget!r}")
+    if not (isinstance(cfg.prefix_cache_mb, (int, float)) and cfg.prefix_cache_mb >= 0):
+        raise ValueError(f"--prefix-cache-mb must be a number of MiB >= 0 (0: off), got {cfg.prefix_cache_mb!r}")
     if model_name:
         vocab_size(cfg.model)
     return strategy
@@ -91,7 +97,8 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None, stage: Optional[Ca
     eos = tuple(sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
     sched = Scheduler(engine, tokenizer, strategy, max_batch=cfg.max_batch, max_len=cfg.max_len,
                       max_waiting=cfg.max_waiting, eos_ids=eos, logprobs=cfg.logprobs, metrics=metrics,
-                      prefill_chunk=cfg.prefill_chunk or None, step_budget=cfg.step_budget)
+                      prefill_chunk=cfg.prefill_chunk or None, step_budget=cfg.step_budget,
+                      prefix_cache=int(cfg.prefix_cache_mb * 2 ** 20) or None)
     server = Server(sched, tokenizer, name, metrics, vocab=int(engine.config.vocab_size),
                     max_position=int(engine.config.max_position), warmup=cfg.warmup)
     server.model = model  # the engine holds its model weakly
