@@ -173,11 +173,12 @@ def oracle_line(o: dict) -> str:
 def cold_stores(model) -> None:
     """Forget what the model's engine keeps across requests for drafting (the trie, the
     suffix drafter's cache of earlier outputs, acceptance statistics, SpecInfer's measured
-    gains), so a run on prompts
+    gains) and the prefix cache's blocks, so a run on prompts
     an earlier run already answered drafts from nothing but its own warm-up. A drafter
     takes the engine's cache when it is made: call this before making the server / calling
     generate."""
     from lookahead_jax.core.engine import engine_for
+    from lookahead_jax.core.prefix_cache import PrefixCache
     from lookahead_jax.drafters.suffix import SuffixStore
     from lookahead_jax.drafters.trie import TrieStore
     from lookahead_jax.strategies.specinfer import DraftStore
@@ -187,6 +188,7 @@ def cold_stores(model) -> None:
     stores.clear(SuffixStore)  # the cache of earlier outputs and its acceptance statistics
     # SpecInfer's auto budget: gains measured on earlier runs' prompts (its draft engines stay)
     stores.of(DraftStore).budgets.clear()
+    stores.clear(PrefixCache)  # prompt blocks' K/V: a run's measured passages are not cached before it
 
 
 def model_gguf(model: str) -> Path:

@@ -19,6 +19,16 @@ level (ABBA over --repeats), the host's speed drifting by tens of percent. Promp
 the repository's data/: NQ questions with their gold passage (chat, RAG), GSM8K questions
 (chat), HumanEval prompts (completion), in turn. Writes bench/results/serve.json and
 serve.png, the host named.
+
+Repeated traffic and the prefix cache (issue 53): `--prompts nq-shared` sends NQ questions
+three per passage (the passage's questions one after another, warm-up passages apart), and
+a strategy written `NAME/nocache` runs with the prefix cache off (`--prefix-cache-mb 0`;
+plain NAME: `--prefix-cache-mb`, by default the server's). The JSON then gives TTFT apart
+for each passage's first question and its repeats, and the cache's hit rate:
+
+    python bench/serve.py --prompts nq-shared --strategies greedy/nocache greedy lookahead \
+        --concurrency 4 --rate 2 --requests 24 --warmup 6 --max-tokens 128 \
+        --out bench/results/serve-prefix.json
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, cold_stores, host_line, save  # noqa: E402
+from common import ROOT, cold_stores, host_line, save, shared_prompts  # noqa: E402
 
 DATA = ROOT / "data"
 
@@ -63,9 +73,28 @@ def repo_prompts() -> list:
     return out
 
 
+def nq_shared(n_warm: int, n: int):
+    """(warm-up, measured) prompts of `--prompts nq-shared`: ("chat", messages), three
+    questions per passage, the warm-up's passages other than the measured ones', and per
+    measured prompt whether an earlier measured one had its passage (a repeat)."""
+    per = 3
+    n_warm, n = per * -(-n_warm // per), per * -(-n // per)
+    prompts, refs = shared_prompts(n_warm + n, per, max_chars=2400)
+    if len(prompts) < n_warm + n:
+        sys.exit(f"error: the NQ data hold {len(prompts)} shared-passage prompts, fewer than --warmup + --requests")
+    prompts = [("chat", m) for m in prompts]
+    passages = [r[0] for r in refs[n_warm:]]
+    repeat = [p in passages[:i] for i, p in enumerate(passages)]
+    return prompts[:n_warm], prompts[n_warm:], repeat
+
+
 def start_server(args, strategy: str, batch: int, model, tok):
     from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
 
+    strategy, _, variant = strategy.partition("/")
+    if variant not in ("", "nocache"):
+        raise SystemExit(f"unknown strategy variant /{variant} (NAME or NAME/nocache)")
+    cache_mb = 0 if variant == "nocache" else args.prefix_cache_mb
     opts = ()
     if strategy == "lookahead" and args.decoding_length:
         opts = (("decoding_length", args.decoding_length),)
@@ -74,7 +103,7 @@ def start_server(args, strategy: str, batch: int, model, tok):
         opts = (("draft_model", args.draft),) + ((("budget", budget),) if budget else ())
         strategy = "specinfer"
     cfg = ServeConfig(model=args.model, strategy=strategy, strategy_options=opts, max_batch=batch,
-                      max_len=args.max_len, max_waiting=100000, logprobs=False)
+                      max_len=args.max_len, max_waiting=100000, logprobs=False, prefix_cache_mb=cache_mb)
     # each run starts cold (its warm-up prompts seed it), not with what the last run wrote: the
     # measured prompts are the same in every run, so a kept cache of earlier outputs (the suffix
     # drafter's, lookahead's default) would draft their answers
@@ -145,7 +174,8 @@ def scrape(url: str) -> dict:
 
     out = {}
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("lookahead_jax:spec_decode_num") and "per_pos" not in line:
+        if (line.startswith("lookahead_jax:spec_decode_num") and "per_pos" not in line) or \
+                line.startswith(("lookahead_jax:prefix_cache_queries", "lookahead_jax:prefix_cache_hits")):
             out[line.split("{")[0].split(":")[1]] = float(line.split()[-1])
     return out
 
@@ -154,7 +184,7 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else None
 
 
-def summarize(res, wall, before, after) -> dict:
+def summarize(res, wall, before, after, repeat=None) -> dict:
     ok = [r for r in res if r["ok"]]
     toks = sum(r["tokens"] for r in ok)
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -165,6 +195,13 @@ def summarize(res, wall, before, after) -> dict:
     ttft = [r["ttft"] for r in ok]
     gap_max = [max(r["itl"]) for r in ok if r["itl"]]  # each stream's largest gap between two chunks
     digest = hashlib.sha256(json.dumps([r.get("text") for r in res]).encode()).hexdigest()[:16]
+    queries, hits = d.get("prefix_cache_queries_total", 0), d.get("prefix_cache_hits_total", 0)
+    split = {}
+    if repeat is not None:  # TTFT of each passage's first question and of its repeats apart
+        for name, want in (("first", False), ("repeat", True)):
+            xs = [r["ttft"] for r, rp in zip(res, repeat) if r["ok"] and rp == want]
+            split[f"ttft_{name}_p50_ms"] = pct(xs, 50) and pct(xs, 50) * 1e3
+            split[f"ttft_{name}_mean_ms"] = float(np.mean(xs)) * 1e3 if xs else None
     return dict(
         requests=len(res), failed=len(res) - len(ok), output_tokens=toks, outputs_sha256=digest,
         duration_s=round(wall, 3),
@@ -182,7 +219,9 @@ def summarize(res, wall, before, after) -> dict:
                       gap_max_ms=round(max(r["itl"]) * 1e3, 1) if r["itl"] else None) for r in ok],
         spec_drafts=drafts, spec_draft_tokens=draft_tokens, spec_accepted_tokens=acc,
         acceptance_rate=acc / draft_tokens if draft_tokens else None,
-        mean_acceptance_length=1 + acc / drafts if drafts else None)
+        mean_acceptance_length=1 + acc / drafts if drafts else None,
+        prefix_cache_queries=queries, prefix_cache_hits=hits,
+        prefix_cache_hit_rate=hits / queries if queries else None, **split)
 
 
 def plot(result: dict, path: str) -> None:
@@ -212,7 +251,13 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--strategies", nargs="+", default=["greedy", "lookahead"],
                     help="greedy lookahead specinfer specinfer-auto specinfer-fixed (SpecInfer's budget: the "
-                         "default, auto or fixed)")
+                         "default, auto or fixed); NAME/nocache: with the prefix cache off. Speedups are "
+                         "against the first")
+    ap.add_argument("--prompts", choices=("repo", "nq-shared"), default="repo",
+                    help="repo: NQ RAG, GSM8K and HumanEval prompts of the repository's data/, shuffled; "
+                         "nq-shared: NQ questions three per passage, in order (repeated traffic)")
+    ap.add_argument("--prefix-cache-mb", type=float, default=None,
+                    help="the prefix cache's size for strategies without /nocache (default: the server's)")
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 8, 16, 32])
     ap.add_argument("--rate", type=float, default=float("inf"), help="requests per second (Poisson); inf: all at once")
     ap.add_argument("--requests", type=int, default=32, help="measured requests per level")
@@ -231,6 +276,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve.json"))
     args = ap.parse_args(argv)
+    if args.prefix_cache_mb is None:
+        from lookahead_jax.serve.server import DEFAULT_PREFIX_CACHE_MB
+        args.prefix_cache_mb = DEFAULT_PREFIX_CACHE_MB
     if any(s.startswith("specinfer") for s in args.strategies) and not args.draft:
         ap.error("--strategies specinfer needs --draft NAME_OR_PATH (same tokenizer as --model), "
                  "e.g. --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b")
@@ -245,10 +293,15 @@ def main(argv=None) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     enable_compilation_cache()  # as the server does: a rerun loads its compiled steps
     model, tok = lj.load(args.model, progress=False)
-    prompts = repo_prompts()
-    random.Random(args.seed).shuffle(prompts)
-    warm, measured = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
+    repeat = None
+    if args.prompts == "nq-shared":
+        warm, measured, repeat = nq_shared(args.warmup, args.requests)
+    else:
+        prompts = repo_prompts()
+        random.Random(args.seed).shuffle(prompts)
+        warm, measured = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
     result = dict(model=args.model, draft=args.draft if any(s.startswith("specinfer") for s in args.strategies) else None, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
+                  prompts=args.prompts, prefix_cache_mb=args.prefix_cache_mb, command=" ".join(sys.argv),
                   repeats=args.repeats, server_warmup=args.server_warmup, decoding_length=args.decoding_length or "auto",
                   host_line=host_line(), runs={st: {} for st in args.strategies}, reps={st: {} for st in args.strategies})
     print(host_line())
@@ -266,7 +319,7 @@ def main(argv=None) -> None:
                 comp0 = len(srv.scheduler.engine.compiled.compilations)
                 res, wall = asyncio.run(load(url, measured, args.rate, c, args.max_tokens, srv.model_name,
                                              args.seed))
-                s = summarize(res, wall, before, scrape(url))
+                s = summarize(res, wall, before, scrape(url), repeat)
                 s["warmup_s"] = round(warm_s, 1)
                 s["compiled_while_measuring"] = srv.scheduler.engine.compiled.compilations[comp0:]
                 result["reps"][strat].setdefault(str(c), []).append(s)
@@ -274,7 +327,10 @@ def main(argv=None) -> None:
                       f"{s['ttft_p50_ms']:7.0f} p99 {s['ttft_p99_ms']:7.0f} ms  TPOT p50 {s['tpot_p50_ms'] or 0:6.1f} "
                       f"p99 {s['tpot_p99_ms'] or 0:6.1f} ms  ITL p99 {s['itl_p99_ms'] or 0:6.0f} max "
                       f"{s['itl_max_ms'] or 0:6.0f} ms  accept {s['acceptance_rate'] or 0:.3f} "
-                      f"len {s['mean_acceptance_length'] or 1:.2f}  failed {s['failed']}  (warm-up {warm_s:.0f} s, "
+                      f"len {s['mean_acceptance_length'] or 1:.2f}  failed {s['failed']}  "
+                      f"prefix hits {s['prefix_cache_hit_rate'] or 0:.2f}  "
+                      + (f"TTFT first {s['ttft_first_p50_ms']:.0f} repeat {s['ttft_repeat_p50_ms']:.0f} ms  "
+                         if repeat is not None else "") + f"(warm-up {warm_s:.0f} s, "
                       f"{len(s['compiled_while_measuring'])} compiled while measuring)", flush=True)
                 uv.should_exit = True
                 th.join(120)
@@ -283,14 +339,20 @@ def main(argv=None) -> None:
             result["runs"][strat][str(c)] = {k: (round(float(np.mean([r[k] for r in reps])), 3)
                                                  if all(isinstance(r.get(k), (int, float)) for r in reps) else reps[-1][k])
                                              for k in reps[0]}
-        g = result["runs"].get("greedy", {}).get(str(c))
-        for strat in args.strategies:
-            if g and strat != "greedy":
-                r = result["runs"][strat][str(c)]
-                r["speedup_vs_greedy"] = round(r["output_tokens_per_s"] / g["output_tokens_per_s"], 3)
-                print(f"  c={c}: {strat} / greedy = {r['speedup_vs_greedy']:.2f}x "
-                      f"(per repeat: {[round(a['output_tokens_per_s'] / b['output_tokens_per_s'], 2) for a, b in zip(result['reps'][strat][str(c)], result['reps']['greedy'][str(c)])]})",
-                      flush=True)
+        base = args.strategies[0]  # speedups against the first strategy
+        g = result["runs"][base][str(c)]
+        for strat in args.strategies[1:]:
+            r = result["runs"][strat][str(c)]
+            r["baseline"] = base
+            r["speedup_vs_baseline"] = round(r["output_tokens_per_s"] / g["output_tokens_per_s"], 3)
+            if base == "greedy":
+                r["speedup_vs_greedy"] = r["speedup_vs_baseline"]
+            if repeat is not None and r.get("ttft_repeat_mean_ms") and g.get("ttft_repeat_mean_ms"):
+                r["ttft_repeat_vs_baseline"] = round(r["ttft_repeat_mean_ms"] / g["ttft_repeat_mean_ms"], 3)
+            print(f"  c={c}: {strat} / {base} = {r['speedup_vs_baseline']:.2f}x "
+                  f"(per repeat: {[round(a['output_tokens_per_s'] / b['output_tokens_per_s'], 2) for a, b in zip(result['reps'][strat][str(c)], result['reps'][base][str(c)])]})"
+                  + (f", repeats' TTFT {r['ttft_repeat_vs_baseline']:.2f}x" if 'ttft_repeat_vs_baseline' in r else ""),
+                  flush=True)
         digests = {r["outputs_sha256"] for st in args.strategies for r in result["reps"][st][str(c)]}
         result.setdefault("identical_outputs", {})[str(c)] = len(digests) == 1
         print(f"  c={c}: outputs identical across strategies and repeats: {len(digests) == 1}", flush=True)

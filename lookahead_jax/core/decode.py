@@ -93,7 +93,7 @@ def windows(S: int, engine, tokens: int) -> list:
     return sorted({engine.window(w, S, tokens) for w in ladder if w >= tokens or w == S})
 
 
-def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> np.ndarray:
+def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True, on_block=None) -> np.ndarray:
     """Forward every row's uncommitted context (context[length:]) in right-padded blocks,
     commit it, and append each row's next token. emit=False: the context's last token
     stays uncommitted as the row's root (the next step forwards it), none appended.
@@ -106,7 +106,9 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     exactly `block` tokens at one of `Engine.window`'s few windows, a longer context in
     pieces of `block` (each but the last commits all its tokens but the last, which the next
     piece forwards again, as Slots' chunks do): a few compiled programs serve every prompt
-    length, a retrieval run's re-prefills included."""
+    length, a retrieval run's re-prefills included. on_block(state, rows, lengths before): called
+    after each forward that commits a block without emitting (the prefix cache stores the
+    units they commit: `prefix_rows.PrefixRows.save`)."""
     state.flush()  # a step's deferred bookkeeping before the edit
     S = state.max_len
     blocks = {b: state.context(b)[int(state.lengths[b]):] for b in rows}
@@ -116,9 +118,15 @@ def forward_rows(engine, state: DecodeState, rows: list, emit: bool = True) -> n
     C = state.block
     while C and any(len(blk) > C for blk in blocks.values()):  # the long rows' next pieces
         long = {b: blk for b, blk in blocks.items() if len(blk) > C}
+        before = state.lengths.copy()
         _forward_blocks(engine, state, {b: blk[:C] for b, blk in long.items()}, emit=False)
+        if on_block is not None:
+            on_block(state, list(long), before)
         blocks.update({b: blk[C - 1:] for b, blk in long.items()})
+    before = state.lengths.copy()
     nxt_all, lps_all, tops_all = _forward_blocks(engine, state, blocks, emit)
+    if on_block is not None and not emit:
+        on_block(state, list(blocks), before)
     state.steps += 1  # one step of the batch, whatever its blocks (each row forwarded once)
     for b in rows:
         if not emit:  # the context's last token stays the root: a step, nothing to commit
@@ -291,6 +299,11 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
     (`rollback([b], kept)`). Returns the kept slots of each row [len(rows)] (the re-prefill
     forwarded the context past them, len(context) - kept tokens with the root).
 
+    With a prefix cache (`state.prefix`), a re-prefill starts at a unit boundary (the kept
+    prefix rounded down) and the new context's cached units are written in first
+    (`PrefixRows.take`: e.g. a passage another row had after the same head); the units its
+    blocks commit are stored. Kept counts them.
+
     A kept id must not end the row (EOS), and keep_generated[i] < the row's max_new_tokens;
     the context + 1 slot must fit the cache (an error before anything changes)."""
     state.flush()  # a step's deferred bookkeeping before the edit
@@ -318,6 +331,8 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
         state.rows[b].prompt_ids = new[:len(p)]
         state.rows[b].truncate(g)
         state.finish_s.pop(b, None)
+        if state.prefix is not None and kept[i] < len(new) - 1:  # the prefix cache: from a unit
+            kept[i] = state.prefix.take(state, b, int(kept[i]))  # boundary, its cached units taken
     lengths = state.lengths.copy()
     lengths[rows] = kept
     state.lengths = lengths
@@ -328,7 +343,9 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
             drafter.rollback([b for b, k in zip(rows, kept) if k == n], int(n))
     todo = [b for b, k in zip(rows, kept) if k < len(state.context(b)) - 1]
     if todo:
-        forward_rows(engine, state, todo, emit=False)
+        forward_rows(engine, state, todo, emit=False, on_block=state.prefix and state.prefix.save)
+    if state.prefix is not None:
+        state.prefix.done(rows)
     for b in rows:  # the invariant: slots hold context[:length], root = context[length]
         state.root[b] = state.context(b)[-1]
         assert state.lengths[b] == len(state.context(b)) - 1

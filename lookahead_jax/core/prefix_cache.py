@@ -106,9 +106,10 @@ class PrefixCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def match(self, keys: Sequence[bytes], tokens: int, unit: int) -> list:
+    def match(self, keys: Sequence[bytes], tokens: int, unit: int, held: int = 0) -> list:
         """The cached blocks of the longest leading run of `keys` (units of `unit` tokens of
-        a prompt of `tokens` tokens, all counted as queried), touched; [] on a miss."""
+        a prompt of `tokens` tokens), touched; [] on a miss. held: leading units the row
+        holds already (a re-prefill keeps them): neither queried nor hits in the counters."""
         hit = []
         for key in keys:
             entry = self._blocks.get(key)
@@ -116,11 +117,12 @@ class PrefixCache:
                 break
             hit.append(entry[0])
         self.touch(keys[:len(hit)])
+        new = max(0, len(hit) - int(held))
         self.lookups += 1
-        self.queries += int(tokens)
-        self.hit_requests += bool(hit)
-        self.hit_blocks += len(hit)
-        self.hits += len(hit) * int(unit)
+        self.queries += int(tokens) - int(held) * int(unit)
+        self.hit_requests += bool(new)
+        self.hit_blocks += new
+        self.hits += new * int(unit)
         return hit
 
     def put(self, keys: Sequence[bytes], kv, nbytes: int) -> bool:

@@ -1,7 +1,11 @@
 """A `Slots`'s side of the prefix cache (`core.prefix_cache`, whose docstring has the
 algorithm): at insert the cached leading blocks of each prompt are written into its row
 (`fill`), after each non-last prefill block the unit it committed is copied out and stored
-(`save`), through the two device programs of `core.kv_blocks`."""
+(`save`), through the two device programs of `core.kv_blocks`. A retrieval run's rows too:
+their whole prompts (passage before the question) are forwarded in the same blocks, and a
+re-prefill after a passage change (`decode.replace_prompt`) starts at a unit boundary and
+takes the new context's cached units (`take`): a passage some row had before, after the
+same head, comes from the cache."""
 
 from __future__ import annotations
 
@@ -56,6 +60,21 @@ class PrefixRows:
             state.lengths = lengths
             state.cache = state.cache.replace(length=state.cache.length.at[idx].set(n))
         return taken
+
+    def take(self, state, b: int, kept: int) -> int:
+        """Row b is re-prefilled to its new context (`decode.replace_prompt`, a retrieval
+        run's passage change) keeping its first `kept` slots: `kept` goes down to a unit
+        boundary, so the blocks forwarded from there are those a prompt's own prefill runs
+        (what they commit is a unit `save` can store), and the context's cached units past
+        it are written into the row. Returns the slots the row keeps now."""
+        self.cache.bind(self.engine.params)
+        U, context = self.unit, state.context(b)
+        keys = self._keys[b] = chain_keys(context, U, self.units(len(context)), self.salt)
+        held = min(int(kept) // U, len(keys))
+        hit = self.cache.match(keys, len(context), U, held=held)
+        for i in range(held, len(hit)):
+            state.cache = write_in(self.engine, state.cache, hit[i], b, i * U)
+        return max(held, len(hit)) * U
 
     def save(self, state, rows: Sequence[int], before: np.ndarray) -> None:
         """After a non-last prefill block over `rows` (their lengths were `before`): the

@@ -67,8 +67,10 @@ prompt that begins with cached blocks (the same passage, system prompt or few-sh
 gets them written into its row at insert and forwards only the rest (at least its last
 block: the first token comes from a real forward). A cached block is bit for bit the K/V
 its own block would compute (same tokens, positions and program), so the tokens are those
-without the cache. Not for a retrieval run's slots, nor for requests that score their
-prompt (prompt_logprobs); a draft model's K/V is not cached.
+without the cache. A retrieval run's slots use it too: their whole prompts go in the same
+blocks (pieces of the block size), and a re-prefill after a passage change starts at a
+block boundary and takes the new context's cached blocks (`decode.replace_prompt`). Not
+for requests that score their prompt (prompt_logprobs); a draft model's K/V is not cached.
 
 A request's tokens do not depend on the other slots: a row's logits do not depend on the
 other rows of a forward, its sampling key is (seed, sampling row, position), and its
@@ -164,7 +166,7 @@ class Slots:
     a strategy without penalties), so such a request compiles nothing of its own.
     prefix_cache: bytes of prompt-block K/V kept on the engine for later prompts that begin
     alike (`core.prefix_cache`; shared by every Slots of the engine, the last one built sets
-    its size; None / 0: off); only with prefill_chunk and without a run (else ignored).
+    its size; None / 0: off); only with prefill_chunk (else ignored).
     Call `close()` when done (a run's workers stop)."""
 
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
@@ -208,9 +210,10 @@ class Slots:
         if prefill_chunk is not None:  # every block one row of the chunk's bucket: a few programs (a
             self.state.block = prompt_bucket(int(prefill_chunk), max_len)  # run's whole prompts and re-prefills too)
         self.state.set_row_values(engine.put)
-        capacity = budget_bytes(prefix_cache)  # (a retrieval run's slots prefill their own way)
-        self.prefix = PrefixRows(engine, self.state, self.prefill_chunk, capacity) \
-            if capacity and self.prefill_chunk else None
+        capacity = budget_bytes(prefix_cache)  # (a run's whole prompts go in pieces of the block)
+        self.prefix = PrefixRows(engine, self.state, self.prefill_chunk or self.state.block, capacity) \
+            if capacity and prefill_chunk is not None else None
+        self.state.prefix = self.prefix  # (a run's re-prefills: `decode.replace_prompt`)
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
             drafter = strategy.drafter(engine)
@@ -304,7 +307,12 @@ class Slots:
         st.set_row_values(self.engine.put)
         decoding = [b for b in np.flatnonzero(st.active) if b not in slots]  # requests that would wait
         if self.prefill_chunk is None:  # the whole prompt in one forward
-            forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token)
+            if self.prefix is not None:  # (a run's rows) cached leading blocks in, the rest forwarded
+                self.prefix.fill(st, slots)
+            forward_rows(self.engine, st, slots, emit=self.run is None or not self.run.picks_first_token,
+                         on_block=self.prefix and self.prefix.save)
+            if self.prefix is not None:
+                self.prefix.done(slots)
             self._activate(slots)
         else:  # every prompt enters as prefilling; those of at most C tokens finish in this block
             for s in slots:
@@ -491,11 +499,8 @@ class Slots:
             else:
                 r.prompt_ids = prompt[:int(st.lengths[s]) + C]
                 more.append(s)
-        if more:
-            before = st.lengths.copy()
-            forward_rows(self.engine, st, more, emit=False)
-            if self.prefix is not None:  # each block's committed unit into the prefix cache
-                self.prefix.save(st, more, before)
+        if more:  # (each block's committed unit into the prefix cache)
+            forward_rows(self.engine, st, more, emit=False, on_block=self.prefix and self.prefix.save)
         if last:
             if self.prefix is not None:
                 self.prefix.done(last)

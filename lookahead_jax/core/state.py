@@ -84,6 +84,10 @@ class DecodeState:
     # windows (`decode.forward_rows`): Slots with prefill_chunk, whose chunks then run a few
     # compiled steps whatever the prompts' lengths; 0: blocks sized to their rows
     block: int = 0
+    # prefix: with block, the slots' side of the engine's prefix cache (`prefix_rows.PrefixRows`)
+    # when it is on: a retrieval run's prompts and re-prefills take and give blocks through it
+    # (`decode.replace_prompt`); None: off
+    prefix: object = None
     # fallback: a step never waits for a program it can do without: a tree size not compiled
     # yet gives way to the largest that is (it compiles in the background meanwhile), a
     # prefill block takes the smallest compiled window that covers it (`decode.step`,
