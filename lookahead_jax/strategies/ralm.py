@@ -236,6 +236,7 @@ class RalmRun:
         # prefix the new context shares with the old: `replace_prompt`); a re-prefill from
         # slot 0 would have forwarded their sum
         self.reprefill_tokens = self.reused_tokens = 0
+        self.reprefill_s, self.reprefill_calls = 0.0, 0  # re-prefills' time (a call: one batch of rows)
         self._stream = FinalTextStream(tokenizer)
         self._seg = None  # the verify steps since the last pause: (seconds, steps, tokens per row)
 
@@ -407,8 +408,11 @@ class RalmRun:
         if not swaps:
             return
         rows = [b for b, _ in swaps]
+        t0 = time.perf_counter()
         kept = replace_prompt(engine, state, rows, [self._prompt(b, self.passage[b]) for b in rows],
                               [g for _, g in swaps], drafter=drafter)
+        self.reprefill_s += time.perf_counter() - t0
+        self.reprefill_calls += 1
         for b, k in zip(rows, kept):
             self.row_reprefills[b] += 1
             self.reused_tokens += int(k)
@@ -433,7 +437,8 @@ class RalmRun:
         `SpeculationStats`)."""
         return dict(retrieval_s=round(self.retrieval_s, 4), retrieval_calls=self.retrieval_calls,
                     retrievals=self.retrievals, reprefills=self.reprefills + sum(self.row_reprefills),
-                    reprefill_tokens=self.reprefill_tokens, reused_tokens=self.reused_tokens)
+                    reprefill_tokens=self.reprefill_tokens, reused_tokens=self.reused_tokens,
+                    reprefill_s=round(self.reprefill_s, 4))
 
     def summary(self) -> dict:
         """The counters under "retrieval" (the one shape of every retrieval run's counters,

@@ -162,7 +162,6 @@ class RalmSpecRun(RalmRun):
         self.stats = SpeculationStats(B)
         self._step_s = self._tokens_per_step = None  # OS3 measurements: decoding,
         self._verify_cost = collections.deque(maxlen=VERIFY_FIT_CALLS)  # (queries, seconds) per verification,
-        self._reprefill_s, self._reprefill_calls = 0.0, 0  # re-prefills,
         self._changes = [0, 0]  # async: lookups naming another passage checked, and those right to
         self.window = AcceptanceWindow(B)  # and each row's last checks
         self.inflight = [[] for _ in range(B)]  # async: speculations being verified, per row
@@ -235,18 +234,10 @@ class RalmSpecRun(RalmRun):
         a = self._step_s * self.strat.stride / self._tokens_per_step
         a += st.spec_s / max(st.spec_calls, 1)
         b0, b1 = fit_verify_cost(self._verify_cost)
-        r = self._reprefill_s / self._reprefill_calls if self._reprefill_calls else 0.0
+        r = self.reprefill_s / self.reprefill_calls if self.reprefill_calls else 0.0  # (RalmRun._swap)
         asynchronous = self.strat.async_verify
         return os3_stride(self.window.gamma(b), a, b0, b1, r, asynchronous=asynchronous,
                           detect=0.0 if asynchronous else self.window.detect(b))
-
-    def _swap(self, engine, state, drafter, swaps) -> None:
-        if not swaps:
-            return
-        t0 = time.perf_counter()
-        super()._swap(engine, state, drafter, swaps)
-        self._reprefill_s += time.perf_counter() - t0
-        self._reprefill_calls += 1
 
     def _resolve(self, engine, state, drafter) -> None:
         """The retrievals due, in one batched call where they can share one: rows at a
