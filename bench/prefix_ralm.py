@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     run(engine, tok, spec, warm, args, True, eos)  # compiles (unmeasured)
     run(engine, tok, spec, warm, args, False, eos)
     base = run(engine, tok, ralm, measured, args, True, eos)
-    result = dict(command="python bench/" + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), host=host_line(),
+    result = dict(host=host_line(),
                   model=args.model, retriever=args.retriever, corpus_passages=len(corpus), questions=len(measured),
                   max_new_tokens=args.max_new_tokens, slots=args.slots, prefill_chunk=CHUNK,
                   ralm_with_cache={k: v for k, v in base.items() if k != "outputs"}, rounds=[], mismatches=[])

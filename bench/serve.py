@@ -301,7 +301,7 @@ def main(argv=None) -> None:
         random.Random(args.seed).shuffle(prompts)
         warm, measured = prompts[:args.warmup], prompts[args.warmup:args.warmup + args.requests]
     result = dict(model=args.model, draft=args.draft if any(s.startswith("specinfer") for s in args.strategies) else None, rate=args.rate, requests=len(measured), max_tokens=args.max_tokens,
-                  prompts=args.prompts, prefix_cache_mb=args.prefix_cache_mb, command=" ".join(sys.argv),
+                  prompts=args.prompts, prefix_cache_mb=args.prefix_cache_mb,
                   repeats=args.repeats, server_warmup=args.server_warmup, decoding_length=args.decoding_length or "auto",
                   host_line=host_line(), runs={st: {} for st in args.strategies}, reps={st: {} for st in args.strategies})
     print(host_line())

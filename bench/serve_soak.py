@@ -8,6 +8,14 @@ Checks: every request is answered (none lost: a malformed one with 400, a normal
 with its tokens), greedy requests of the same prompt and length give the same tokens
 whatever they were batched with (none corrupted), all slots are free at the end; reports
 RSS after warm-up and at the end. Writes bench/results/serve-soak.json.
+
+The prefix cache under load (issue 53): `--rag` gives that share of the normal requests a
+long prompt, an NQ question with its passage (60 prompts, three per passage: hits), and a
+small `--prefix-cache-mb` makes it evict all along; the cache's bytes are sampled with the
+RSS and must stay within the bound, and the same prompt still gives the same tokens:
+
+    python bench/serve_soak.py --requests 1000 --concurrency 16 --rag 0.3 --prefix-cache-mb 32 \
+        --out bench/results/serve-soak-prefix.json
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, host_line, save  # noqa: E402
+from common import shared_prompts  # noqa: E402
 from serve import repo_prompts, start_server  # noqa: E402
 
 BAD = [
@@ -46,11 +55,12 @@ def rss_mb() -> float:
 
 
 async def run(url: str, model: str, n: int, concurrency: int, seed: int, p_cancel: float, p_bad: float,
-              progress: list):
+              progress: list, rag: float = 0.0):
     import httpx
 
     rng = random.Random(seed)
     prompts = [p for p in repo_prompts() if len(json.dumps(p[1])) <= 400][:40]  # short: many requests
+    long = [("chat", m) for m in shared_prompts(60, 3, max_chars=2400)[0]]  # a passage and a question
     sem = asyncio.Semaphore(concurrency)
     seen: dict = {}
     stats = dict(ok=0, bad_400=0, cancelled=0, lost=0, corrupted=0, other=[])
@@ -67,7 +77,7 @@ async def run(url: str, model: str, n: int, concurrency: int, seed: int, p_cance
                     else:
                         stats["other"].append(f"malformed body got {r.status_code}")
                     return
-                k, p = rng.choice(prompts)
+                k, p = rng.choice(long if rng.random() < rag else prompts)
                 max_tokens = rng.choice((2, 4, 8))
                 body = dict(model=model, max_tokens=max_tokens, temperature=0, return_token_ids=True)
                 path = "/v1/chat/completions" if k == "chat" else "/v1/completions"
@@ -125,25 +135,37 @@ def main(argv=None) -> None:
     ap.add_argument("--p-cancel", type=float, default=0.1)
     ap.add_argument("--p-bad", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rag", type=float, default=0.0, help="share of normal requests with an NQ passage (long "
+                    "prompts, three questions per passage: the prefix cache hits; default 0)")
+    ap.add_argument("--prefix-cache-mb", type=float, default=None,
+                    help="the server's prefix cache (default: the server's default; 0: off)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve-soak.json"))
     args = ap.parse_args(argv)
+    if args.prefix_cache_mb is None:
+        from lookahead_jax.serve.server import DEFAULT_PREFIX_CACHE_MB
+        args.prefix_cache_mb = DEFAULT_PREFIX_CACHE_MB
 
     import lookahead_jax as lj
+    from lookahead_jax.core.prefix_cache import PrefixCache
 
     model, tok = lj.load(args.model, progress=False)
     srv, uv, th, url = start_server(args, args.strategy, args.max_batch, model, tok)
     progress, samples, stop = [0], [], threading.Event()
 
-    def sample():
+    def cache_bytes() -> int:
+        pc = srv.scheduler.engine.stores.peek(PrefixCache)
+        return pc.bytes if pc is not None else 0
+
+    def sample():  # (seconds, requests done, RSS MB, prefix cache bytes)
         t0 = time.perf_counter()
         while not stop.is_set():
-            samples.append((round(time.perf_counter() - t0, 1), progress[0], round(rss_mb(), 1)))
+            samples.append((round(time.perf_counter() - t0, 1), progress[0], round(rss_mb(), 1), cache_bytes()))
             stop.wait(2.0)
 
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
     stats = asyncio.run(run(url, srv.model_name, args.requests, args.concurrency, args.seed, args.p_cancel,
-                            args.p_bad, progress))
+                            args.p_bad, progress, args.rag))
     wall = time.perf_counter() - t0
     time.sleep(1.0)
     sched = srv.scheduler
@@ -154,11 +176,18 @@ def main(argv=None) -> None:
     stats.update(wall_s=round(wall, 1), rss_mb_after_warmup=warm[0][2] if warm else None,
                  rss_mb_end=samples[-1][2] if samples else None, rss_mb_max=max(s[2] for s in samples),
                  rss_samples=samples, other=stats["other"][:20])
+    pc = srv.scheduler.engine.stores.peek(PrefixCache)
+    if pc is not None:
+        bound = int(args.prefix_cache_mb * 2 ** 20)
+        stats.update(prefix_cache=pc.summary(), prefix_cache_bound=bound,
+                     prefix_cache_bytes_max=max(s[3] for s in samples),
+                     prefix_cache_within_bound=max(s[3] for s in samples) <= bound)
     uv.should_exit = True
     th.join(120)
     print(host_line())
     print({k: v for k, v in stats.items() if k != "rss_samples"})
     save(dict(strategy=args.strategy, decoding_length=args.decoding_length or "auto (server default)",
+              rag=args.rag, prefix_cache_mb=args.prefix_cache_mb,
               server_warmup=args.server_warmup, requests=args.requests, concurrency=args.concurrency, **stats), args.out)
 
 
