@@ -120,9 +120,41 @@ def test_cost_model():
 def test_speculative_values(model, tok, ds):
     assert [parse_speculative(v) for v in ("auto", "AUTO", "true", "", "1", "false", "0", "no")] == \
         ["auto", "auto", True, True, True, False, False, False]
-    with pytest.raises(ValueError, match="speculative"):
+    with pytest.raises(ValueError, match="must be true, false or auto"):
         parse_speculative("sometimes")
     assert KNNLM(speculative="auto").speculative == "auto" and KNNLM(speculative="true").speculative is True
     for bad in ("sometimes", 2, None):
         with pytest.raises(ValueError, match="speculative must be True, False or 'auto'"):
             run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative=bad))
+
+
+def test_cli_speculative_auto(model, tok, corpus, tmp_path, monkeypatch, capsys):
+    """--speculative auto / true / false on the command line: the same tokens, the decision in
+    the --json summary (auto: its costs; true: forced), a bad value named."""
+    import json
+
+    import lookahead_jax.loading as loading
+    from lookahead_jax.cli import main
+    from lookahead_jax.knnlm.cli import main as knn_main
+
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "load", lambda name, dtype="float32", **kw: (model, tok))
+    f = tmp_path / "c.jsonl"
+    f.write_text(corpus.to_jsonl())
+    assert knn_main(["build", "--model", "tiny-llama", "--corpus", str(f), "--quiet"]) == 0
+    args = ["--prompt", knn_tests.PROMPTS[0], "--max-new-tokens", "8", "--json", "--strategy", "knnlm",
+            "--corpus", str(f), "--knn-k", "4"]
+    capsys.readouterr()
+    got = {}
+    for value in ("false", "auto", "true"):
+        assert main(args + ["--speculative", value]) == 0
+        lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        got[value] = lines[0]["token_ids"], lines[-1]["summary"]["retrieval"]
+    assert got["auto"][0] == got["true"][0] == got["false"][0]
+    assert got["auto"][1]["speculative"] == "auto" and got["auto"][1]["speculation_decision"]["mode"] == "auto"
+    assert "ms" in json.dumps(got["auto"][1]["speculation_decision"]["costs"])
+    assert got["true"][1]["speculation_decision"]["mode"] == "forced"
+    assert "speculation_decision" not in got["false"][1]
+    with pytest.raises(SystemExit):
+        main(args + ["--speculative", "sometimes"])
+    assert "--speculative must be true, false or auto, got 'sometimes'" in capsys.readouterr().err

@@ -32,7 +32,7 @@ def parse_speculative(v, strict: bool = True):
     if t in ("0", "false", "no"):
         return False
     if strict:
-        raise ValueError(f"speculative must be true, false or auto, got {v!r}")
+        raise ValueError(f"must be true, false or auto, got {v!r}")
     return v
 
 
