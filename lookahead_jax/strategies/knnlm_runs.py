@@ -365,7 +365,6 @@ class KnnSpecRun(KnnRun):
         now on the last real step's arrays, a search of s x B queries (its hidden states
         tiled), a speculative step's cache search and a re-pick. Tests replace it to decide
         from given costs. The run's counters do not count these calls."""
-        import jax.numpy as jnp
         from ..knnlm.search import cache_search
 
         h, logits, pos, active, true = self._last
@@ -373,7 +372,7 @@ class KnnSpecRun(KnnRun):
         s = self.strat.speculation_stride
         s = KNNLM_DEFAULT_STRIDE if s == "auto" else int(s)
         ix, saved = self.index, (self.search_s, self.search_calls, self.fallbacks, self.index.fallbacks, self.ivf_s)
-        probe_h, need = jnp.tile(h, (s, 1)), np.tile(active, s)
+        probe_h, need = self.engine.put(np.tile(np.asarray(h), (s, 1))), np.tile(active, s)  # as a round's stack
         probe = self._timed(lambda: self._search(state, probe_h, need=need))
         spec = self._timed(lambda: np.asarray(self._call(
             state, "knn_cache", cache_search, ix.keys, h, self._spec_cands(h, active, self._candidates()), ix.norms,
