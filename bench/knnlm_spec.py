@@ -1,12 +1,12 @@
 """Speculative KNN-LM, decided at the start (speculative="auto") or forced, vs plain KNN-LM.
 
     python bench/knnlm_spec.py                              # a ~26K-entry store, 6 questions x 48 tokens
-    python bench/knnlm_spec.py --passages 192 1024          # and a ~140K-entry one
+    python bench/knnlm_spec.py --passages 208 1024          # and a ~130K-entry one
     python bench/knnlm_spec.py --n 2 --max-new-tokens 8 --passages 8 --out /tmp/smoke.json   # smoke
 
 Datastores: as bench/ralmspec.py builds its KNN-LM store (`knn_subset`): the gold passages of
 the first `--gold` (32) NQ questions plus passages evenly spaced over wiki_passages.jsonl,
-`--passages` in all (192 ~ 26K entries, 256 ~ 35K, 8400 ~ 1M), built once with
+`--passages` in all (208 ~ 26K entries, 256 ~ 35K, 8400 ~ 1M), built once with
 `python -m lookahead_jax.knnlm build` and cached. Questions: the first `--n` NQ questions
 whose gold passage is in the corpus, each as a chat message, greedy, SmolLM2-135M in f32,
 stopping at EOS (at most `--max-new-tokens`), batch 1. Methods, per store:
@@ -140,8 +140,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--n", type=int, default=6, help="NQ questions (default 6)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--passages", type=int, nargs="+", default=[192],
-                    help="datastore sizes in passages, one store each (default 192: ~26K entries)")
+    ap.add_argument("--passages", type=int, nargs="+", default=[208],
+                    help="datastore sizes in passages, one store each (default 208: ~26K entries)")
     ap.add_argument("--gold", type=int, default=32, help="gold passages of the first GOLD questions in every store")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the questions (default 1)")
     ap.add_argument("--forced-stride", default="4", help="forced's speculation_stride (default 4; or auto)")
