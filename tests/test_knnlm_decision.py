@@ -158,3 +158,27 @@ def test_cli_speculative_auto(model, tok, corpus, tmp_path, monkeypatch, capsys)
     with pytest.raises(SystemExit):
         main(args + ["--speculative", "sometimes"])
     assert "--speculative must be true, false or auto, got 'sometimes'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("costs,speculate", [(CHEAP_SEARCH, False), (DEAR_SEARCH, True)])
+def test_slots_auto_equals_alone(model, tok, ds, monkeypatch, costs, speculate):
+    """speculative="auto" on the slot API (requests inserted into 2 slots mid-decode, as the
+    server runs them): each request's tokens and log-probabilities are plain KNN-LM's alone,
+    whichever mode the decision picked (injected costs), and the events carry them all."""
+    from lookahead_jax.core.params import GenerationParams
+    from lookahead_jax.core.slots import Request, Slots
+    from tiny import drive_slots
+
+    fresh_measures(model)
+    inject(monkeypatch, costs)
+    prompts = knn_tests.PROMPTS
+    slots = Slots(engine_for(model), tok, 2, 512, KNNLM(datastore=ds, knn_k=4, speculative="auto"), logprobs=True)
+    idx = [3, 0, 5, 1]
+    got = drive_slots(slots, [Request(tok.encode(prompts[i]), GenerationParams(max_new_tokens=knn_tests.MAX_NEW),
+                                      sampling_row=i) for i in idx], every=3)
+    for i, (row, streamed) in zip(idx, got):
+        one = run(model, tok, KNNLM(datastore=ds, knn_k=4), prompts=[prompts[i]], logprobs=True, first_index=i)
+        assert row.ids == streamed == one.token_ids[0], f"prompt {i}"
+        assert row.logprobs == one.rows[0].logprobs
+    st = slots.run.summary()["retrieval"]
+    assert st["speculation_decision"]["speculate"] is speculate and (st["speculations"] > 0) == speculate
