@@ -20,6 +20,22 @@ SEARCHES = ("exact", "hnsw", "flat")
 SPECULATE = ("auto", "cache", "ivf")
 
 
+def parse_speculative(v, strict: bool = True):
+    """The CLI's / a request's text as `speculative`: "auto", or true / false (1 / 0, yes /
+    no, "" = true: the bare switch); other text raises (strict) or is returned as it is
+    (for `validate` to name)."""
+    t = str(v).strip().lower()
+    if t == "auto":
+        return "auto"
+    if t in ("1", "true", "yes", ""):
+        return True
+    if t in ("0", "false", "no"):
+        return False
+    if strict:
+        raise ValueError(f"must be true, false or auto, got {v!r}")
+    return v
+
+
 @dataclasses.dataclass(frozen=True)
 class KNNLM(StrategyBase):
     """KNN-LM (Khandelwal et al. 2020): the next token is drawn from lam * p_kNN + (1 - lam)
@@ -35,7 +51,10 @@ class KNNLM(StrategyBase):
     knn_temperature: p_kNN = softmax(-d / temperature) (default 1, KNN-LM's).
     knn_search: "exact" (device matmul over key chunks, exact top-k), "hnsw" (faiss,
         approximate) or "flat" (faiss brute force on the host).
-    speculative: RaLMSpec's speculative retrieval: the same tokens, fewer real searches.
+    speculative: RaLMSpec's speculative retrieval: the same tokens, fewer real searches. True
+        speculates whatever it costs; "auto" measures a search and a forward at the start of
+        the run and speculates only where that is predicted to pay, else runs plain KNN-LM
+        (knnlm_decision.py); False: plain KNN-LM.
     speculation_stride: speculative steps per verification, 1..16 or "auto" (OS3).
     knn_cache_next: n, the entries after each retrieved neighbour kept in the speculation cache.
     knn_speculate: what a speculative step ranks: "cache" (RaLMSpec's: the cache above),
@@ -50,7 +69,7 @@ class KNNLM(StrategyBase):
     knn_lambda: float = 0.25
     knn_temperature: float = 1.0
     knn_search: str = "exact"
-    speculative: bool = False
+    speculative: object = False  # False | True | "auto"
     speculation_stride: object = KNNLM_DEFAULT_STRIDE
     knn_cache_next: int = 8
     knn_speculate: str = "auto"
@@ -63,8 +82,9 @@ class KNNLM(StrategyBase):
             "(--speculative: the same tokens with speculative, batch-verified searches)")
     cli_names = {}
     choices = {"knn_search": SEARCHES, "knn_speculate": SPECULATE}
-    parsers = {"datastore": str, "corpus": str, "speculation_stride": auto_or_int}
-    metavars = {"datastore": "DIR", "corpus": "JSONL", "speculative": "true|false",
+    parsers = {"datastore": str, "corpus": str, "speculation_stride": auto_or_int,
+               "speculative": parse_speculative}
+    metavars = {"datastore": "DIR", "corpus": "JSONL", "speculative": "true|false|auto",
                 "speculation_stride": "N|auto"}
     field_help = {
         "datastore": "the KNN-LM datastore directory (python -m lookahead_jax.knnlm build; default: "
@@ -74,7 +94,8 @@ class KNNLM(StrategyBase):
         "knn_temperature": "p_kNN = softmax(-distance / T) (default 1)",
         "knn_search": "exact (device, exact top-k), hnsw (faiss, approximate) or flat (faiss brute force)",
         "speculative": "speculative KNN-LM: the same tokens, searches speculated from a cache and "
-                       "verified in batches",
+                       "verified in batches; auto: only where a search and a forward measured at the start "
+                       "say it pays, else plain KNN-LM (default false)",
         "knn_cache_next": "entries after each retrieved neighbour kept in the speculation cache (default 8)",
         "knn_speculate": "what speculation ranks: cache (RaLMSpec's cache of the entries after earlier "
                          "neighbours), ivf (the cache plus an approximate IVF index's candidates) or auto "
@@ -85,7 +106,7 @@ class KNNLM(StrategyBase):
     def __post_init__(self):
         object.__setattr__(self, "speculation_stride", auto_or_int(self.speculation_stride))
         if isinstance(self.speculative, str):
-            object.__setattr__(self, "speculative", self.speculative.lower() in ("1", "true", "yes", ""))
+            object.__setattr__(self, "speculative", parse_speculative(self.speculative, strict=False))
 
     takes_references = False
 
@@ -109,8 +130,8 @@ class KNNLM(StrategyBase):
             raise ValueError(f"knn_temperature must be a number > 0, got {self.knn_temperature!r}")
         if self.knn_search not in SEARCHES:
             raise ValueError(f"knn_search must be one of {', '.join(SEARCHES)}, got {self.knn_search!r}")
-        if not isinstance(self.speculative, bool):
-            raise ValueError(f"speculative must be True or False, got {self.speculative!r}")
+        if not (isinstance(self.speculative, bool) or self.speculative == "auto"):
+            raise ValueError(f"speculative must be True, False or 'auto', got {self.speculative!r}")
         check_speculation_stride(self.speculation_stride)
         number_in("knn_cache_next", self.knn_cache_next, 1, 1024)
         if self.knn_speculate not in SPECULATE:

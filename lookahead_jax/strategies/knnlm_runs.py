@@ -47,6 +47,10 @@ speculative step, b(n) = b0 + b1 n: a verification of n queries, B active rows),
 s = argmax_{0..16} E(s) / T(s), s = 0 being plain KNN-LM (a real step and search per
 position), taken unless a stride is predicted 5% faster; s = 4 until a and b are measured.
 
+speculative="auto" (knnlm_decision.py): the first DECIDE_AFTER positions are real steps, then
+the costs measured there (`measure_costs`) decide once whether the run speculates or goes on
+as plain KNN-LM (`KnnRun.step`).
+
 Host logic; the device work is search.py's (`forward_fn`, the searches, `choose`, a
 speculative step as one program: `spec_step_fn`), dispatched back to back within a round. The
 decode state is edited only through decode.py's public edits: `accept` (the roots this
@@ -57,6 +61,7 @@ a wrong token's position, then `accept` of the right one), `set_logprob`, `accep
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -64,10 +69,12 @@ import numpy as np
 from ..core.decode import accept, call_compiled, rollback, set_logprob
 from ..knnlm.search import KnnlmStore, resolve_speculate
 from .base import StrategyBase
-from .speculation import (SHADOW_EVERY, FinalTextStream, KnnMeasures, SpeculationStats, SuccessorCache,
-                          os3_stride_knnlm)
+from .knnlm_decision import DECIDE_AFTER, MIN_OUTCOMES, KnnCosts, SpeculationDecision, decide
+from .speculation import (KNNLM_DEFAULT_STRIDE, SHADOW_EVERY, FinalTextStream, KnnMeasures, SpeculationStats,
+                          SuccessorCache, os3_stride_knnlm)
 
 __all__ = ["KnnRun", "KnnSpecRun"]
+log = logging.getLogger(__name__)
 
 SPEC_CACHE = 1024  # ids per row in the speculation cache (at least k)
 
@@ -265,6 +272,11 @@ class KnnSpecRun(KnnRun):
         self.plain_rounds = 0  # rounds with s = 0 (this call)
         self._plain_hold = 0  # real steps left before OS3 is asked again (s = 0 chosen)
         self.ivf_s = 0.0  # host time in the IVF index (knn_speculate="ivf")
+        self.plain = False  # speculative="auto" chose plain KNN-LM: `KnnRun.step` from then on
+        self.decision = None if s.speculative == "auto" else SpeculationDecision(
+            mode="forced", speculate=True, stride=s.speculation_stride)
+        self.decision_s = 0.0  # the measurement and decision (speculative="auto")
+        self._real, self._last = [], None  # the real steps' (forward, search, upkeep) s; the last's arrays
         if self.speculate == "ivf":
             self.index.faiss_index("ivf")  # built (or read) now, not inside a timed step
 
@@ -331,7 +343,60 @@ class KnnSpecRun(KnnRun):
     # ---- OS3
     def _stride(self, rows: int) -> int:
         s = self.strat.speculation_stride
-        return int(s) if s != "auto" else self.m.stride(rows, os3_stride_knnlm)
+        if s != "auto":
+            return int(s)
+        if not self.m.spec_steps and self.decision.mode == "auto":  # OS3's pick from the start's costs
+            return int(self.decision.stride)
+        return self.m.stride(rows, os3_stride_knnlm)
+
+    # ---- speculative="auto": the decision (knnlm_decision.py)
+    def _timed(self, fn, times: int = 2) -> float:
+        """The least of `times` timed calls of fn (compilation excluded)."""
+        best = float("inf")
+        for _ in range(times):
+            t0 = self._clock()
+            fn()
+            best = min(best, self._clock() - t0)
+        return best
+
+    def measure_costs(self, state) -> KnnCosts:
+        """The costs speculative="auto" decides from (knnlm_decision.py): of the real steps so
+        far the least forward (the step less its search), search and cache upkeep, and, timed
+        now on the last real step's arrays, a search of s x B queries (its hidden states
+        tiled), a speculative step's cache search and a re-pick. Tests replace it to decide
+        from given costs. The run's counters do not count these calls."""
+        from ..knnlm.search import cache_search
+
+        h, logits, pos, active, true = self._last
+        fwd, srch, upkeep = (min(x) for x in zip(*self._real))
+        s = self.strat.speculation_stride
+        s = KNNLM_DEFAULT_STRIDE if s == "auto" else int(s)
+        ix, saved = self.index, (self.search_s, self.search_calls, self.fallbacks, self.index.fallbacks, self.ivf_s)
+        probe_h, need = self.engine.put(np.tile(np.asarray(h), (s, 1))), np.tile(active, s)  # as a round's stack
+        probe = self._timed(lambda: self._search(state, probe_h, need=need))
+        spec = self._timed(lambda: np.asarray(self._call(
+            state, "knn_cache", cache_search, ix.keys, h, self._spec_cands(h, active, self._candidates()), ix.norms,
+            ix.n_valid, k=self.k)))
+        repick = self._timed(lambda: self._choose(state, h, logits, true, pos))
+        self.search_s, self.search_calls, self.fallbacks, ix.fallbacks, self.ivf_s = saved
+        return KnnCosts(rows=state.batch, forward_s=fwd, search_s=srch, probe_queries=s * state.batch, probe_s=probe,
+                        spec_s=spec, repick_s=repick, upkeep_s=upkeep)
+
+    def _decide(self, state) -> None:
+        """speculative="auto": decide once, from the costs measured now or by an earlier call
+        of this engine with the same datastore, settings and batch (logged once, when measured)."""
+        t0 = self._clock()
+        costs = self.m.costs.get(state.batch)
+        reused = costs is not None
+        if costs is None:
+            costs = self.m.costs[state.batch] = self.measure_costs(state)
+        n = len(self.m.outcomes)
+        g = (sum(self.m.outcomes) + 1) / (n + 2) if n >= MIN_OUTCOMES else None
+        self.decision = decide(costs, self.strat.speculation_stride, g, reused=reused)
+        (log.debug if reused else log.info)(self.decision.line())
+        self.plain = not self.decision.speculate
+        self._last = None
+        self.decision_s += self._clock() - t0
 
     # ---- steps
     def _spec_round(self, state, active, s: int, base, dev) -> list:
@@ -396,6 +461,7 @@ class KnnSpecRun(KnnRun):
         true, h, logits, pos, tok = self._real_step(state, active)
         searched = self.search_s - s0
         t1 = self._clock()
+        forward = t1 - t0 - searched
         if shadow:  # reads h and logits only (the step donated the cache, not these)
             spec = self._call(state, "knn_cache", cache_search, self.index.keys, h,
                               self._spec_cands(h, active, self._candidates()), self.index.norms,
@@ -406,6 +472,9 @@ class KnnSpecRun(KnnRun):
         t2 = self._clock()
         for b in np.flatnonzero(active):
             self.cache.insert(b, true[b])
+        if self.decision is None:  # speculative="auto" before its decision: what it is measured from
+            self._real.append((forward, searched, self._clock() - t2))
+            self._last = (h, logits, pos, active, true)
         self.m.verify_log.append((int(active.sum()), searched))
         self.m.plain_s += self._clock() - t0 - searched - (t2 - t1)
         self.m.plain_steps += 1
@@ -467,12 +536,19 @@ class KnnSpecRun(KnnRun):
         """One turn: the rows that have no token yet (new requests: their caches are empty)
         take a real step; otherwise one round of s speculative steps and its verification,
         ended early when a row ends (it is verified before it is final), or, where OS3
-        picks s = 0, one real step of every active row."""
+        picks s = 0, one real step of every active row. speculative="auto": real steps until
+        the decision, then, where it chose plain KNN-LM, `KnnRun.step`."""
+        if self.plain:
+            KnnRun.step(self, engine, state)
+            self._stream.flush(state, self.final_upto)
+            return
         state.mark_finished()
         active = state.active
         fresh = active & np.array([not r.ids for r in state.rows])
         if fresh.any():  # a request's first token: a real search
             self._plain_step(state, fresh, shadow=False)
+        elif active.any() and self.decision is None:  # speculative="auto", undecided: a real step
+            self._plain_step(state, active, shadow=False)
         elif active.any():
             s = 0 if self._plain_hold else self._stride(int(active.sum()))
             if s == 0:  # plain KNN-LM pays more here (OS3): SHADOW_EVERY real steps, then ask again
@@ -491,6 +567,8 @@ class KnnSpecRun(KnnRun):
             steps = self._spec_round(state, active, s, base, dev)
             self.stats.strides.append(s)
             self._verify(state, steps)
+        if self.decision is None and len(self._real) >= DECIDE_AFTER:
+            self._decide(state)
         state.mark_finished()
         self._stream.flush(state, self.final_upto)
 
@@ -499,8 +577,9 @@ class KnnSpecRun(KnnRun):
 
     def summary(self) -> dict:
         out = super().summary()
+        d = self.decision.as_dict() if self.decision is not None else dict(mode="auto", speculate=None, stride=None)
         out["retrieval"].update(self.stats.summary(), tokens_kept=self.kept + int(self.row_kept.sum()),
-                                speculate=self.speculate)
+                                speculate=self.speculate, speculation_decision=d, decision_s=round(self.decision_s, 4))
         if self.speculate == "ivf":
             out["retrieval"].update(ivf_s=round(self.ivf_s, 4), nprobe=self.strat.knn_nprobe)
         return out

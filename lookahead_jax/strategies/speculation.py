@@ -181,8 +181,9 @@ class KnnMeasures:
     """What OS3 has measured of speculative KNN-LM with one datastore and settings, kept on
     the engine (`KnnlmStore.os3`, knnlm/search.py) so that a call starts from the last
     call's figures instead of the default stride: the last KNN_WINDOW check outcomes (g), the last
-    VERIFY_FIT_CALLS (queries, seconds) of verifications and real searches (b(n)), and the
-    seconds of speculative steps (a) and of real steps less their searches (a0)."""
+    VERIFY_FIT_CALLS (queries, seconds) of verifications and real searches (b(n)), the
+    seconds of speculative steps (a) and of real steps less their searches (a0), and the costs
+    speculative="auto" measured at a run's start (knnlm_decision.py), per queries per search."""
 
     outcomes: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=KNN_WINDOW))
     verify_log: collections.deque = dataclasses.field(
@@ -191,6 +192,7 @@ class KnnMeasures:
     spec_steps: int = 0
     plain_s: float = 0.0
     plain_steps: int = 0
+    costs: dict = dataclasses.field(default_factory=dict)  # queries per search -> KnnCosts (speculative="auto")
 
     def stride(self, rows: int, choose=None) -> int:
         """OS3's s for a round of `rows` active rows (0..MAX_SPECULATION_STRIDE), or the
