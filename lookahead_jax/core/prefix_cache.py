@@ -106,19 +106,25 @@ class PrefixCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def match(self, keys: Sequence[bytes], tokens: int, unit: int) -> list:
+    def match(self, keys: Sequence[bytes], tokens: int, unit: int, start: int = 0, again: bool = False,
+              hit_before: bool = False) -> list:
         """The cached blocks of the longest leading run of `keys` (units of `unit` tokens of
-        a prompt of `tokens` tokens, all counted as queried), touched; [] on a miss."""
+        a prompt of `tokens` tokens, all counted as queried), touched; [] on a miss.
+        start: the units the prompt's row holds already (from here or its own blocks): the
+        run from unit `start` (keys[:start] are touched too). again: a later look-up of a
+        request looked up before (its hits count, its lookup and tokens do not again);
+        hit_before: the request has counted as a hit already."""
         hit = []
-        for key in keys:
+        for key in keys[start:]:
             entry = self._blocks.get(key)
             if entry is None:
                 break
             hit.append(entry[0])
-        self.touch(keys[:len(hit)])
-        self.lookups += 1
-        self.queries += int(tokens)
-        self.hit_requests += bool(hit)
+        self.touch(keys[:start + len(hit)])
+        if not again:
+            self.lookups += 1
+            self.queries += int(tokens)
+        self.hit_requests += bool(hit) and not hit_before
         self.hit_blocks += len(hit)
         self.hits += len(hit) * int(unit)
         return hit

@@ -480,6 +480,8 @@ class Slots:
         position, so the same sampling key) and decodes; otherwise the block's last token
         stays the root (emit=False) and the row still holds prompt[:lengths[s] + 1]."""
         st, C = self.state, self.prefill_chunk
+        if self.prefix is not None:  # units cached since, and rows that wait for a unit another computes now
+            slots = self.prefix.ready(st, slots)
         last, more = [], []
         for s in slots:
             prompt, r = self._prefill[s], st.rows[s]
