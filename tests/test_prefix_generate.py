@@ -10,11 +10,18 @@
 * Across calls: a second call with the same header and other questions hits for every row
   and stores nothing new; the counters are the call's.
 * Bad values and the retrieval strategies: a clear ValueError.
+* The CLI's --prefix-cache-mb: the same tokens, the header hit across batches, its
+  counters in the summary; bad values rejected before the model loads.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
+
+import lookahead_jax.loading as loading
+from lookahead_jax.cli import main
 
 from lookahead_jax.core.engine import engine_for
 from lookahead_jax.core.prefix_cache import PrefixCache
@@ -123,3 +130,37 @@ def test_off_and_bad_values(model, tok):
 def test_retrieval_strategies_refuse_it(model, tok, name):
     with pytest.raises(ValueError, match=f"prefix_cache: strategy '{name}'"):
         generate(model, tok, [SHORT], max_new_tokens=4, strategy=name, prefix_cache=BUDGET)
+
+
+def cli(capsys, *argv):
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_flag(model, tok, capsys, monkeypatch, tmp_path):
+    """Two batches of two prompts with the header: the first batch's second row and both
+    rows of the second take its 3 units (9 hit units), the tokens those without it."""
+    loads = []
+    monkeypatch.setattr(loading, "load", lambda name, dtype="float32", **kw: loads.append(name) or (model, tok))
+    prompts = [HEADER + q for q in QUESTIONS[:4]]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    fresh(model)
+    rc, out, err = cli(capsys, "--prompts-file", str(f), "--max-new-tokens", "8", "--json", "--batch-size", "2",
+                       "--prefix-cache-mb", "64")
+    assert rc == 0, err
+    lines = [json.loads(x) for x in out.splitlines()]
+    summary = lines[-1]["summary"]
+    assert [x["token_ids"] for x in lines[:-1]] == generate(model, tok, prompts, max_new_tokens=8).token_ids
+    assert summary["prefix_cache_hits"] == 9 * U and summary["prefix_cache_queries"] == sum(len(p) + 1 for p in prompts)
+    for argv, msg in [(["--prefix-cache-mb", "-1"], "--prefix-cache-mb must be >= 0 (0: off), got -1.0"),
+                      (["--prefix-cache-mb", "8", "--strategy", "ralm"], "--strategy ralm prefills its own prompts")]:
+        loads.clear()
+        rc, out, err = cli(capsys, "--prompt", "hi", *argv)
+        assert rc == 2 and msg in err and loads == []
+    rc, out, err = cli(capsys, "--help")
+    assert rc == 0 and "--prefix-cache-mb MB" in out and "(default 0: off" in out
