@@ -34,8 +34,10 @@ written into its row and the row's length set past them (`fill`); after each non
 prefill block, the unit it committed is copied out and stored (`save`), so a request
 arriving while an earlier one with the same passage still decodes already hits.
 
-Not covered yet: prompts forwarded whole (Slots without prefill_chunk: `generate`; a
-retrieval run's slots, whose prompts and re-prefills go through its own path), the draft
+`generate(prefix_cache=)` prefills through Slots with prefill_chunk and this cache (its rows
+that share a header wait for its blocks: `PrefixRows.ready`). Not covered yet: prompts
+forwarded whole (Slots without prefill_chunk; a retrieval run's slots, whose prompts and
+re-prefills go through its own path), the draft
 model's K/V (SpecInfer's draft prefills its whole prompt in `begin`), answers (a chat's
 earlier turns hit through their prompt blocks only when the next turn's prompt repeats
 them, which a chat's does), and requests that score their prompt (prompt_logprobs: each

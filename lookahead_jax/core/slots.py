@@ -65,7 +65,10 @@ A prefix cache (`prefix_cache=` bytes, with `prefill_chunk`; `core.prefix_cache`
 K/V of every prompt block but the last is kept on the engine as it is prefilled, and a
 prompt that begins with cached blocks (the same passage, system prompt or few-shot header)
 gets them written into its row at insert and forwards only the rest (at least its last
-block: the first token comes from a real forward). A cached block is bit for bit the K/V
+block: the first token comes from a real forward); before each block a prompt takes the
+blocks cached since, and one whose next block another prompt of the same forward computes
+waits for it (prompts inserted together that share a header forward it once: `generate`'s
+rows). A cached block is bit for bit the K/V
 its own block would compute (same tokens, positions and program), so the tokens are those
 without the cache. Not for a retrieval run's slots, nor for requests that score their
 prompt (prompt_logprobs); a draft model's K/V is not cached.
