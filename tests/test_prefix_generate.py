@@ -118,6 +118,15 @@ def test_short_prompts_only(model, tok):
     assert out.stats["prefix_cache_stored"] == 0
 
 
+def test_a_cache_too_small_for_a_block(model, tok):
+    """1 byte: blocks prefilled, none kept (the bench's block-prefill baseline), same tokens."""
+    fresh(model)
+    prompts = [HEADER + q for q in QUESTIONS[:2]]
+    out = gen(model, tok, prompts, "greedy", 1)
+    assert out.token_ids == gen(model, tok, prompts, "greedy").token_ids
+    assert out.stats["prefix_cache_stored"] == out.stats["prefix_cache_hits"] == 0
+
+
 def test_off_and_bad_values(model, tok):
     out = gen(model, tok, [SHORT], "greedy", 0)
     assert not any(k.startswith("prefix_cache") for k in out.stats)
