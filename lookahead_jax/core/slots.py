@@ -484,6 +484,7 @@ class Slots:
         stays the root (emit=False) and the row still holds prompt[:lengths[s] + 1]."""
         st, C = self.state, self.prefill_chunk
         if self.prefix is not None:  # units cached since, and rows that wait for a unit another computes now
+            st.flush()  # (a state edit: a step's deferred bookkeeping first)
             slots = self.prefix.ready(st, slots)
         last, more = [], []
         for s in slots:
