@@ -4,7 +4,8 @@
 * Lossless: a batch of prompts sharing a header, one that does not, and one shorter than a
   block, greedy, lookahead, sampled (seed, n=2) and SpecInfer's target: token for token
   generate without the cache (whole prompts), in a first call (hits within the batch) and
-  a second (the header cached).
+  a second (the header cached); gemma3 (sliding windows narrower than a block) and qwen2
+  too; a cache too small for a block (blocks, none kept).
 * Within one call the header is forwarded once: the later rows wait for its blocks and
   take them (hit blocks = header units x the other rows; stored = the header's units).
 * Across calls: a second call with the same header and other questions hits for every row
@@ -78,6 +79,19 @@ def test_tokens_equal_those_without_the_cache(model, tok, kind):
     assert first.stats["prefix_cache_hit_blocks"] == 3 * (rows - 1) + (n - 1) * (len(OTHER) + 1 - 2) // U
     assert second.stats["prefix_cache_hit_blocks"] == 3 * rows + n * (len(OTHER) + 1 - 2) // U
     assert second.stats["prefix_cache_stored"] == 0 and second.stats["prefix_cache_lookups"] == len(prompts) * n
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_other_families(tok, family):
+    """gemma3 (sliding-window layers narrower than a block, qk-norm) and qwen2 (qkv bias):
+    the same tokens, in a first call and a second that takes the header."""
+    m = tiny_model(family)
+    prompts = [HEADER + q for q in QUESTIONS[:2]]
+    want = gen(m, tok, prompts, "greedy").token_ids
+    first = gen(m, tok, prompts, "greedy", BUDGET)
+    second = gen(m, tok, prompts, "greedy", BUDGET)
+    assert first.token_ids == want and second.token_ids == want
+    assert first.stats["prefix_cache_hit_blocks"] == 3 and second.stats["prefix_cache_hit_blocks"] == 6
 
 
 def test_specinfer_target(model, tok):
