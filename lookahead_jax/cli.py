@@ -48,6 +48,7 @@ class CliConfig:
     sources: tuple = ()  # per prompt, where it came from for error messages: "--prompt" or "FILE:LINE"
     references_field: Optional[str] = None
     raw: bool = False  # --no-chat: plain prompts are raw text on purpose (no instruct-model warning)
+    prefix_cache_mb: float = 0.0  # MiB of generate's prefix cache (0: off)
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -241,6 +242,10 @@ def build_parser(prog: Optional[str] = None):
                     "is done")
     ap.add_argument("--max-cache-len", type=int, help="KV cache slots (default: the longest prompt + "
                     "--max-new-tokens + the verify block, rounded up)")
+    ap.add_argument("--prefix-cache-mb", type=float, default=0.0, metavar="MB",
+                    help="MiB of prompt-block K/V kept for prompts that begin alike (a few-shot header, a system "
+                    "prompt): prompts are prefilled in 64-token blocks, one shared by the rows of a batch and by "
+                    "later batches is forwarded once, with the same tokens (default 0: off, whole prompts)")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: params split over 'model' by the "
                     "rule table, batch rows and the KV cache over 'data' (default: one device)")
     flags = _strategy_flags(ap)
@@ -257,6 +262,8 @@ def _config(ap, flags: dict, a) -> CliConfig:
         ap.error("--batch-size must be >= 1")
     if a.max_cache_len is not None and a.max_cache_len < 2:
         ap.error("--max-cache-len must be >= 2")
+    if not a.prefix_cache_mb >= 0:
+        ap.error(f"--prefix-cache-mb must be >= 0 (0: off), got {a.prefix_cache_mb}")
     try:  # the request's options, checked where every front end's are
         params = GenerationParams(
             max_new_tokens=a.max_new_tokens, min_new_tokens=a.min_new_tokens, temperature=a.temperature,
@@ -311,6 +318,7 @@ def _config(ap, flags: dict, a) -> CliConfig:
         strategy=a.strategy, params=params, dtype=a.dtype, json=a.json,
         batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
         mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources), references_field=a.references_field,
+        prefix_cache_mb=a.prefix_cache_mb,
         raw=a.chat is False,
     )
 
@@ -438,6 +446,7 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         params=cfg.params, strategy=strategy, chat=cfg.chat,
         mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy),
         fallback=True,  # a tree size compiles in the background while the steps do without it
+        prefix_cache=int(cfg.prefix_cache_mb * (1 << 20)) or None,
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, prefill_steps=0, compile_s=0.0, calibrate_s=0.0,
                   host_s=0.0, prefill_s=0.0)
@@ -447,6 +456,7 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
     row_tokens = row_steps = 0
     ttft = None  # the first batch's time to its first token
     decode_tokens, decode_s = 0, 0.0  # tokens after each row's first, and the time after the first token
+    cached = {}  # the prefix cache's counters over the batches
     retrieval = []  # per batch, the strategy's retrieval counters (knnlm, ralm, ralmspec)
     # one answer at a time streams; several samples of a prompt would interleave
     streaming = not cfg.json and cfg.batch_size == 1 and cfg.params.n == 1
@@ -473,6 +483,9 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         ctrl_c.check()  # a Ctrl-C after the batch's last step: its rows are out, stop here
         for k in totals:
             totals[k] += out.stats[k]
+        for k in ("prefix_cache_queries", "prefix_cache_hits"):  # prompt tokens (with --prefix-cache-mb)
+            if k in out.stats:
+                cached[k] = cached.get(k, 0) + out.stats[k]
         if "retrieval" in out.stats:  # a retrieval strategy's counters (one shape: speculation.py)
             retrieval.append(out.stats["retrieval"])
         row_tokens += sum(r.new_tokens - r.prefill_tokens for r in out.rows)
@@ -492,6 +505,7 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
         host_s=round(totals["host_s"], 4),
         compilations=len(engine_for(model, mesh).compiled.compilations),
     )
+    summary.update(cached)
     if retrieval:
         summary["retrieval"] = merge_counters(retrieval)
     if cfg.json:

@@ -106,6 +106,18 @@ def test_tokens_equal_those_without_the_cache(model, tok, kind):
     assert s2["prefix_cache_stored"] == s1["prefix_cache_stored"]  # nothing new to store the second time
 
 
+def test_overlap_same_tokens(model, tok):
+    """overlap=True (a step's bookkeeping deferred to the next): blocks are taken and
+    written between steps after it, the tokens those without the cache."""
+    engine = engine_for(model)
+    fresh(engine)
+    want, _ = run(model, tok, "lookahead", None)
+    slots = Slots(engine, tok, 3, CACHE, Lookahead(decoding_length=7), prefill_chunk=C, prefix_cache=BUDGET,
+                  overlap=True)
+    out = drive_slots(slots, requests(tok, "lookahead"), every=2)
+    assert [row.ids for row, _ in out] == want and slots.prefix.cache.summary()["prefix_cache_hits"] > 0
+
+
 def test_a_cached_passage_forwards_fewer_blocks(model, tok):
     """One request with a passage, then another with the same passage and another
     question (one slot each, nothing decoding: every block at insert): the second forwards

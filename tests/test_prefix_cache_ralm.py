@@ -10,6 +10,7 @@ a passage change starts at a unit boundary and takes the new context's cached un
 * The cache serves re-prefills: in the second pass (every context seen before) each
   re-prefill forwards at most one block, fewer tokens than without the cache.
 * A dense retriever (RaLMSpec, OS3's auto stride): the same.
+* `generate(prefix_cache=)` with RaLM / RaLMSpec: the tokens and passages without it.
 """
 
 from __future__ import annotations
@@ -137,3 +138,23 @@ def test_dense_retriever_with_the_cache(model, tok, corpus):
     assert first == want and second == want
     assert c2["reprefills"] > 0 and slots.prefix.cache.hits > 0
     engine.stores.clear(PrefixCache)
+
+
+@pytest.mark.parametrize("kind", ["ralm", "ralmspec"])
+def test_generate_with_the_cache(model, tok, bm25, kind):
+    """`generate(prefix_cache=)` with a retrieval strategy (its slots prefill in blocks of
+    64 with the cache): every row's tokens and passages are those without it, in a first
+    call and a second whose prompts and passages are all cached."""
+    from lookahead_jax.core.engine import engine_for
+
+    strat = RaLM(retriever=bm25, stride=2, query_tokens=16) if kind == "ralm" else \
+        RaLMSpec(retriever=bm25, stride=2, query_tokens=16, speculation_stride=2)
+    prompts = [PROMPTS[i] for i in ORDER]
+    want = generate(model, tok, prompts, strategy=strat, max_new_tokens=MAX_NEW)
+    engine_for(model).stores.clear(PrefixCache)
+    for call in range(2):
+        got = generate(model, tok, prompts, strategy=strat, max_new_tokens=MAX_NEW, prefix_cache=BUDGET,
+                       max_cache_len=1024)
+        assert got.token_ids == want.token_ids, f"call {call}"
+        assert got.stats["passages"] == want.stats["passages"]
+    assert got.stats["prefix_cache_hits"] > 0

@@ -34,12 +34,14 @@ written into its row and the row's length set past them (`fill`); after each non
 prefill block, the unit it committed is copied out and stored (`save`), so a request
 arriving while an earlier one with the same passage still decodes already hits.
 
-A retrieval run's slots (RaLM, RaLMSpec, KNN-LM) use it too: they forward a whole prompt
-in pieces of the block size, the same programs (`decode.forward_rows`), so its units are
-those above, and a re-prefill after a passage change starts at a unit boundary and takes
-the new context's cached units (`PrefixRows.take`).
+`generate(prefix_cache=)` prefills through Slots with prefill_chunk and this cache (its rows
+that share a header wait for its blocks: `PrefixRows.ready`). A retrieval run's slots
+(RaLM, RaLMSpec, KNN-LM) use it too: they forward a whole prompt in pieces of the block
+size, the same programs (`decode.forward_rows`), so its units are those above, and a
+re-prefill after a passage change starts at a unit boundary and takes the new context's
+cached units (`PrefixRows.take`).
 
-Not covered yet: prompts forwarded whole (Slots without prefill_chunk: `generate`), the draft
+Not covered yet: prompts forwarded whole (Slots without prefill_chunk), the draft
 model's K/V (SpecInfer's draft prefills its whole prompt in `begin`), answers (a chat's
 earlier turns hit through their prompt blocks only when the next turn's prompt repeats
 them, which a chat's does), and requests that score their prompt (prompt_logprobs: each
@@ -110,23 +112,27 @@ class PrefixCache:
             if key in self._blocks:
                 self._blocks.move_to_end(key)
 
-    def match(self, keys: Sequence[bytes], tokens: int, unit: int, held: int = 0) -> list:
+    def match(self, keys: Sequence[bytes], tokens: int, unit: int, start: int = 0, again: bool = False,
+              hit_before: bool = False) -> list:
         """The cached blocks of the longest leading run of `keys` (units of `unit` tokens of
-        a prompt of `tokens` tokens), touched; [] on a miss. held: leading units the row
-        holds already (a re-prefill keeps them): neither queried nor hits in the counters."""
+        a prompt of `tokens` tokens, all counted as queried), touched; [] on a miss.
+        start: the units the prompt's row holds already (from here or its own blocks): the
+        run from unit `start` (keys[:start] are touched too). again: a later look-up of a
+        request looked up before (its hits count, its lookup and tokens do not again);
+        hit_before: the request has counted as a hit already."""
         hit = []
-        for key in keys:
+        for key in keys[start:]:
             entry = self._blocks.get(key)
             if entry is None:
                 break
             hit.append(entry[0])
-        self.touch(keys[:len(hit)])
-        new = max(0, len(hit) - int(held))
-        self.lookups += 1
-        self.queries += int(tokens) - int(held) * int(unit)
-        self.hit_requests += bool(new)
-        self.hit_blocks += new
-        self.hits += new * int(unit)
+        self.touch(keys[:start + len(hit)])
+        if not again:
+            self.lookups += 1
+            self.queries += int(tokens)
+        self.hit_requests += bool(hit) and not hit_before
+        self.hit_blocks += len(hit)
+        self.hits += len(hit) * int(unit)
         return hit
 
     def put(self, keys: Sequence[bytes], kv, nbytes: int) -> bool:

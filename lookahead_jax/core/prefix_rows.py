@@ -1,11 +1,13 @@
 """A `Slots`'s side of the prefix cache (`core.prefix_cache`, whose docstring has the
 algorithm): at insert the cached leading blocks of each prompt are written into its row
-(`fill`), after each non-last prefill block the unit it committed is copied out and stored
-(`save`), through the two device programs of `core.kv_blocks`. A retrieval run's rows too:
-their whole prompts (passage before the question) are forwarded in the same blocks, and a
-re-prefill after a passage change (`decode.replace_prompt`) starts at a unit boundary and
-takes the new context's cached units (`take`): a passage some row had before, after the
-same head, comes from the cache."""
+(`fill`), before each prefill block a row takes the units cached since and waits when an
+earlier row of the same forward commits the very unit its block would (`ready`: rows of one
+batch that share a header forward it once), after each non-last prefill block the unit it
+committed is copied out and stored (`save`), through the two device programs of
+`core.kv_blocks`. A retrieval run's rows too: their whole prompts (passage before the
+question) are forwarded in the same blocks, and a re-prefill after a passage change
+(`decode.replace_prompt`) starts at a unit boundary and takes the new context's cached
+units (`take`): a passage some row had before, after the same head, comes from the cache."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class PrefixRows:
                           str(np.dtype(engine.dtype)))).encode()
         self.nbytes = block_bytes(engine.config, self.unit, engine.dtype)
         self._keys: dict = {}  # row -> its prompt's unit digests, while it prefills
+        self._hit: set = set()  # rows whose request has taken cached units
 
     def units(self, n_tokens: int) -> int:
         """Units of a prompt of n_tokens that may come from the cache: its blocks but the
@@ -39,19 +42,51 @@ class PrefixRows:
 
     def fill(self, state, rows: Sequence[int]) -> dict:
         """Write each row's cached prefix into it and set its length past it (rows just
-        inserted, length 0, before their first block). Returns row -> units taken."""
+        inserted, length 0, before their first block). Returns row -> units taken, for
+        rows that took some."""
         self.cache.bind(self.engine.params)
+        for s in rows:
+            if state.rows[s].prompt_logprobs is None:  # (else it needs every prompt token's forward)
+                self._keys[s] = chain_keys(state.rows[s].prompt_ids, self.unit,
+                                           self.units(len(state.rows[s].prompt_ids)), self.salt)
+        return self._take(state, [s for s in rows if s in self._keys], again=False)
+
+    def ready(self, state, rows: Sequence[int]) -> list:
+        """Before a prefill block over `rows` (prefilling, oldest first): each takes the
+        cached units that follow what it holds (blocks another row stored since it was
+        filled), and a row whose next block would commit the very unit (same digest) that
+        an earlier row's block commits in this forward waits for it, to take it from the
+        cache before its next block: a header shared by the rows of one batch is forwarded
+        once. Returns the rows to forward now (the first of `rows` always)."""
+        self._take(state, [s for s in rows if self._next(state, s) is not None], again=True)
+        now, computed = [], set()
+        for s in rows:
+            key = self._next(state, s)
+            if key is not None and key in computed:
+                continue
+            computed.add(key)
+            now.append(s)
+        return now
+
+    def _next(self, state, s: int):
+        """The digest of the unit row s's next block commits (None: not a cached kind of
+        block, e.g. its prompt's last)."""
+        keys, n = self._keys.get(s), int(state.lengths[s])
+        return None if keys is None or n % self.unit or n // self.unit >= len(keys) else keys[n // self.unit]
+
+    def _take(self, state, rows: Sequence[int], again: bool) -> dict:
+        """Each row's cached run of units from the one after what it holds (`PrefixCache.
+        match`; again: a later look-up, not counted as one), written into it, its length
+        set past them. Returns row -> the units it holds now, for rows that took some."""
         U, taken = self.unit, {}
         for s in rows:
-            r = state.rows[s]
-            if r.prompt_logprobs is not None:  # it needs every prompt token's forward
-                continue
-            keys = self._keys[s] = chain_keys(r.prompt_ids, U, self.units(len(r.prompt_ids)), self.salt)
-            hit = self.cache.match(keys, len(r.prompt_ids), U)
-            for i, kv in enumerate(hit):
+            keys, start = self._keys[s], int(state.lengths[s]) // U
+            hit = self.cache.match(keys, len(state.rows[s].prompt_ids), U, start, again, s in self._hit)
+            for i, kv in enumerate(hit, start):
                 state.cache = write_in(self.engine, state.cache, kv, s, i * U)
             if hit:
-                taken[s] = len(hit)
+                taken[s] = start + len(hit)
+                self._hit.add(s)
         if taken:
             idx = np.asarray(list(taken), np.int64)
             n = np.asarray([taken[s] * U for s in taken], np.int32)
@@ -71,10 +106,11 @@ class PrefixRows:
         U, context = self.unit, state.context(b)
         keys = self._keys[b] = chain_keys(context, U, self.units(len(context)), self.salt)
         held = min(int(kept) // U, len(keys))
-        hit = self.cache.match(keys, len(context), U, held=held)
-        for i in range(held, len(hit)):
-            state.cache = write_in(self.engine, state.cache, hit[i], b, i * U)
-        return max(held, len(hit)) * U
+        # (queried: the tokens the row does not hold; the run of hits after them)
+        hit = self.cache.match(keys, len(context) - held * U, U, start=held)
+        for i, kv in enumerate(hit, held):
+            state.cache = write_in(self.engine, state.cache, kv, b, i * U)
+        return (held + len(hit)) * U
 
     def save(self, state, rows: Sequence[int], before: np.ndarray) -> None:
         """After a non-last prefill block over `rows` (their lengths were `before`): the
@@ -93,6 +129,7 @@ class PrefixRows:
     def done(self, rows: Sequence[int]) -> None:
         for s in rows:
             self._keys.pop(s, None)
+            self._hit.discard(s)
 
     def warm_up(self, state) -> None:
         """Queue both block programs' compilation in the background (`kv_blocks.prefetch`)."""

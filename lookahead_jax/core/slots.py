@@ -65,7 +65,10 @@ A prefix cache (`prefix_cache=` bytes, with `prefill_chunk`; `core.prefix_cache`
 K/V of every prompt block but the last is kept on the engine as it is prefilled, and a
 prompt that begins with cached blocks (the same passage, system prompt or few-shot header)
 gets them written into its row at insert and forwards only the rest (at least its last
-block: the first token comes from a real forward). A cached block is bit for bit the K/V
+block: the first token comes from a real forward); before each block a prompt takes the
+blocks cached since, and one whose next block another prompt of the same forward computes
+waits for it (prompts inserted together that share a header forward it once: `generate`'s
+rows). A cached block is bit for bit the K/V
 its own block would compute (same tokens, positions and program), so the tokens are those
 without the cache. A retrieval run's slots use it too: their whole prompts go in the same
 blocks (pieces of the block size), and a re-prefill after a passage change starts at a
@@ -488,6 +491,9 @@ class Slots:
         position, so the same sampling key) and decodes; otherwise the block's last token
         stays the root (emit=False) and the row still holds prompt[:lengths[s] + 1]."""
         st, C = self.state, self.prefill_chunk
+        if self.prefix is not None:  # units cached since, and rows that wait for a unit another computes now
+            st.flush()  # (a state edit: a step's deferred bookkeeping first)
+            slots = self.prefix.ready(st, slots)
         last, more = [], []
         for s in slots:
             prompt, r = self._prefill[s], st.rows[s]

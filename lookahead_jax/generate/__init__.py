@@ -5,6 +5,12 @@ API (`core/slots.py`: one insert of all rows, steps until none is busy; the stra
 brings drafter, acceptance rule and budget policy, and, when it drives the loop itself
 (retrieval: ralm, knnlm), its `Run`); it returns texts, token ids and stats. The CLI lives in `cli.py`; this package's `__main__` hands over to it, so
 `python -m lookahead_jax.generate` keeps working.
+
+With `prefix_cache=` (bytes) the slots prefill in blocks of `PREFIX_CHUNK` tokens and keep
+each prompt block's K/V on the engine (`core.prefix_cache`, as the server's slots): rows of
+one call that begin alike forward their common blocks once (the later rows wait for them,
+`PrefixRows.ready`), and a later call of the process with the same header takes them from
+the engine (same batch size and cache length: a block's program depends on them).
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from ..core.compile import CompiledFunctions
 from ..core.engine import engine_for
 from ..models.config import ModelConfig
 from ..core.params import GenerationParams
+from ..core.prefix_cache import budget_bytes
 from ..prompts import encode_prompts
 from ..strategies import REGISTRY, resolve
 
 log = logging.getLogger("lookahead_jax")
 
 STRATEGIES = tuple(REGISTRY)
+# prompt tokens per prefill block with the prefix cache (its unit: 63): the server's default
+# (serve.server.DEFAULT_PREFILL_CHUNK), a block the size of a few decode steps
+PREFIX_CHUNK = 64
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -113,7 +123,8 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
              min_new_tokens: int = 0, logprobs: bool = False, repetition_penalty: float = 1.0,
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, overlap: bool = False,
              fallback: bool = False, on_step: Optional[Callable[[], None]] = None,
-             params: Optional[GenerationParams] = None, logit_bias=None, **strategy_options) -> GenerateOutput:
+             params: Optional[GenerationParams] = None, logit_bias=None, prefix_cache: Optional[int] = None,
+             **strategy_options) -> GenerateOutput:
     """Generate continuations of `prompts` (batched).
 
     model: a `Model` from `load` (its default `Engine`: compiled steps and measured costs
@@ -182,13 +193,27 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
         seed, stop, stop_token_ids, ignore_eos, n, min_new_tokens, logprobs, penalties,
         logit_bias), instead of the keyword arguments of the same names (give one or the
         other). Every option is checked there: a ValueError (`ParamError`) names the bad one.
+    prefix_cache: bytes of prompt-block K/V kept on the engine (`core.prefix_cache`; None or
+        0, the default: off). On, the prompts are prefilled in blocks of `PREFIX_CHUNK` tokens
+        (each non-last block commits 63): the K/V of every block but a prompt's last is kept,
+        rows of the call that begin alike (a few-shot header, a system prompt, n samples)
+        forward their common blocks once, and a later call with the same header takes them
+        from the engine (hits need the same batch size and cache length, e.g. the CLI's
+        shared max_cache_len). The tokens are those of the same call without it (a cached
+        block is bit for bit the K/V its own block computes); stats gain the call's
+        prefix_cache_* counters (hits: prompt tokens served from the cache). Off by default:
+        one call of distinct prompts gains nothing and pays a block program per 63 prompt
+        tokens. The retrieval strategies (ralm, ralmspec, knnlm) use it too: their prompts
+        (the passage inside) and a passage change's re-prefill take cached blocks
+        (`decode.replace_prompt`). SpecInfer's draft model prefills whole prompts.
     """
+    cache_bytes = budget_bytes(prefix_cache)
     strat = resolve(strategy, **strategy_options)
     loose = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                  stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, n=n,
                  min_new_tokens=min_new_tokens, logprobs=logprobs, repetition_penalty=repetition_penalty,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-    call = _Call(_params(params, loose), first_index, on_text, bool(overlap), bool(fallback), on_step)
+    call = _Call(_params(params, loose), first_index, on_text, bool(overlap), bool(fallback), on_step, cache_bytes)
     p = call.params
     engine = engine_for(model, mesh)
     ids, spans = _encode(engine, tokenizer, prompts, chat, call, strat.uses_question_spans)
@@ -208,10 +233,11 @@ def generate(model, tokenizer, prompts, max_new_tokens: int = 128, strategy="gre
     refs = None if drafter is None else [[tokenizer.encode(t, add_special_tokens=False) for t in r]
                                          for r in _norm_references(references, B, p.n)]
     c_before = CompiledFunctions.total_compile_s  # the target's and any draft model's
-    state, drafter, budget = _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S, eos, call)
+    state, drafter, budget, cached = _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S, eos,
+                                                   call)
     stats = dict(strategy=strat.name, batch=B, prompt_bucket=prompt_bucket(max(lens), S), cache_len=S,
                  compile_s=CompiledFunctions.total_compile_s - c_before, calibrate_s=budget.calibrate_s,
-                 compilations=len(engine.compiled.compilations))
+                 compilations=len(engine.compiled.compilations), prompt_tokens=sum(lens), **cached)
     return _outputs(state, call, stats, [budget, run, drafter])
 
 
@@ -225,6 +251,7 @@ class _Call:
     overlap: bool = False
     fallback: bool = False
     on_step: Optional[Callable] = None
+    prefix_cache: int = 0  # bytes (0: off; prompts are then forwarded whole)
 
     @property
     def n(self) -> int:
@@ -289,13 +316,16 @@ def _cache_len(cfg: ModelConfig, lens: list, max_new_tokens: int, max_T: int, ma
 
 def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: int, eos: tuple, call: _Call):
     """Every row through the slot API (`core.slots.Slots`): one insert of all rows, steps
-    until none is busy (a retrieval strategy's `run` drives each step). Returns (state,
-    drafter, budget)."""
+    until none is busy (a retrieval strategy's `run` drives each step); with a prefix cache,
+    prompts in blocks of PREFIX_CHUNK through it. Returns (state, drafter, budget, the call's
+    prefix_cache_* counters: {} without one)."""
     first_row = call.first_index * call.n  # prompt i's sample j is sampling row (first_index + i) * n + j
     p = call.params
     slots = Slots(engine, tokenizer, len(ids), S, strat, drafter=drafter, run=run, sampling=p.sampling,
                   penalties=p.penalties, logprobs=p.logprobs, eos_ids=eos,
-                  overlap=call.overlap, fallback=call.fallback)
+                  overlap=call.overlap, fallback=call.fallback,
+                  prefill_chunk=PREFIX_CHUNK if call.prefix_cache else None, prefix_cache=call.prefix_cache)
+    before = slots.prefix.cache.summary() if slots.prefix is not None else None
     state = slots.state
     state.t_start, state.compile_s = time.perf_counter(), 0.0  # setup and calibration are not decode time
     requests = [Request(x, p, sampling_row=first_row + b, on_text=call.on_text,
@@ -316,7 +346,12 @@ def _decode_slots(engine, tokenizer, strat, drafter, run, ids, spans, refs, S: i
                      "\n  ".join(map(str, progs)))
     finally:
         slots.close()
-    return state, slots.drafter, slots.budget
+    cached = {}
+    if before is not None:  # this call's counts; what the cache holds now
+        now = slots.prefix.cache.summary()
+        held = ("prefix_cache_bytes", "prefix_cache_blocks", "prefix_cache_capacity")
+        cached = {k: v if k in held else v - before[k] for k, v in now.items()}
+    return state, slots.drafter, slots.budget, cached
 
 
 def _outputs(state, call: _Call, stats: dict, parts: list) -> GenerateOutput:
