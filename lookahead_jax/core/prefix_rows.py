@@ -37,30 +37,44 @@ class PrefixRows:
         """Write each row's cached prefix into it and set its length past it (rows just
         inserted, length 0, before their first block). Returns row -> units taken."""
         self.cache.bind(self.engine.params)
-        U, taken = self.unit, {}
+        taken = {}
         for s in rows:
             r = state.rows[s]
             if r.prompt_logprobs is not None:  # it needs every prompt token's forward
                 continue
-            keys = self._keys[s] = chain_keys(r.prompt_ids, U, self.units(len(r.prompt_ids)), self.salt)
-            hit = self.cache.match(keys, len(r.prompt_ids), U)
-            for i, kv in enumerate(hit):
-                state.cache = write_in(self.engine, state.cache, kv, s, i * U)
-            if hit:
-                taken[s] = len(hit)
-        if taken:
-            idx = np.asarray(list(taken), np.int64)
-            n = np.asarray([taken[s] * U for s in taken], np.int32)
-            lengths = state.lengths.copy()
-            lengths[idx] = n
-            state.lengths = lengths
-            state.cache = state.cache.replace(length=state.cache.length.at[idx].set(n))
+            n = self.take(state, s, r.prompt_ids, self.units(len(r.prompt_ids)))
+            if n:
+                taken[s] = n
+        self.set_lengths(state, taken)
         return taken
 
-    def save(self, state, rows: Sequence[int], before: np.ndarray) -> None:
+    def take(self, state, s: int, ids: Sequence[int], units: int, count: bool = True) -> int:
+        """Row s (length 0) will commit the first `units` units of `ids`: their digests are
+        kept for `save`, and the cached ones of its longest leading run are written into
+        the row (count=False: a warm job's lookup, not in the counters). Returns how many;
+        the caller sets the row's length (`set_lengths`)."""
+        keys = self._keys[s] = chain_keys(ids, self.unit, units, self.salt)
+        hit = self.cache.match(keys, len(ids), self.unit, count=count)
+        for i, kv in enumerate(hit):
+            state.cache = write_in(self.engine, state.cache, kv, s, i * self.unit)
+        return len(hit)
+
+    def set_lengths(self, state, taken: dict) -> None:
+        """Rows' lengths (host and cache) past the units they took (row -> units)."""
+        if not taken:
+            return
+        idx = np.asarray(list(taken), np.int64)
+        n = np.asarray([taken[s] * self.unit for s in taken], np.int32)
+        lengths = state.lengths.copy()
+        lengths[idx] = n
+        state.lengths = lengths
+        state.cache = state.cache.replace(length=state.cache.length.at[idx].set(n))
+
+    def save(self, state, rows: Sequence[int], before: np.ndarray) -> int:
         """After a non-last prefill block over `rows` (their lengths were `before`): the
-        unit each committed, copied out of its row and stored (unless held already)."""
-        U = self.unit
+        unit each committed, copied out of its row and stored (unless held already).
+        Returns the number of units stored."""
+        U, stored = self.unit, 0
         for s in rows:
             keys, start = self._keys.get(s), int(before[s])
             i = start // U
@@ -69,7 +83,8 @@ class PrefixRows:
             if keys[i] in self.cache:
                 self.cache.touch(keys[:i + 1])
                 continue
-            self.cache.put(keys[:i + 1], copy_out(self.engine, state.cache, s, start, U), self.nbytes)
+            stored += self.cache.put(keys[:i + 1], copy_out(self.engine, state.cache, s, start, U), self.nbytes)
+        return stored
 
     def done(self, rows: Sequence[int]) -> None:
         for s in rows:

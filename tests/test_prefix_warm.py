@@ -1,0 +1,141 @@
+"""Prefix-cache warm jobs (`core.prefix_warm`, the scheduler's warm queue, the server's chat
+turns): a finished chat's next-turn prefix (prompt, answer, the template's end of turn) is
+forwarded in the prompt's own prefill blocks through a free slot into the cache.
+
+* Slots: a warm job stores (n - 1) // U units of its n tokens (the cached ones taken, not
+  counted as a lookup), bit for bit the K/V a fresh prefill of a longer prompt beginning
+  with them writes; that prompt then takes every one of them and gives the tokens it
+  gives without the cache. A warm row is neither free nor busy; free / cancel at any
+  block keeps the units stored so far and frees the slot.
+* Scheduler: a waiting request preempts a warm job (the job is queued again and, started
+  again, forwards only what is not stored yet); with the cache off nothing is queued.
+* Server: a chat's second turn hits on the first turn's answer (/metrics), its text and
+  the first turn's equal those of a server without the prefix cache.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.params import GenerationParams
+from lookahead_jax.core.prefix_cache import PrefixCache, chain_keys
+from lookahead_jax.core.rows import Phase
+from lookahead_jax.core.slots import Request, Slots
+from lookahead_jax.strategies import Lookahead
+from tiny import ByteTokenizer, load_prompts, tiny_model
+
+C = 16
+U = C - 1
+CACHE = 512
+BUDGET = 64 << 20
+TEXT = [p["prompt"] for p in load_prompts()][0][:200]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=2)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer()
+
+
+def _row_kv(slots, row: int, n: int) -> list:
+    cache = slots.state.cache
+    return [np.asarray(x[row, :, :n]) for x in cache.k + cache.v]
+
+
+def _finish(slots) -> dict:
+    out = {}
+    while slots.busy:
+        for ev in slots.step():
+            if ev.finish:
+                out[ev.slot] = slots.free(ev.slot).ids
+    return out
+
+
+@pytest.mark.parametrize("extra", [0, 1, 7])  # n - 1 a multiple of U, and not
+def test_warm_units_are_a_prefills_and_the_next_prompt_takes_them(model, tok, extra):
+    engine = engine_for(model)
+    engine.stores.clear(PrefixCache)
+    first = tok.encode(TEXT[:40])  # "turn 1": its prompt blocks are cached by its own prefill
+    warm = tok.encode(TEXT[:90 + extra])  # its prompt + "answer": n - 1 = 90 + extra tokens, 90 = 6 U
+    nxt = tok.encode(TEXT[:90 + extra + 30])  # the "next turn": begins with the warm sequence
+    assert nxt[:len(warm)] == warm
+    plain = Slots(engine, tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=C)
+    plain.insert(0, Request(nxt, GenerationParams(max_new_tokens=12)))
+    want_kv = _row_kv(plain, 0, len(nxt))
+    want = _finish(plain)[0]
+
+    slots = Slots(engine, tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=C, prefix_cache=BUDGET)
+    slots.insert(1, Request(first, GenerationParams(max_new_tokens=4)))
+    _finish(slots)
+    cache = slots.prefix.cache
+    s0 = cache.summary()
+    n_first = (len(first) - 2) // U
+    assert s0["prefix_cache_blocks"] == n_first
+    w = slots.warming
+    assert w.start(0, warm)
+    assert slots.row(0).phase is Phase.WARMING and 0 not in slots.free_slots and not slots.busy
+    assert int(slots.state.lengths[0]) == n_first * U  # turn 1's blocks taken, not counted as a lookup
+    blocks = 0
+    while w.rows:
+        w.advance()
+        blocks += 1
+    units = (len(warm) - 1) // U
+    assert blocks == units - n_first and 0 in slots.free_slots
+    s1 = cache.summary()
+    assert s1["prefix_cache_lookups"] == s0["prefix_cache_lookups"] and s1["prefix_cache_queries"] == \
+        s0["prefix_cache_queries"]
+    assert s1["prefix_cache_blocks"] == units and s1["prefix_cache_warm_jobs"] == 1
+    assert s1["prefix_cache_warm_tokens"] == (units - n_first) * U
+    keys = chain_keys(warm, U, units, slots.prefix.salt)
+    for i, key in enumerate(keys):  # bit for bit the next prompt's own prefill
+        got = [np.asarray(x) for x in cache._blocks[key][0][0] + cache._blocks[key][0][1]]
+        for g, want_l in zip(got, want_kv):
+            assert g.tobytes() == want_l[:, i * U:(i + 1) * U].tobytes(), i
+    assert not w.start(0, warm)  # every unit cached: nothing to do, the slot stays free
+    assert slots.row(0).phase is Phase.FREE
+
+    slots.insert(0, Request(nxt, GenerationParams(max_new_tokens=12)))
+    s2 = cache.summary()
+    assert s2["prefix_cache_hit_blocks"] - s1["prefix_cache_hit_blocks"] == units  # the warm units, all
+    for g, want_l in zip(_row_kv(slots, 0, len(nxt)), want_kv):
+        assert g.tobytes() == want_l.tobytes()
+    assert _finish(slots)[0] == want
+
+
+def test_cancel_keeps_what_is_stored_and_frees_the_slot(model, tok):
+    engine = engine_for(model)
+    engine.stores.clear(PrefixCache)
+    slots = Slots(engine, tok, 1, CACHE, prefill_chunk=C, prefix_cache=BUDGET)
+    warm = tok.encode(TEXT[:100])
+    w = slots.warming
+    assert w.start(0, warm)
+    w.advance()
+    w.advance()
+    with pytest.raises(ValueError, match="holds a request"):
+        slots.insert(0, Request(warm, GenerationParams(max_new_tokens=2)))
+    row = slots.free(0)  # a warm row: cancelled
+    assert row.phase is Phase.WARMING and slots.free_slots == [0] and not w.rows
+    s = slots.prefix.cache.summary()
+    assert s["prefix_cache_blocks"] == 2 and s["prefix_cache_warm_cancelled"] == 1
+    assert w.start(0, warm)  # again: the two stored units taken, the rest forwarded
+    assert int(slots.state.lengths[0]) == 2 * U
+    while w.rows:
+        w.advance()
+    assert slots.prefix.cache.summary()["prefix_cache_blocks"] == (len(warm) - 1) // U
+    slots.insert(0, Request(warm + tok.encode("?", add_special_tokens=False), GenerationParams(max_new_tokens=3)))
+    with pytest.raises(ValueError, match="not a free slot"):  # a request holds it
+        w.start(0, warm)
+    assert _finish(slots)
+
+
+def test_no_warming_without_the_cache(model, tok):
+    engine = engine_for(model)
+    assert Slots(engine, tok, 1, CACHE, prefill_chunk=C).warming is None
+    assert Slots(engine, tok, 1, CACHE, prefix_cache=BUDGET).warming is None
