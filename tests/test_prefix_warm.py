@@ -16,6 +16,9 @@ forwarded in the prompt's own prefill blocks through a free slot into the cache.
 from __future__ import annotations
 
 
+import json
+import time
+
 import numpy as np
 import pytest
 
@@ -139,3 +142,125 @@ def test_no_warming_without_the_cache(model, tok):
     engine = engine_for(model)
     assert Slots(engine, tok, 1, CACHE, prefill_chunk=C).warming is None
     assert Slots(engine, tok, 1, CACHE, prefix_cache=BUDGET).warming is None
+
+
+def _job(ids, max_new, outs):
+    from lookahead_jax.serve.scheduler import Job
+
+    return Job(list(ids), GenerationParams(max_new_tokens=max_new), outs.append)
+
+
+def test_a_waiting_request_preempts_a_warm_job(model, tok):
+    """One slot: a warm job runs a block; a request arrives: the warm job gives the slot up
+    (cancelled, queued again), the request runs and gives the tokens it gives alone; then the
+    warm job starts again from what it stored and ends."""
+    from lookahead_jax.serve.scheduler import Scheduler
+
+    engine = engine_for(model)
+    engine.stores.clear(PrefixCache)
+    sched = Scheduler(engine, tok, Lookahead(decoding_length=7), max_batch=1, max_len=CACHE, prefill_chunk=C,
+                      prefix_cache=BUDGET)
+    assert sched.warms
+    warm = tok.encode(TEXT[:150])
+    assert sched.warm(warm) and sched.warm_pending
+    sched._warm()  # (the engine thread's turn, driven here: a warm block)
+    w, cache = sched.slots.warming, sched.slots.prefix.cache
+    assert w.rows == [0] and cache.summary()["prefix_cache_blocks"] == 1
+    outs = []
+    req = tok.encode(TEXT[100:160])
+    sched.submit([_job(req, 10, outs)])
+    sched._warm()  # a job waits: no warm block
+    assert cache.summary()["prefix_cache_blocks"] == 1
+    sched._admit()  # the job takes the slot: the warm job is cancelled and queued again
+    assert not w.rows and list(sched.running) == [0] and list(sched.warm_waiting) == [warm]
+    assert cache.summary()["prefix_cache_warm_cancelled"] == 1
+    while sched.running:
+        sched._step()
+    got = [t for o in outs for t in o.tokens]
+    assert outs[-1].finish in ("eos", "length")
+    alone = Slots(engine, tok, 1, CACHE, Lookahead(decoding_length=7), prefill_chunk=C)
+    alone.insert(0, Request(req, GenerationParams(max_new_tokens=10)))
+    assert got == _finish(alone)[0]
+    sched._warm()  # started again: the stored block taken, the next one forwarded
+    assert int(sched.slots.state.lengths[0]) == 2 * U
+    while sched.warm_pending:
+        sched._warm()
+    s = cache.summary()
+    assert s["prefix_cache_warm_jobs"] == 2 and s["prefix_cache_warm_tokens"] == (len(warm) - 1) // U * U
+    assert sched.slots.free_slots == [0]
+
+    off = Scheduler(engine, tok, Lookahead(decoding_length=7), max_batch=1, max_len=CACHE, prefill_chunk=C)
+    assert not off.warms and not off.warm(warm) and not off.warm_pending
+
+
+def _server(prefix_mb):
+    from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
+
+    cfg = ServeConfig(model="tiny", strategy="lookahead", max_batch=2, max_len=512, prefill_chunk=32,
+                      warmup="none", prefix_cache_mb=prefix_mb)
+    srv = make_server(cfg, tiny_model("llama", seed=6), ByteTokenizer())
+    return (srv,) + start_in_thread(srv)
+
+
+def test_chat_second_turn_hits_on_the_answer():
+    """Two-turn chats through servers with the prefix cache (default) and without: the
+    first turn's answer is warmed after it ends (/metrics: a warm job, its tokens), the
+    second turn takes every block of [turn 1's prompt, answer, end of turn] (its prompt
+    hits as far as the warm sequence's units), and both turns' texts equal those of the
+    server without the cache (which queues no warm job); streamed and not."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from lookahead_jax.serve.chat import next_turn_ids
+
+    tok = ByteTokenizer()
+    texts, stats = {}, {}
+    for mb in (0, 512):
+        srv, uv, thread, url = _server(mb)
+
+        def metric(name):
+            text = httpx.get(url + "/metrics").text
+            return sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith(f"lookahead_jax:{name}"))
+
+        try:
+            for stream in (False, True):
+                msgs = [dict(role="system", content="Be brief."),
+                        dict(role="user", content=TEXT[:90] + (" (streamed)" if stream else ""))]
+                answers = []
+                for turn in range(2):
+                    body = dict(model="tiny", messages=msgs, max_tokens=40, temperature=0, stream=stream)
+                    h0 = metric("prefix_cache_hits_total")
+                    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+                    assert r.status_code == 200
+                    if stream:
+                        parts = [json.loads(x[6:]) for x in r.text.splitlines()
+                                 if x.startswith("data: {")]
+                        answer = "".join(p["choices"][0]["delta"].get("content", "") for p in parts
+                                         if p["choices"])
+                    else:
+                        answer = r.json()["choices"][0]["message"]["content"]
+                    answers.append(answer)
+                    hits = metric("prefix_cache_hits_total") - h0
+                    if turn == 0:
+                        first = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+                        warm = next_turn_ids(tok, msgs, answer)
+                        deadline = time.time() + 120
+                        while (metric("prefix_cache_warm_jobs_total") < 1 + stream or srv.scheduler.warm_pending) \
+                                and mb and time.time() < deadline:
+                            time.sleep(0.05)
+                        msgs = msgs + [dict(role="assistant", content=answer), dict(role="user", content="Why?")]
+                    else:
+                        prompt = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+                        assert prompt[:len(warm)] == warm and len(warm) > 31 * 4
+                        if mb:  # every unit of the warm sequence (turn 1's own and the answer's)
+                            assert hits == 31 * min((len(warm) - 1) // 31, (len(prompt) - 2) // 31) \
+                                > 31 * ((len(first) - 2) // 31)  # (turn 1's prompt blocks alone)
+                texts[mb, stream] = answers
+            stats[mb] = {k: metric(k) for k in ("prefix_cache_warm_jobs_total", "prefix_cache_warm_tokens_total",
+                                                "prefix_cache_warm_cancelled_total")}
+        finally:
+            uv.should_exit = True
+            thread.join(60)
+    assert texts[0, False] == texts[512, False] and texts[0, True] == texts[512, True]
+    assert stats[0] == {k: 0 for k in stats[0]}
+    assert stats[512]["prefix_cache_warm_jobs_total"] >= 2 and stats[512]["prefix_cache_warm_tokens_total"] > 0
