@@ -6,7 +6,8 @@ forwarded in the prompt's own prefill blocks through a free slot into the cache.
   counted as a lookup), bit for bit the K/V a fresh prefill of a longer prompt beginning
   with them writes; that prompt then takes every one of them and gives the tokens it
   gives without the cache. A warm row is neither free nor busy; free / cancel at any
-  block keeps the units stored so far and frees the slot.
+  block keeps the units stored so far and frees the slot; a warm job whose rest a request
+  prefilled meanwhile ends without another block.
 * Scheduler: a waiting request preempts a warm job (the job is queued again and, started
   again, forwards only what is not stored yet); with the cache off nothing is queued.
 * Server: a chat's second turn hits on the first turn's answer (/metrics), its text and
@@ -136,6 +137,25 @@ def test_cancel_keeps_what_is_stored_and_frees_the_slot(model, tok):
     with pytest.raises(ValueError, match="not a free slot"):  # a request holds it
         w.start(0, warm)
     assert _finish(slots)
+
+
+def test_a_warm_job_ends_when_a_request_prefilled_the_rest(model, tok):
+    """The next turn arrives while its warm job still runs (another slot): the request takes
+    the stored units and prefills (and stores) the rest; the warm job then ends without
+    forwarding another block."""
+    engine = engine_for(model)
+    engine.stores.clear(PrefixCache)
+    slots = Slots(engine, tok, 2, CACHE, prefill_chunk=C, prefix_cache=BUDGET)
+    warm = tok.encode(TEXT[:100])
+    w = slots.warming
+    assert w.start(0, warm)
+    w.advance()
+    slots.insert(1, Request(tok.encode(TEXT[:130]), GenerationParams(max_new_tokens=2)))  # (idle: every block now)
+    steps = slots.state.steps
+    assert w.advance() == 0 and not w.rows and slots.state.steps == steps and 0 in slots.free_slots
+    s = slots.prefix.cache.summary()
+    assert s["prefix_cache_hit_blocks"] == 1 and s["prefix_cache_warm_tokens"] == U
+    _finish(slots)
 
 
 def test_no_warming_without_the_cache(model, tok):

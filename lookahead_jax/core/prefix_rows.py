@@ -86,6 +86,11 @@ class PrefixRows:
             stored += self.cache.put(keys[:i + 1], copy_out(self.engine, state.cache, s, start, U), self.nbytes)
         return stored
 
+    def held(self, s: int, start: int) -> bool:
+        """Whether every unit of row s's keys from slot `start` on is cached already."""
+        keys = self._keys.get(s)
+        return keys is not None and all(k in self.cache for k in keys[int(start) // self.unit:])
+
     def done(self, rows: Sequence[int]) -> None:
         for s in rows:
             self._keys.pop(s, None)

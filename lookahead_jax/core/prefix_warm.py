@@ -88,8 +88,9 @@ class PrefixWarm:
 
     def advance(self) -> int:
         """Forward the next block of the oldest warm row (a non-last prefill block: its unit
-        stored); after its last unit the row ends and its slot is free. Returns the number
-        of units stored (0 when held already or when nothing warms)."""
+        stored); after its last unit the row ends and its slot is free, and so it does,
+        forwarding nothing, when every unit it has left is cached already (a request with
+        the same tokens prefilled them meanwhile). Returns the number of units stored."""
         if not self._rows:
             return 0
         sl = self.slots
@@ -97,6 +98,9 @@ class PrefixWarm:
         slot = next(iter(self._rows))
         ids = self._rows[slot]
         start = int(st.lengths[slot])
+        if prefix.held(slot, start):  # a request prefilled the rest meanwhile (e.g. the next turn itself)
+            self._end(slot)
+            return 0
         st.rows[slot].prompt_ids = ids[:start + C]  # the block ids[start:start + C], its last the root
         before = st.lengths.copy()
         forward_rows(sl.engine, st, [slot], emit=False)
