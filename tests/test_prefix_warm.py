@@ -9,7 +9,8 @@ forwarded in the prompt's own prefill blocks through a free slot into the cache.
   block keeps the units stored so far and frees the slot; a warm job whose rest a request
   prefilled meanwhile ends without another block.
 * Scheduler: a waiting request preempts a warm job (the job is queued again and, started
-  again, forwards only what is not stored yet); with the cache off nothing is queued.
+  again, forwards only what is not stored yet); no warm block while a job runs; with the
+  cache off nothing is queued.
 * Server: a chat's second turn hits on the first turn's answer (/metrics), its text and
   the first turn's equal those of a server without the prefix cache.
 """
@@ -211,6 +212,29 @@ def test_a_waiting_request_preempts_a_warm_job(model, tok):
 
     off = Scheduler(engine, tok, Lookahead(decoding_length=7), max_batch=1, max_len=CACHE, prefill_chunk=C)
     assert not off.warms and not off.warm(warm) and not off.warm_pending
+
+
+def test_no_warm_block_while_a_job_runs(model, tok):
+    """A free slot, but a job decodes: the warm job waits (its blocks would lengthen the job's
+    steps) and begins once the job is done."""
+    from lookahead_jax.serve.scheduler import Scheduler
+
+    engine = engine_for(model)
+    engine.stores.clear(PrefixCache)
+    sched = Scheduler(engine, tok, None, max_batch=2, max_len=CACHE, prefill_chunk=C, prefix_cache=BUDGET)
+    outs = []
+    sched.submit([_job(tok.encode(TEXT[:20]), 6, outs)])
+    sched._admit()
+    assert sched.warm(tok.encode(TEXT[:100]))
+    steps = 0
+    while sched.running:
+        sched._warm()
+        assert not sched.slots.warming.rows and len(sched.warm_waiting) == 1
+        sched._step()
+        steps += 1
+    assert steps >= 1 and outs[-1].finish
+    sched._warm()
+    assert sched.slots.warming.rows and not sched.warm_waiting
 
 
 def _server(prefix_mb):

@@ -23,9 +23,8 @@ The units already cached (turn 1's prompt blocks) are written into the row first
             warm.advance()                 # one block: its unit stored; the slot frees itself after the last
     warm.cancel(slot)                      # any time (a request needs the slot): units stored stay
 
-The caller decides when (the server's scheduler: only when no request waits for a slot
-and no request's prompt is being prefilled, one block per turn of its loop, a waiting
-request preempting it); the row is never decoded (`Phase.WARMING` rows are not live).
+The caller decides when (the server's scheduler: only while no request runs or waits, one
+block per turn of its loop, a request that needs the slot preempting it); the row is never decoded (`Phase.WARMING` rows are not live).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ Prefix-cache warm jobs (`warm(ids)`, any thread; the server queues one when a ch
 ends: the next turn's prompt up to the end of the answer): with the slots' prefix cache on,
 the engine thread forwards a warm job's blocks through a free slot (`Slots.warming`,
 `core.prefix_warm`: the programs a prompt's own prefill runs, so the cached K/V are exact)
-only while no job waits for a slot and no job's prompt is being prefilled, one block per
-turn of its loop (after the step when requests decode); a job that waits for a slot
+only while no job runs or waits, one block per turn of its loop (so a job arriving waits
+one block at most; a running job's steps never carry one: a block costs several decode
+steps, and a warm job is worth only the next turn's TTFT); a job that needs its slot
 preempts it: the warm job is cancelled (its stored blocks stay) and queued again, and
 started again it forwards only the rest. At most `WARM_QUEUE` warm jobs wait (the oldest
 is dropped); shutting down drops them.
@@ -419,11 +420,10 @@ class Scheduler:
             self.metrics.prefix_cache(self.slots)
 
     def _warm(self) -> None:
-        """One block of a warm job (module docstring), when nobody waits for a slot and no
-        job's prompt is being prefilled: the oldest running one, else the next queued one
-        started in a free slot."""
+        """One block of a warm job (module docstring), when no job runs or waits: the one
+        begun, else the next queued one started in a free slot."""
         warming = getattr(self.slots, "warming", None)
-        if warming is None or self.slots.prefilling:
+        if warming is None or self.running:
             return
         while not warming.rows and self.slots.free_slots:
             with self._cond:
