@@ -19,9 +19,14 @@ configurations (greedy; lossless), and the cache's counters recorded (/metrics).
 each conversation the on-server's cache is emptied (its warm job done first), so a round
 repeats nothing of the last one. Both servers run in this process on one engine (one
 conversation at a time), every step program compiled before anything is timed, and one
-unmeasured conversation per server first.
+unmeasured conversation per server first; greedy by default (the engine's drafting stores
+are shared: the second configuration would draft turn 1 from the first's answer; TTFT,
+a prefill and one token, does not depend on the strategy). `warm_done_before_turn2` says
+whether the warm job had ended when turn 2 was sent (if not, turn 2 takes the blocks it
+had stored and prefills the rest itself).
 
     python bench/prefix_chat.py --conversations 8 --rounds 2 --out bench/results/prefix-chat.json
+    python bench/prefix_chat.py --conversations 2 --rounds 1 --max-tokens 96 --out /tmp/smoke.json  # a smoke run
 
 Prints a line per conversation and saves JSON.
 """
@@ -121,7 +126,8 @@ def chat(srv, url: str, model: str, conv, a) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--strategy", default="lookahead")
+    ap.add_argument("--strategy", default="greedy", help="the servers' (both share one engine: with lookahead the "
+                    "second configuration's turn 1 would draft from the first's identical answer)")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="passes over the conversations (orders alternate)")
     ap.add_argument("--max-tokens", type=int, default=256, help="turn 1's answer length at most")
