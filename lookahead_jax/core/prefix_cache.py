@@ -41,11 +41,17 @@ size, the same programs (`decode.forward_rows`), so its units are those above, a
 re-prefill after a passage change starts at a unit boundary and takes the new context's
 cached units (`PrefixRows.take`).
 
+A chat's answer enters the cache through a warm job (`prefix_warm.PrefixWarm`, queued by
+the server when a chat request ends): the next turn's prompt as the chat template renders
+it up to the end of the answer is forwarded in the same non-last blocks into a free slot,
+each unit stored, no token emitted. Its units are computed by the very programs a prompt's
+own prefill runs (never copied from decode-time K/V, which other programs computed), so
+they too are bit for bit what the next turn's prefill would write.
+
 Not covered yet: prompts forwarded whole (Slots without prefill_chunk), the draft
-model's K/V (SpecInfer's draft prefills its whole prompt in `begin`), answers (a chat's
-earlier turns hit through their prompt blocks only when the next turn's prompt repeats
-them, which a chat's does), and requests that score their prompt (prompt_logprobs: each
-prompt token's log-probability needs its forward; they neither take nor give blocks).
+model's K/V (SpecInfer's draft prefills its whole prompt in `begin`), and requests that
+score their prompt (prompt_logprobs: each prompt token's log-probability needs its
+forward; they neither take nor give blocks).
 """
 
 from __future__ import annotations
@@ -73,7 +79,9 @@ class PrefixCache:
     at most `capacity` bytes. Counters (`summary`), shaped as vLLM's: `queries` prompt
     tokens looked up, `hits` tokens served from the cache (hit rate = hits / queries),
     `hit_blocks`, `lookups` / `hit_requests` (requests looked up / that hit), `stored`
-    blocks, `evictions`, and `bytes` / `blocks` held now."""
+    blocks, `evictions`, and `bytes` / `blocks` held now; warm jobs (`prefix_warm`):
+    `warm_jobs` begun, `warm_tokens` they stored (units x unit tokens), `warm_cancelled`
+    (cut short: a request needed the slot, or the slots were rebuilt)."""
 
     def __init__(self, capacity: int = 0):
         self.capacity = int(capacity)
@@ -81,6 +89,7 @@ class PrefixCache:
         self.bytes = 0
         self.queries = self.hits = self.hit_blocks = self.lookups = self.hit_requests = 0
         self.stored = self.evictions = 0
+        self.warm_jobs = self.warm_tokens = self.warm_cancelled = 0
         self._bound = None  # the params the blocks were computed with (`bind`)
 
     def __len__(self) -> int:
@@ -113,13 +122,14 @@ class PrefixCache:
                 self._blocks.move_to_end(key)
 
     def match(self, keys: Sequence[bytes], tokens: int, unit: int, start: int = 0, again: bool = False,
-              hit_before: bool = False) -> list:
+              hit_before: bool = False, count: bool = True) -> list:
         """The cached blocks of the longest leading run of `keys` (units of `unit` tokens of
         a prompt of `tokens` tokens, all counted as queried), touched; [] on a miss.
         start: the units the prompt's row holds already (from here or its own blocks): the
         run from unit `start` (keys[:start] are touched too). again: a later look-up of a
         request looked up before (its hits count, its lookup and tokens do not again);
-        hit_before: the request has counted as a hit already."""
+        hit_before: the request has counted as a hit already. count=False: a warm
+        job's lookup (`prefix_warm`), in no counter."""
         hit = []
         for key in keys[start:]:
             entry = self._blocks.get(key)
@@ -127,6 +137,8 @@ class PrefixCache:
                 break
             hit.append(entry[0])
         self.touch(keys[:start + len(hit)])
+        if not count:
+            return hit
         if not again:
             self.lookups += 1
             self.queries += int(tokens)
@@ -168,7 +180,9 @@ class PrefixCache:
                     prefix_cache_hit_blocks=self.hit_blocks, prefix_cache_lookups=self.lookups,
                     prefix_cache_hit_requests=self.hit_requests, prefix_cache_stored=self.stored,
                     prefix_cache_evictions=self.evictions, prefix_cache_bytes=self.bytes,
-                    prefix_cache_blocks=len(self._blocks), prefix_cache_capacity=self.capacity)
+                    prefix_cache_blocks=len(self._blocks), prefix_cache_capacity=self.capacity,
+                    prefix_cache_warm_jobs=self.warm_jobs, prefix_cache_warm_tokens=self.warm_tokens,
+                    prefix_cache_warm_cancelled=self.warm_cancelled)
 
 
 def budget_bytes(value) -> int:

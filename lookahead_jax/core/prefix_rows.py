@@ -87,14 +87,30 @@ class PrefixRows:
             if hit:
                 taken[s] = start + len(hit)
                 self._hit.add(s)
-        if taken:
-            idx = np.asarray(list(taken), np.int64)
-            n = np.asarray([taken[s] * U for s in taken], np.int32)
-            lengths = state.lengths.copy()
-            lengths[idx] = n
-            state.lengths = lengths
-            state.cache = state.cache.replace(length=state.cache.length.at[idx].set(n))
+        self.set_lengths(state, taken)
         return taken
+
+    def set_lengths(self, state, taken: dict) -> None:
+        """Rows' lengths (host and cache) past the units they hold (row -> units)."""
+        if not taken:
+            return
+        idx = np.asarray(list(taken), np.int64)
+        n = np.asarray([taken[s] * self.unit for s in taken], np.int32)
+        lengths = state.lengths.copy()
+        lengths[idx] = n
+        state.lengths = lengths
+        state.cache = state.cache.replace(length=state.cache.length.at[idx].set(n))
+
+    def warm_take(self, state, s: int, ids: Sequence[int], units: int) -> int:
+        """A warm job's row s (length 0, `prefix_warm`) will commit the first `units` units
+        of `ids`: their digests are kept for `save`, and the cached ones of its longest
+        leading run are written into the row (a lookup in no counter). Returns how many;
+        the caller sets the row's length (`set_lengths`)."""
+        keys = self._keys[s] = chain_keys(ids, self.unit, units, self.salt)
+        hit = self.cache.match(keys, len(ids), self.unit, count=False)
+        for i, kv in enumerate(hit):
+            state.cache = write_in(self.engine, state.cache, kv, s, i * self.unit)
+        return len(hit)
 
     def take(self, state, b: int, kept: int) -> int:
         """Row b is re-prefilled to its new context (`decode.replace_prompt`, a retrieval
@@ -112,10 +128,11 @@ class PrefixRows:
             state.cache = write_in(self.engine, state.cache, kv, b, i * U)
         return (held + len(hit)) * U
 
-    def save(self, state, rows: Sequence[int], before: np.ndarray) -> None:
+    def save(self, state, rows: Sequence[int], before: np.ndarray) -> int:
         """After a non-last prefill block over `rows` (their lengths were `before`): the
-        unit each committed, copied out of its row and stored (unless held already)."""
-        U = self.unit
+        unit each committed, copied out of its row and stored (unless held already).
+        Returns the number of units stored."""
+        U, stored = self.unit, 0
         for s in rows:
             keys, start = self._keys.get(s), int(before[s])
             i = start // U
@@ -124,7 +141,13 @@ class PrefixRows:
             if keys[i] in self.cache:
                 self.cache.touch(keys[:i + 1])
                 continue
-            self.cache.put(keys[:i + 1], copy_out(self.engine, state.cache, s, start, U), self.nbytes)
+            stored += self.cache.put(keys[:i + 1], copy_out(self.engine, state.cache, s, start, U), self.nbytes)
+        return stored
+
+    def held(self, s: int, start: int) -> bool:
+        """Whether every unit of row s's keys from slot `start` on is cached already."""
+        keys = self._keys.get(s)
+        return keys is not None and all(k in self.cache for k in keys[int(start) // self.unit:])
 
     def done(self, rows: Sequence[int]) -> None:
         for s in rows:

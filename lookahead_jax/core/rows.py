@@ -14,12 +14,22 @@ class Phase(enum.Enum):
 
     FREE: no request holds it (a `Slots` slot to insert into); PREFILLING: its request's
     prompt is still forwarded in chunks (`Slots(prefill_chunk=)`: neither free nor
-    decoding); DECODING: its request is in the decode loop, live until `finish` is set.
-    A batch of `generate` is DECODING from its prefill on."""
+    decoding); DECODING: its request is in the decode loop, live until `finish` is set;
+    WARMING: no request holds it, but a prefix-cache warm job forwards a token sequence's
+    blocks into the cache through it (`prefix_warm.PrefixWarm`: not free, never decoded,
+    no tokens). A batch of `generate` is DECODING from its prefill on."""
 
     FREE = "free"
     PREFILLING = "prefilling"
     DECODING = "decoding"
+    WARMING = "warming"
+
+
+def free_row(slot: int, tokenizer) -> "RowState":
+    """The row of a slot no request holds (`Phase.FREE`)."""
+    row = RowState(slot, [0], tokenizer, set(), (), 1, None)
+    row.phase = Phase.FREE
+    return row
 
 
 def stop_holdback(text: str, end: int, stops, floor: int = 0) -> int:

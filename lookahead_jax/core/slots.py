@@ -74,6 +74,9 @@ without the cache. A retrieval run's slots use it too: their whole prompts go in
 blocks (pieces of the block size), and a re-prefill after a passage change starts at a
 block boundary and takes the new context's cached blocks (`decode.replace_prompt`). Not
 for requests that score their prompt (prompt_logprobs); a draft model's K/V is not cached.
+`warming` (`core.prefix_warm`) forwards a token sequence's blocks through a free slot into
+the cache without a request (a chat's answer, for its next turn): the row is neither free
+nor busy until it ends or is freed (not in a retrieval run's slots).
 
 A request's tokens do not depend on the other slots: a row's logits do not depend on the
 other rows of a forward, its sampling key is (seed, sampling row, position), and its
@@ -95,11 +98,12 @@ from .budget import FixedBudget
 from .decode import DecodeState, forward_rows, prompt_bucket, step
 from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
-from .rows import Phase, RowState
+from .rows import Phase, RowState, free_row
 from .drafts import SkipRows
 from .params import GenerationParams
 from .prefix_cache import budget_bytes
 from .prefix_rows import PrefixRows
+from .prefix_warm import PrefixWarm
 from .sampling import Penalties, SamplingParams
 
 
@@ -141,12 +145,6 @@ class SlotEvent:
     slot: int
     tokens: list
     finish: Optional[str]
-
-
-def _free_row(slot: int, tokenizer) -> RowState:
-    row = RowState(slot, [0], tokenizer, set(), (), 1, None)
-    row.phase = Phase.FREE
-    return row
 
 
 class Slots:
@@ -201,7 +199,7 @@ class Slots:
         self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
         self.eos_ids = tuple(sorted({int(t) for t in eos_ids}))
         self.state = DecodeState(
-            rows=[_free_row(b, tokenizer) for b in range(n_slots)], cache=engine.init_cache(n_slots, max_len),
+            rows=[free_row(b, tokenizer) for b in range(n_slots)], cache=engine.init_cache(n_slots, max_len),
             lengths=np.zeros(n_slots, np.int64), root=np.zeros(n_slots, np.int32),
             seeds=engine.put(np.zeros(n_slots, np.uint32)), rowids=engine.put(np.arange(n_slots, dtype=np.int32)),
             sampling=sampling, max_len=max_len, ban=self.eos_ids, logprobs=bool(logprobs), penalties=penalties,
@@ -217,6 +215,8 @@ class Slots:
         self.prefix = PrefixRows(engine, self.state, self.prefill_chunk or self.state.block, capacity) \
             if capacity and prefill_chunk is not None else None
         self.state.prefix = self.prefix  # (a run's re-prefills: `decode.replace_prompt`)
+        # prefix-cache warm jobs (a chat's answer for its next turn; not in a run's slots)
+        self.warming = PrefixWarm(self) if self.prefix is not None and run is None else None
         self.state.t_start = time.perf_counter()
         if drafter is None and strategy is not None:
             drafter = strategy.drafter(engine)
@@ -387,6 +387,8 @@ class Slots:
         row = self.state.rows[slot]
         if row.phase is Phase.FREE:
             raise ValueError(f"slot {slot} is already free")
+        if row.phase is Phase.WARMING:  # a warm job, no request: cancelled (its stored blocks stay)
+            return self.warming.cancel(slot)
         began = slot not in self._prefill  # a prefilling row's drafter has not begun it
         if not began:
             row.prompt_ids = self._prefill.pop(slot)
@@ -402,7 +404,7 @@ class Slots:
             row.retrieval = self.run.row_stats(slot)
             self.run.remove([slot])
         self._plain.discard(slot)
-        self.state.rows[slot] = _free_row(slot, self.tokenizer)
+        self.state.rows[slot] = free_row(slot, self.tokenizer)
         return row
 
     def programs(self) -> list:

@@ -15,6 +15,10 @@ The context length `/v1/models` advertises (`Server.max_model_len`) is the one a
 may use: prompt + max_tokens up to it is accepted, one token more is a 400 (`--max-len`
 less the verify block and a retrieval strategy's passage).
 
+With the prefix cache on, a chat request of one choice that ends (eos, stop, length) queues
+a warm job for its next turn (`Server.warm_chat`: the conversation with the answer, as the
+next turn's prompt begins; `Scheduler.warm`), rendered off the event loop.
+
 On a retrieval server (ralm, ralmspec, knnlm: a run drives the slots) each job carries its
 prompt's question span (the last user message of a chat, the text of a plain prompt, as
 `generate` finds them), and a request may ask for each choice's retrieval record.
@@ -39,7 +43,7 @@ from ..core.params import GenerationParams, ParamError
 from ..prompts import encode_prompts
 from ..strategies import Greedy
 from . import errors
-from .chat import CannotRender, template_tokenizer
+from .chat import CannotRender, next_turn_ids, template_tokenizer
 from .errors import APIError
 from .protocol import FINISH, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .scheduler import Job, QueueFull, ShuttingDown
@@ -182,6 +186,20 @@ class Server:
         except ShuttingDown as e:
             raise APIError(503, str(e)) from None
 
+    def warm_chat(self, req, answer: str) -> bool:
+        """Queue a prefix-cache warm job for the next turn of the chat `req` answered with
+        `answer` (`chat.next_turn_ids`): its blocks are then cached, exactly, before the next
+        turn arrives. False (nothing queued): no prefix cache, or it cannot be rendered."""
+        if not self.scheduler.warms:
+            return False
+        try:
+            tok = template_tokenizer(self.tokenizer, req.template_messages, req.template_tools)
+            ids = next_turn_ids(tok, req.template_messages, answer)
+            return self.scheduler.warm(ids)
+        except Exception:  # noqa: BLE001 - only a cache warm-up is lost; the log says why
+            log.warning("prefix-cache warm job not queued", exc_info=True)
+            return False
+
     # ------------------------------------------------------------------ responses
     def retrieval_record(self, rec):
         """A choice's `retrieval` (`lookahead_jax.return_retrieval`): the run's record of the
@@ -237,6 +255,16 @@ def _gone(rid: str, t0: float, jobs) -> None:
     """The one log line of a request whose client went away."""
     log.info("%s: the client went away after %.1f s; its %d sequence(s) cancelled", rid, time.perf_counter() - t0,
              len(jobs))
+
+
+WARMED = ("eos", "stop", "length")  # a chat answer that ended so is the next turn's to take
+
+
+def _warm(server, body, chat: bool, jobs, finish, answer: str) -> None:
+    """After a chat request of one sequence that ended (`WARMED`): its next turn's warm job,
+    rendered and queued in the loop's executor (`Server.warm_chat`)."""
+    if chat and len(jobs) == 1 and finish in WARMED and server.scheduler.warms:
+        asyncio.get_running_loop().run_in_executor(None, server.warm_chat, body, answer)
 
 
 def _metrics(jobs, speculation) -> dict:
@@ -430,6 +458,7 @@ def build_app(server: Server) -> FastAPI:
             choices.append(c)
         out = dict(head, choices=choices, usage=_usage(prompt_lens, sum(len(r["tokens"]) for r in res)),
                    **_metrics(jobs, res[0].get("spec")))
+        _warm(server, body, chat, jobs, res[0]["finish"], "".join(res[0]["text"]))
         if body.token_ids_wanted:
             out["prompt_token_ids"] = [j.prompt_ids for j in jobs[::body.n]]
         return out
@@ -438,6 +467,7 @@ def build_app(server: Server) -> FastAPI:
         server = ref()
         head = dict(head, object="chat.completion.chunk" if chat else "text_completion")
         left, n_tokens, offsets = len(jobs), 0, [0] * len(jobs)
+        answer, finish = [], None  # (one sequence: its text, for the next turn's warm job)
 
         def chunk(choices, **extra):
             if body.continuous_usage and "usage" not in extra:  # vLLM's continuous_usage_stats: the usage so far
@@ -455,8 +485,10 @@ def build_app(server: Server) -> FastAPI:
                     server.scheduler.cancel(jobs)
                     break
                 n_tokens += len(out.tokens)
+                answer.append(out.text)
                 if out.finish:
                     left -= 1
+                    finish = out.finish
                 if not (out.text or out.tokens or out.finish):
                     continue
                 lp = server.logprobs_block(chat, out.tokens, out.logprobs or [], body.top_logprobs_wanted > 0,
@@ -474,6 +506,7 @@ def build_app(server: Server) -> FastAPI:
             if body.include_usage:
                 yield chunk([], usage=_usage(prompt_lens, n_tokens))
             yield "data: [DONE]\n\n"
+            _warm(server, body, chat, jobs, finish, "".join(answer))
         except ClientGone:  # noticed by `_next`: the stream just ends
             _gone(head["id"], t0, jobs)
         except asyncio.CancelledError:  # Starlette noticed it first and cancels the stream

@@ -210,3 +210,23 @@ def template_tokenizer(tokenizer, messages: list, tools: Optional[list] = None):
     there are tools)."""
     check_renders(tokenizer, messages, tools)
     return WithTools(tokenizer, tools) if tools else tokenizer
+
+
+def next_turn_ids(tokenizer, messages: list, answer: str) -> list:
+    """The token ids the next turn's prompt of a chat begins with once `answer` is its
+    assistant turn: the conversation is rendered twice, closed after the answer
+    (add_generation_prompt=False) and with a next user turn after it (as the next
+    request's prompt renders), each encoded as `prompts.encode_prompts` encodes a chat;
+    the ids they share from the start (a template that renders the last assistant turn
+    otherwise than an earlier one, or whose end of turn tokenizes differently before more
+    text, shares less). A prefix-cache warm job forwards them (`Scheduler.warm`).
+
+        SmolLM2: <|im_start|>system ... <|im_start|>assistant\\n{answer}<|im_end|>\\n
+    """
+    convo = list(messages) + [dict(role="assistant", content=answer)]
+    closed = tokenizer.apply_chat_template(convo, add_generation_prompt=False)
+    probe = tokenizer.apply_chat_template(convo + [dict(role="user", content="next")], add_generation_prompt=True)
+    a = tokenizer.encode(closed, add_special_tokens=False)
+    b = tokenizer.encode(probe, add_special_tokens=False)
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return list(a[:n])

@@ -42,6 +42,9 @@ The prefix cache (`--prefix-cache-mb`, `core.prefix_cache`), as vLLM's counters 
     lookahead_jax:prefix_cache_hits_total       of those, served from it (hit rate = hits / queries)
     lookahead_jax:prefix_cache_evictions_total  blocks evicted (least recently used)
     lookahead_jax:prefix_cache_bytes            bytes of K/V it holds now (gauge; its bound: the flag)
+    lookahead_jax:prefix_cache_warm_jobs_total       warm jobs begun (a chat's answer for its next turn)
+    lookahead_jax:prefix_cache_warm_tokens_total     tokens the warm jobs stored (whole blocks)
+    lookahead_jax:prefix_cache_warm_cancelled_total  warm jobs cut short (a request needed the slot)
 
 Each `Metrics` has its own registry (several servers in one process, as in the tests, do
 not collide).
@@ -62,6 +65,9 @@ PREFIX = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
     "prefix_cache_evictions": ("prefix_cache_evictions", "Prefix cache blocks evicted (least recently used)"),
+    "prefix_cache_warm_jobs": ("prefix_cache_warm_jobs", "Prefix cache warm jobs begun (a chat's answer)"),
+    "prefix_cache_warm_tokens": ("prefix_cache_warm_tokens", "Tokens prefix cache warm jobs stored"),
+    "prefix_cache_warm_cancelled": ("prefix_cache_warm_cancelled", "Prefix cache warm jobs cut short by a request"),
 }
 # metric name (after "retrieval_") -> the run's counter names (ralm / ralmspec's, knnlm's)
 RETRIEVAL = {

@@ -18,6 +18,17 @@ that accept it per request; on `Slots` that refuse another request's values (a
 `NeedsOwnSlots` from `insert`), such a job waits until the running
 ones finish and the slots are rebuilt with its values (correct, only slower).
 
+Prefix-cache warm jobs (`warm(ids)`, any thread; the server queues one when a chat request
+ends: the next turn's prompt up to the end of the answer): with the slots' prefix cache on,
+the engine thread forwards a warm job's blocks through a free slot (`Slots.warming`,
+`core.prefix_warm`: the programs a prompt's own prefill runs, so the cached K/V are exact)
+only while no job runs or waits, one block per turn of its loop (so a job arriving waits
+one block at most; a running job's steps never carry one: a block costs several decode
+steps, and a warm job is worth only the next turn's TTFT); a job that needs its slot
+preempts it: the warm job is cancelled (its stored blocks stay) and queued again, and
+started again it forwards only the rest. At most `WARM_QUEUE` warm jobs wait (the oldest
+is dropped); shutting down drops them.
+
 Failures stay local: a job whose insert raises is failed (400 for a ValueError, its own
 bad input; 500 otherwise) and its slot freed; an exception in a step fails the jobs of
 that step and rebuilds the slots; the thread keeps serving. Host-side only besides the
@@ -42,6 +53,9 @@ log = logging.getLogger("lookahead_jax.serve")
 # Slots take each request's sampling and penalties (`Request.sampling` / `.penalties`),
 # except a retrieval run's slots, which refuse other values: such a job waits for slots of
 # its own (probed once per Slots by a real insert, `per_request_sampling`)
+
+
+WARM_QUEUE = 64  # prefix-cache warm jobs kept waiting (the oldest dropped first)
 
 
 class QueueFull(Exception):
@@ -152,6 +166,7 @@ class Scheduler:
         self.slots = self._new_slots(sampling, penalties)
         self.max_nodes = self.slots.max_nodes
         self.waiting: collections.deque = collections.deque()
+        self.warm_waiting: collections.deque = collections.deque()  # prefix-cache warm jobs (token ids)
         self.running: dict = {}  # slot -> Job
         self._cond = threading.Condition()
         self._stop = False
@@ -256,6 +271,33 @@ class Scheduler:
             self._gauges()
             self._cond.notify()
 
+    @property
+    def warms(self) -> bool:
+        """Whether `warm` does anything: the slots have a prefix cache."""
+        return getattr(self.slots, "warming", None) is not None
+
+    def warm(self, ids) -> bool:
+        """Queue a prefix-cache warm job (module docstring) for the token ids `ids` (any
+        thread). False, nothing queued: the slots have no prefix cache, or shutting down."""
+        ids = [int(t) for t in ids]
+        V = int(self.engine.config.vocab_size)
+        if ids and (min(ids) < 0 or max(ids) >= V):
+            raise ValueError(f"warm: token ids must be in [0, {V})")
+        with self._cond:
+            if self._stop or not self.warms or not ids:
+                return False
+            self.warm_waiting.append(ids)
+            while len(self.warm_waiting) > WARM_QUEUE:
+                self.warm_waiting.popleft()
+            self._cond.notify()
+        return True
+
+    @property
+    def warm_pending(self) -> bool:
+        """Warm jobs queued or running."""
+        warming = getattr(self.slots, "warming", None)
+        return warming is not None and (bool(self.warm_waiting) or bool(warming.rows))
+
     def cancel(self, jobs) -> None:
         """Cancel jobs (a client went away): waiting ones are dropped, running ones freed
         before the next step."""
@@ -279,7 +321,8 @@ class Scheduler:
                 break
         while True:
             with self._cond:
-                while not self._stop and not self.running and not any(not j.cancelled for j in self.waiting):
+                while not self._stop and not self.running and not any(not j.cancelled for j in self.waiting) \
+                        and not self.warm_pending:
                     self._drop_cancelled_waiting()
                     self._cond.wait(0.5)
                 if self._stop and (not self._drain or (not self.running and not self.waiting)):
@@ -290,6 +333,7 @@ class Scheduler:
                 self._admit()
                 if self.running:
                     self._step()
+                self._warm()
             except Exception:  # a bug of our own: never take the thread down
                 log.exception("engine loop error: failing the running requests and rebuilding the slots")
                 self._fail_all("internal error in the engine loop", 500)
@@ -297,6 +341,7 @@ class Scheduler:
             self._finish(job, "abort", error="the server shut down", status=503)
         self.running.clear()
         self.waiting.clear()
+        self.warm_waiting.clear()
         if self.slots.run is not None:  # e.g. ralmspec's verification worker
             self.slots.run.close()
 
@@ -320,7 +365,9 @@ class Scheduler:
                 self._gauges()
 
     def _admit(self) -> None:
-        """Waiting jobs into free slots, in arrival order (only this thread pops)."""
+        """Waiting jobs into free slots, in arrival order (only this thread pops); warm
+        jobs give up the slots they need (`_preempt_warm`)."""
+        self._preempt_warm()
         free = self.slots.free_slots
         batch = []
         while free:
@@ -354,6 +401,46 @@ class Scheduler:
             self._insert([item])
         with self._cond:  # (after the inserts: the running count includes them)
             self._gauges()
+
+    def _preempt_warm(self) -> None:
+        """Cancel the warm jobs holding slots that waiting jobs need (newest first), each
+        queued again at the front (started again, it forwards only what is not stored)."""
+        warming = getattr(self.slots, "warming", None)
+        if warming is None or not warming.rows:
+            return
+        with self._cond:
+            need = sum(not j.cancelled for j in self.waiting) - len(self.slots.free_slots)
+        if need <= 0:
+            return
+        for s in reversed(warming.rows[-need:]):
+            with self._cond:
+                self.warm_waiting.appendleft(warming.sequence(s))
+            warming.cancel(s)
+        if self.metrics is not None:
+            self.metrics.prefix_cache(self.slots)
+
+    def _warm(self) -> None:
+        """One block of a warm job (module docstring), when no job runs or waits: the one
+        begun, else the next queued one started in a free slot."""
+        warming = getattr(self.slots, "warming", None)
+        if warming is None or self.running:
+            return
+        while not warming.rows and self.slots.free_slots:
+            with self._cond:
+                if any(not j.cancelled for j in self.waiting) or not self.warm_waiting:
+                    return
+                ids = self.warm_waiting.popleft()
+            try:
+                warming.start(self.slots.free_slots[0], ids)
+            except ValueError as e:  # (`warm` checked the ids: not expected)
+                log.warning("prefix-cache warm job dropped: %s", e)
+        with self._cond:
+            if any(not j.cancelled for j in self.waiting):
+                return
+        if warming.rows:
+            warming.advance()
+            if self.metrics is not None:
+                self.metrics.prefix_cache(self.slots)
 
     def _insert(self, batch: list, probe: bool = False) -> bool:
         slots = [s for s, _ in batch]
