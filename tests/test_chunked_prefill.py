@@ -179,11 +179,13 @@ def test_free_a_prefilling_slot_and_reuse_it(model, tok):
 
 
 def test_lengths_at_block_edges(model, tok):
-    """Prompts of C, C + 1, 2C - 1 and 2C tokens inserted while another request decodes:
-    each takes the blocks the rule gives and its tokens alone."""
+    """Prompts of C, C + 1, 2C - 1, 2C and 3C tokens inserted while another request
+    decodes: each takes the blocks the rule gives (at insert its first, and its second too
+    when that is its last, so a prompt of two blocks has its first token at insert; then
+    one a step) and its tokens alone."""
     slots = Slots(engine_for(model), tok, 2, CACHE, prefill_chunk=C)
     slots.insert(1, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=200), sampling_row=2))  # keeps decoding throughout
-    for n in (C, C + 1, 2 * C - 1, 2 * C):
+    for n in (C, C + 1, 2 * C - 1, 2 * C, 3 * C):
         text = PROMPTS[5][:n - 1]  # BOS + n - 1 bytes
         ids = tok.encode(text)
         first = slots.insert(0, Request(ids, GenerationParams(max_new_tokens=8), sampling_row=3))[0].tokens
@@ -191,7 +193,7 @@ def test_lengths_at_block_edges(model, tok):
         while not got:
             got += slots.step()[0].tokens
             steps += 1
-        assert steps == (0 if n <= C else blocks(n) - 1), n
+        assert steps == (0 if blocks(n) <= 2 else blocks(n) - 1), n  # (2C tokens: 3 blocks)
         while slots.row(0).finish is None:
             got += slots.step()[0].tokens
         assert got == slots.free(0).ids == alone(model, tok, text, 3, 8), n

@@ -52,7 +52,9 @@ slot (one block of at most C tokens per step, first come first served). A block 
 cached prefix (`decode.forward_rows`), and its last token stays uncached as
 the row's root, re-forwarded first in the next block (the row's invariant holds between
 blocks): a prompt of L > C tokens takes ceil((L - 1) / (C - 1)) blocks, the insert's and
-one per step after it. With a `step_budget` k a step forwards more blocks (oldest prefilling
+one per step after it; a prompt whose next block after the insert's is its last (one of at
+most two blocks, or one the prefix cache served but for its end) takes that one at insert
+too, so its first token comes out at once for a second block's stall. With a `step_budget` k a step forwards more blocks (oldest prefilling
 slot first) while it stays within k x a decode step of the running batch (the median of
 the last few), at least one; and while other slots decode, `insert` forwards none (its
 blocks go with the steps, so an admission never holds the running requests longer than a
@@ -324,6 +326,12 @@ class Slots:
                 self.prefix.fill(st, slots)
             if not decoding or self.step_budget is None:  # (with a budget the steps take every block)
                 self._forward_chunks(slots)
+                # a prompt one block from its end (a short one, or one the prefix cache served)
+                # takes it now too: its first token at insert, for a second block's stall
+                near = [s for s in slots if s in self._prefill
+                        and len(self._prefill[s]) - int(st.lengths[s]) <= self.prefill_chunk]
+                if decoding and near:
+                    self._forward_chunks(near)
             while not decoding and (rest := [s for s in slots if s in self._prefill]):
                 self._forward_chunks(rest)  # nobody waits: every block now, the first token out at once
         return [self._event(s) for s in slots]
