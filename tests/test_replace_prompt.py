@@ -209,3 +209,37 @@ def test_replace_prompt_of_every_row_in_one_block(model, tok, monkeypatch):
     _until(fresh, lambda s: min(len(r.ids) for r in s.rows) >= 10)
     for b in range(2):
         assert state.rows[b].ids[4:14] == fresh.row(b).ids[:10]
+
+
+def test_reprefill_with_a_prefix_cache_aligns_only_where_it_pays(model, tok):
+    """With a prefix cache (chunk 16: units of 15 slots) a re-prefill keeps down to the unit
+    boundary below its shared prefix where a cached unit follows (taking the cached run) or
+    where that costs no extra block (the units it commits are stored); else it keeps the
+    whole shared prefix and stores nothing. Each row's K/V is a fresh prefill's."""
+    engine = engine_for(model)
+    a, b = list(range(10, 50)), list(range(60, 100))  # 40 tokens each: units 0, 1 stored
+    slots, edit = _slots(engine, tok, [a, b], prefill_chunk=16, prefix_cache=16 << 20)
+    state, cache = slots.state, slots.prefix.cache
+    _until(slots, lambda s: min(len(r.ids) for r in s.rows) >= 2)
+    one = a[:20] + list(range(110, 126))  # 36 tokens: from 20, 16 left (1 block); from 15, 21 (2)
+    two = a[:20] + list(range(130, 155))  # 45 tokens: from 20, 25 left; from 15, 30: 2 blocks each
+    stored = cache.stored
+    kept = _replace(edit, [0], [one], [0])
+    slots.step()
+    assert kept[0].tolist() == [20] and cache.stored == stored  # an extra block: not aligned
+    kept = _replace(edit, [0], [two], [0])
+    slots.step()
+    assert kept[0].tolist() == [15] and cache.stored == stored + 1  # free: aligned, unit 1 stored
+    kept = _replace(edit, [1], [two], [0])  # row 1 shares nothing with its old context...
+    slots.step()
+    assert kept[0].tolist() == [30]  # ...and takes both units of `two` from the cache
+    fresh = _fresh(engine, tok, [two, two])
+    for r in range(2):
+        n = int(state.lengths[r])
+        assert n == len(two) - 1 and state.root[r] == two[-1]
+        for x, y in zip(_kv(state, r, n), _kv(fresh.state, r, n)):
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+    _until(slots, lambda s: min(len(r.ids) for r in s.rows) >= 8)
+    _until(fresh, lambda s: min(len(r.ids) for r in s.rows) >= 8)
+    for r in range(2):
+        assert state.rows[r].ids[:8] == fresh.row(r).ids[:8]

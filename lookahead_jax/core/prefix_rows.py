@@ -114,19 +114,25 @@ class PrefixRows:
 
     def take(self, state, b: int, kept: int) -> int:
         """Row b is re-prefilled to its new context (`decode.replace_prompt`, a retrieval
-        run's passage change) keeping its first `kept` slots: `kept` goes down to a unit
-        boundary, so the blocks forwarded from there are those a prompt's own prefill runs
-        (what they commit is a unit `save` can store), and the context's cached units past
-        it are written into the row. Returns the slots the row keeps now."""
+        run's passage change) keeping its first `kept` slots. With a cached unit at the
+        unit boundary below `kept`, the row keeps up to that boundary and the context's
+        cached run of units from there is written into it; without one, it goes down to
+        the boundary only where that costs no extra block (the blocks forwarded from a
+        boundary are those a prompt's own prefill runs: what they commit is a unit `save`
+        can store, for the next row with this context), else it keeps `kept` (nothing of
+        this context is stored). Returns the slots the row keeps now."""
         self.cache.bind(self.engine.params)
-        U, context = self.unit, state.context(b)
-        keys = self._keys[b] = chain_keys(context, U, self.units(len(context)), self.salt)
-        held = min(int(kept) // U, len(keys))
+        U, context, kept = self.unit, state.context(b), int(kept)
+        keys = chain_keys(context, U, self.units(len(context)), self.salt)
+        held = min(kept // U, len(keys))
         # (queried: the tokens the row does not hold; the run of hits after them)
         hit = self.cache.match(keys, len(context) - held * U, U, start=held)
         for i, kv in enumerate(hit, held):
             state.cache = write_in(self.engine, state.cache, kv, b, i * U)
-        return (held + len(hit)) * U
+        if hit or _blocks(len(context) - held * U, U) == _blocks(len(context) - kept, U):
+            self._keys[b] = keys
+            return (held + len(hit)) * U
+        return kept
 
     def save(self, state, rows: Sequence[int], before: np.ndarray) -> int:
         """After a non-last prefill block over `rows` (their lengths were `before`): the
@@ -157,3 +163,9 @@ class PrefixRows:
     def warm_up(self, state) -> None:
         """Queue both block programs' compilation in the background (`kv_blocks.prefetch`)."""
         prefetch(self.engine, state.cache, self.unit)
+
+
+def _blocks(n: int, unit: int) -> int:
+    """Prefill blocks (`decode.forward_rows`: unit + 1 tokens each, every one but the last
+    committing `unit`) that forward the last n tokens of a context (its root included)."""
+    return 1 + max(0, -(-(int(n) - unit - 1) // unit))
