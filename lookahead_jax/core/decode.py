@@ -299,10 +299,11 @@ def replace_prompt(engine, state: DecodeState, rows: Sequence[int], prompts: Seq
     (`rollback([b], kept)`). Returns the kept slots of each row [len(rows)] (the re-prefill
     forwarded the context past them, len(context) - kept tokens with the root).
 
-    With a prefix cache (`state.prefix`), a re-prefill starts at a unit boundary (the kept
-    prefix rounded down) and the new context's cached units are written in first
-    (`PrefixRows.take`: e.g. a passage another row had after the same head); the units its
-    blocks commit are stored. Kept counts them.
+    With a prefix cache (`state.prefix`), a re-prefill starts at the unit boundary below the
+    kept prefix where the new context's cached units follow it (written in first:
+    `PrefixRows.take`, e.g. a passage another row had after the same head) or where starting
+    there costs no extra block; the units its blocks commit are then stored. Kept counts
+    them.
 
     A kept id must not end the row (EOS), and keep_generated[i] < the row's max_new_tokens;
     the context + 1 slot must fit the cache (an error before anything changes)."""

@@ -6,8 +6,8 @@ batch that share a header forward it once), after each non-last prefill block th
 committed is copied out and stored (`save`), through the two device programs of
 `core.kv_blocks`. A retrieval run's rows too: their whole prompts (passage before the
 question) are forwarded in the same blocks, and a re-prefill after a passage change
-(`decode.replace_prompt`) starts at a unit boundary and takes the new context's cached
-units (`take`): a passage some row had before, after the same head, comes from the cache."""
+(`decode.replace_prompt`) takes the new context's cached units (`take`): a passage some row
+had before, after the same head, comes from the cache."""
 
 from __future__ import annotations
 
