@@ -12,7 +12,8 @@ call); every call gets one cache length (as the CLI's batches), so later calls c
 Off: generate as it is (whole prompts). On: prompts in 64-token blocks through the prefix
 cache, emptied before every run, so each run prefills the header once (its first row) and
 every other row takes its blocks. Every configuration runs once untimed first (compilation
-excluded), then `--rounds` x ABBA (off, on, on, off). Per run: the calls' wall time, the
+excluded; on the first call's rows), then `--rounds` x ABBA (off, on, on, off; `--order AB`:
+off, on). Per run: the calls' wall time, the
 generate stats' wall (compilation excluded) and prefill (time to every row's first token),
 prompt tokens forwarded (prompt tokens - cache hits), header tokens forwarded (rows x
 header - hits: the header's last, partial block is forwarded by every row), hit rate (hit
@@ -93,6 +94,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=0, help="rows per generate call (default 0: all in one call)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1, help="ABBA rounds (off, on, on, off) after the warm-up")
+    ap.add_argument("--order", default="ABBA", choices=("ABBA", "AB"),
+                    help="a round's runs: ABBA (off, on, on, off; the default) or AB (off, on: one run each, "
+                         "for long sets; labelled in the JSON)")
     ap.add_argument("--prefix-cache-mb", type=float, default=512)
     ap.add_argument("--out", default=str(ROOT / "bench/results/prefix-generate.json"))
     a = ap.parse_args(argv)
@@ -118,11 +122,13 @@ def main(argv=None):
           f"{batch} rows a call", flush=True)
 
     runs = {"off": [], "on": []}
-    order = ["off", "on"] + ["off", "on", "on", "off"] * a.rounds  # the first two: warm-up (compilation)
+    round_ = ["off", "on", "on", "off"] if a.order == "ABBA" else ["off", "on"]
+    order = ["off", "on"] + round_ * a.rounds  # the first two: warm-up (compilation), one call's rows
     for i, name in enumerate(order):
         engine.stores.clear(PrefixCache)  # every run prefills the header once
-        res = run(model, tok, texts, batch, S, a.max_new_tokens, budget if name == "on" else 0)
-        rows = len(texts)
+        res = run(model, tok, texts[:batch] if i < 2 else texts, batch, S, a.max_new_tokens,
+                  budget if name == "on" else 0)
+        rows = len(texts[:batch]) if i < 2 else len(texts)
         res["prompt_forwarded"] = res["prompt_tokens"] - res["hits"]
         res["header_forwarded"] = rows * H - res["hits"]
         res["hit_rate"] = round(res["hits"] / res["queries"], 4) if res["queries"] else 0.0
@@ -160,7 +166,8 @@ def main(argv=None):
         for r in rs:
             r.pop("tokens")
     save(dict(model=a.model, dtype=a.dtype, questions=len(texts), source=source, shots=SHOTS, header_tokens=H,
-              batch=batch, max_new_tokens=a.max_new_tokens, stop_at_eos=True, cache_len=S,
+              batch=batch, max_new_tokens=a.max_new_tokens, stop_at_eos=True, cache_len=S, order=a.order,
+              rounds=a.rounds,
               prefix_cache_mb=a.prefix_cache_mb, summary=summary, runs=runs, tokens=want), a.out)
     if not same and not chunked_same:
         print("error: the prefix cache changed the tokens", file=sys.stderr)
