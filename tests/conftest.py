@@ -18,6 +18,11 @@ def pytest_addoption(parser):
         help="also run the real-model tests of the Qwen2.5-Coder 1.5B preset (where it is fetched): HF "
              "transformers' f32 1.5B alone peaks at ~8.6 GiB, so they are left out of the default suite, "
              "whose peak stays within 8 GB")
+    parser.addoption(
+        "--prefix-cache-mb", type=float, default=0,
+        help="run with generate's prefix cache on (MB) wherever a test leaves prefix_cache unset "
+             "(references included): every strategy's suite once with the cache, as issue 53 asks; "
+             "the tests that compare the cache with none pass it themselves")
 
 
 def pytest_configure(config):
@@ -29,6 +34,11 @@ def pytest_configure(config):
     from lookahead_jax.core.compile import enable_compilation_cache
 
     enable_compilation_cache("xla-tests")
+    mb = config.getoption("--prefix-cache-mb")
+    if mb:  # generate's default, for every call of this run that does not set it
+        from lookahead_jax.generate import generate
+
+        generate.__kwdefaults__["prefix_cache"] = int(mb * (1 << 20))
 
 
 # ----------------------------------------------------------------------------- deselected
@@ -93,12 +103,14 @@ def _memory_maps() -> int:
 
 class _ModuleLock:
     """Between the two xdist workers: a module marked `exclusive_memory` runs while the other
-    worker runs no module (it waits before its next one); other modules share. A readers-writer
-    lock from two flock'd files: `gate` (taken briefly by everyone, held by a waiting writer,
-    so a reader cannot overtake it) and `room` (shared by readers, exclusive for a writer).
-    No-op outside xdist."""
+    worker runs no module (it waits before its next one); one marked `heavy_memory` runs
+    beside ordinary modules but never beside another heavy or exclusive one; other modules
+    share. A readers-writer lock from flock'd files: `gate` (taken briefly by everyone, held
+    by a waiting writer, so a reader cannot overtake it) and `room` (shared by readers,
+    exclusive for a writer), and before them `heavy` (held by a heavy module throughout).
+    Every module takes them in that order, so no two wait on each other. No-op outside xdist."""
 
-    def __init__(self, exclusive: bool):
+    def __init__(self, exclusive: bool, heavy: bool = False):
         import os
         import tempfile
 
@@ -107,12 +119,16 @@ class _ModuleLock:
         if uid:
             base = os.path.join(tempfile.gettempdir(), f"lookahead-jax-tests-{uid}")
             self.files = [open(f"{base}.{n}.lock", "a") for n in ("gate", "room")]
+            if heavy:
+                self.files.append(open(f"{base}.heavy.lock", "a"))
 
     def __enter__(self):
         import fcntl
 
         if self.files:
-            gate, room = self.files
+            gate, room = self.files[:2]
+            for f in self.files[2:]:  # heavy: one heavy module at a time, before the room
+                fcntl.flock(f, fcntl.LOCK_EX)
             fcntl.flock(gate, fcntl.LOCK_EX)
             try:
                 fcntl.flock(room, fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH)
@@ -130,7 +146,8 @@ class _ModuleLock:
 def _release_compiled_code(request):
     """Per test module. Before: a module marked `exclusive_memory` (its peak alone is most of
     the suite's memory budget) waits until the other xdist worker is between modules, which
-    then waits for it (see _ModuleLock). After: drop JAX's caches of compiled executables,
+    then waits for it; one marked `heavy_memory` (its subprocesses hold a few GiB) waits only
+    for another heavy or exclusive module (see _ModuleLock). After: drop JAX's caches of compiled executables,
     collect the module's models (whose engines hold theirs) and trim the allocator, so what
     one module loaded is not still resident under the next (the suite's peak, both workers
     together, stays <= 8 GB). A CPU executable also keeps ~6 memory mappings; the whole suite
@@ -141,7 +158,8 @@ def _release_compiled_code(request):
     import sys
 
     exclusive = request.node.get_closest_marker("exclusive_memory") is not None
-    with _ModuleLock(exclusive):
+    heavy = request.node.get_closest_marker("heavy_memory") is not None
+    with _ModuleLock(exclusive, heavy):
         yield
         import jax
 

@@ -23,9 +23,10 @@ from lookahead_jax.fetch import fetch_command, status
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
-# exclusive_memory: a notebook's kernel (~2.3 GiB with its models) beside this worker; with
-# another module's server or models beside them the suite passed 8 GB (7.95 GiB measured)
-pytestmark = [pytest.mark.slow, pytest.mark.exclusive_memory]
+# heavy_memory: a notebook's kernel (~2.3 GiB with its models) beside this worker; with the
+# README's server and clients beside them the suite passed 8 GB (7.95 GiB measured), so the
+# two never run together (ordinary modules do run beside either)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy_memory]
 NEEDS_SMOLLM2 = {"quickstart.ipynb", "ralmspec.ipynb", "specinfer.ipynb"}
 
 

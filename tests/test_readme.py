@@ -43,10 +43,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DEFAULT_MODEL = "smollm2-135m"
-# exclusive_memory: the README's commands run as subprocesses (a server and its clients, a
+# heavy_memory: the README's commands run as subprocesses (a server and its clients, a
 # retrieval server, generate with a draft model) beside this worker: with a notebook's
-# kernel beside them the suite passed 8 GB (7.95 GiB), so no other module runs beside this one
-pytestmark = pytest.mark.exclusive_memory
+# kernel beside them the suite passed 8 GB (7.95 GiB), so the two never run together
+pytestmark = pytest.mark.heavy_memory
 FRESH = ("retrieval", "knnlm")  # cache entries the subprocesses build themselves
 SKIPPED = ("pip install ", "python3.11 -m venv ", ". .venv/bin/activate")  # setup: CI does it
 
