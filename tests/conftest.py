@@ -51,6 +51,7 @@ _SLOW_GROUPS = (  # (test file, what its slow tests run)
     ("tests/test_notebooks.py", "run the notebooks"),
     ("tests/test_real_model.py", "compare real packaged models with HF"),
     ("tests/test_clients.py", "drive the server with lm-eval and guidellm"),
+    ("tests/test_install.py", "resolve command 2's install against PyPI"),
 )
 
 
