@@ -36,9 +36,14 @@ def pytest_configure(config):
     enable_compilation_cache("xla-tests")
     mb = config.getoption("--prefix-cache-mb")
     if mb:  # generate's default, for every call of this run that does not set it
+        import inspect
+
         from lookahead_jax.generate import generate
 
-        generate.__kwdefaults__["prefix_cache"] = int(mb * (1 << 20))
+        names = [n for n, x in inspect.signature(generate).parameters.items() if x.default is not x.empty]
+        defaults = list(generate.__defaults__)
+        defaults[names.index("prefix_cache")] = int(mb * (1 << 20))
+        generate.__defaults__ = tuple(defaults)
 
 
 # ----------------------------------------------------------------------------- deselected
