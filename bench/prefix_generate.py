@@ -97,6 +97,9 @@ def main(argv=None):
     ap.add_argument("--order", default="ABBA", choices=("ABBA", "AB"),
                     help="a round's runs: ABBA (off, on, on, off; the default) or AB (off, on: one run each, "
                          "for long sets; labelled in the JSON)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="no untimed first runs (the stats' wall times exclude compilation anyway; the calls' "
+                         "times then include it)")
     ap.add_argument("--prefix-cache-mb", type=float, default=512)
     ap.add_argument("--out", default=str(ROOT / "bench/results/prefix-generate.json"))
     a = ap.parse_args(argv)
@@ -123,20 +126,21 @@ def main(argv=None):
 
     runs = {"off": [], "on": []}
     round_ = ["off", "on", "on", "off"] if a.order == "ABBA" else ["off", "on"]
-    order = ["off", "on"] + round_ * a.rounds  # the first two: warm-up (compilation), one call's rows
+    warm = 0 if a.no_warm_up else 2
+    order = ["off", "on"][:warm] + round_ * a.rounds  # the first `warm`: warm-up (compilation), one call's rows
     for i, name in enumerate(order):
         engine.stores.clear(PrefixCache)  # every run prefills the header once
-        res = run(model, tok, texts[:batch] if i < 2 else texts, batch, S, a.max_new_tokens,
+        res = run(model, tok, texts[:batch] if i < warm else texts, batch, S, a.max_new_tokens,
                   budget if name == "on" else 0)
-        rows = len(texts[:batch]) if i < 2 else len(texts)
+        rows = len(texts[:batch]) if i < warm else len(texts)
         res["prompt_forwarded"] = res["prompt_tokens"] - res["hits"]
         res["header_forwarded"] = rows * H - res["hits"]
         res["hit_rate"] = round(res["hits"] / res["queries"], 4) if res["queries"] else 0.0
-        print(f"{'warm-up' if i < 2 else 'run'} {name:3}: calls {res['call_s']:.2f} s, wall {res['wall_s']:.2f} s, "
+        print(f"{'warm-up' if i < warm else 'run'} {name:3}: calls {res['call_s']:.2f} s, wall {res['wall_s']:.2f} s, "
               f"prefill {res['prefill_s']:.2f} s, compile {res['compile_s']:.1f} s, prompt tokens forwarded "
               f"{res['prompt_forwarded']} of {res['prompt_tokens']} (header {res['header_forwarded']} of {rows * H}), "
               f"hit rate {res['hit_rate']:.3f}, {res['new_tokens']} new tokens", flush=True)
-        if i >= 2:
+        if i >= warm:
             runs[name].append(res)
         else:
             runs.setdefault("warm_up", []).append(dict(res, config=name))
@@ -168,7 +172,7 @@ def main(argv=None):
     save(dict(model=a.model, dtype=a.dtype, questions=len(texts), source=source, shots=SHOTS, header_tokens=H,
               batch=batch, max_new_tokens=a.max_new_tokens, stop_at_eos=True, cache_len=S, order=a.order,
               rounds=a.rounds,
-              prefix_cache_mb=a.prefix_cache_mb, summary=summary, runs=runs, tokens=want), a.out)
+              prefix_cache_mb=a.prefix_cache_mb, warm_up=not a.no_warm_up, summary=summary, runs=runs, tokens=want), a.out)
     if not same and not chunked_same:
         print("error: the prefix cache changed the tokens", file=sys.stderr)
         return 1
