@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -268,6 +269,12 @@ def shard_batch(xs, mesh):
     return jax.tree.map(put, xs)
 
 
+def replicate(xs, mesh):
+    """Every array leaf of `xs` placed whole on every device of `mesh`."""
+    put = lambda x: x if isinstance(x, jax.Array) else np.asarray(x)  # noqa: E731 (host values: no local copy first)
+    return jax.tree.map(lambda x: jax.device_put(put(x), NamedSharding(mesh, P())), xs)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def abstract_params(config: ModelConfig, mesh, dtype=jnp.float32):
     """Pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` of the params: the
@@ -295,6 +302,7 @@ def checkpoint_sharding(mesh):
 __all__ = [
     "AXES", "CACHE_KV_SPEC", "CACHE_LENGTH_SPEC", "DATA", "MODEL", "PARAM_RULES",
     "abstract_params", "batch_spec", "cache_shardings", "cache_specs", "checkpoint_sharding",
-    "init_sharded_cache", "make_mesh", "param_shardings", "param_specs", "path_str", "rule_for", "shard_batch",
+    "init_sharded_cache", "make_mesh", "param_shardings", "param_specs", "path_str", "replicate", "rule_for",
+    "shard_batch",
     "shard_cache", "shard_params",
 ]
