@@ -468,7 +468,9 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
     kw = dict(
         params=cfg.params, strategy=strategy, chat=cfg.chat,
         mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy),
-        fallback=True,  # a tree size compiles in the background while the steps do without it
+        # a tree size compiles in the background while the steps do without it; over several
+        # processes every process compiles it at once (the plan would wait for the slowest)
+        fallback=jax.process_count() == 1,
         prefix_cache=int(cfg.prefix_cache_mb * (1 << 20)) or None,
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, prefill_steps=0, compile_s=0.0, calibrate_s=0.0,

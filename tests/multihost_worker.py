@@ -1,6 +1,9 @@
 """One process of a multi-process CLI run in tests/test_multihost.py (2 of them, 4 CPU devices each):
 
-    python tests/multihost_worker.py ARGS...   (the generate command's arguments)
+    python tests/multihost_worker.py ARGS... [--then ARGS...]   (the generate command's arguments)
+
+Each `--then` starts another command in the same processes (the distributed runtime and the
+compiled programs kept), after the previous one ended.
 
 The command's `load` gives the tiny random model of `tiny_multihost` (the same weights on every
 process: a fixed seed), placed on the command's mesh, and a byte tokenizer. XLA_FLAGS and
@@ -43,8 +46,21 @@ def main(argv) -> int:
     import lookahead_jax.loading
     from lookahead_jax import cli
 
+    from lookahead_jax.core.compile import enable_compilation_cache
+
+    enable_compilation_cache("xla-tests")  # as the test processes (conftest.py)
     lookahead_jax.loading.load = fake_load
-    return cli.main(argv)
+    rc, cmd = 0, []
+    for a in argv + ["--then"]:
+        if a != "--then":
+            cmd.append(a)
+            continue
+        rc = cli.main(cmd)
+        print("--- end of command", flush=True)
+        if rc:
+            return rc
+        cmd = []
+    return rc
 
 
 if __name__ == "__main__":

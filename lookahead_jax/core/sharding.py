@@ -270,9 +270,20 @@ def shard_batch(xs, mesh):
 
 
 def replicate(xs, mesh):
-    """Every array leaf of `xs` placed whole on every device of `mesh`."""
-    put = lambda x: x if isinstance(x, jax.Array) else np.asarray(x)  # noqa: E731 (host values: no local copy first)
-    return jax.tree.map(lambda x: jax.device_put(put(x), NamedSharding(mesh, P())), xs)
+    """Every array leaf of `xs` placed whole on every device of `mesh`. A host value goes
+    from each process to its own devices (`make_array_from_callback`: no cross-process
+    check that every process passed the same value, which `jax.device_put` makes with a
+    collective per array; over several processes the values are equal by construction,
+    `core.multihost`)."""
+    whole = NamedSharding(mesh, P())
+
+    def put(x):
+        if isinstance(x, jax.Array):
+            return jax.device_put(x, whole)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, whole, lambda index: x[index])
+
+    return jax.tree.map(put, xs)
 
 
 # ----------------------------------------------------------------------------- checkpoints
