@@ -142,7 +142,8 @@ def test_processes_given_different_flags_stop_at_start(tmp_path, prompts_file):
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_ends_the_other_within_30_s(tmp_path, prompts_file, victim):
     """Process `victim` is killed (SIGKILL) while they decode: the other exits non-zero
-    within 30 s with one line naming it (or naming the lost coordinator)."""
+    within 30 s with one line naming it (process 0: the coordinator, whose loss JAX's
+    client reports itself)."""
     cmd = ["--prompts-file", prompts_file, "--batch-size", "1", "--max-new-tokens", "200", "--mesh", MESH]
     procs = start(tmp_path, [[cmd], [cmd]])
     deadline = time.monotonic() + RUN_S
@@ -163,7 +164,13 @@ def test_a_killed_process_ends_the_other_within_30_s(tmp_path, prompts_file, vic
     took = time.monotonic() - t0
     err = read(tmp_path, "err")[1 - victim]
     assert rc != 0
-    lines = [line for line in err.splitlines() if line.startswith(f"error: process {1 - victim} of 2:")]
-    named = f"process {victim} stopped" if victim else "process 0 (the coordinator) is unreachable"
-    assert any(named in line for line in lines), err[-3000:]
-    print(f"process {1 - victim} exited {took:.1f} s after process {victim} was killed: {lines[-1]}")
+    if victim:  # the heartbeat watcher's line
+        lines = [line for line in err.splitlines()
+                 if line.startswith("error: process 0 of 2:") and "process 1 stopped" in line]
+    else:  # the coordinator gone: JAX's client aborts at once (its line names the leader, task 0),
+        # or the watcher's line comes first
+        lines = [line for line in err.splitlines() if "process 0 (the coordinator) is unreachable" in line
+                 or ("Terminating process because the JAX distributed service detected fatal errors" in line
+                     and "the leader task was preempted/died" in line)]
+    assert lines, err[-3000:]
+    print(f"process {1 - victim} exited {took:.1f} s after process {victim} was killed: {lines[-1][:300]}")
