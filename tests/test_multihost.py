@@ -1,6 +1,6 @@
 """Several processes: the generate command run by 2 local processes of 4 CPU devices each
 (gloo collectives), on one (data=2, model=4) mesh spanning both, gives the tokens of one
-process; processes given different flags stop at start; a killed process ends the other.
+process (greedy and lookahead, at temperature 0 and sampled); processes given different flags stop at start; a killed process ends the other.
 
 Each run is 2 children of `multihost_worker.py` (the command with the tiny random model of
 a fixed seed, so both processes hold the same weights) with a free port for the
@@ -94,23 +94,27 @@ def prompts_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_greedy_and_lookahead_over_two_processes_give_one_process_tokens(tmp_path, prompts_file):
+def test_greedy_lookahead_and_sampling_over_two_processes_give_one_process_tokens(tmp_path, prompts_file):
     base = ["--prompts-file", prompts_file, "--batch-size", "8", "--max-new-tokens", str(NEW), "--json",
             "--mesh", MESH]
-    cmds = [base, base + ["--strategy", "lookahead", "--decoding-length", "8"]]
+    look, sample = ["--strategy", "lookahead", "--decoding-length", "8"], ["--temperature", "0.8", "--seed", "3"]
+    cmds = [base, base + look, base + sample, base + look + sample]
     t0 = time.monotonic()
     rcs, outs, errs = finish(tmp_path, start(tmp_path, [cmds, cmds]))
     assert rcs == [0, 0], errs[0][-3000:] + errs[1][-3000:]
-    want = generate(tiny_multihost(), Tokenizer(), PROMPTS, max_new_tokens=NEW).token_ids  # one process, one device
+    # one process, one device
+    greedy = generate(tiny_multihost(), Tokenizer(), PROMPTS, max_new_tokens=NEW).token_ids
+    sampled = generate(tiny_multihost(), Tokenizer(), PROMPTS, max_new_tokens=NEW, temperature=0.8, seed=3).token_ids
+    assert sampled != greedy
     runs = json_runs(outs[0])
-    assert len(runs) == 2, outs[0][-2000:]
-    for (rows, summary), strategy in zip(runs, ("greedy", "lookahead")):
+    assert len(runs) == 4, outs[0][-2000:]
+    for (rows, summary), strategy, want in zip(runs, ("greedy", "lookahead") * 2, (greedy, greedy, sampled, sampled)):
         assert summary["strategy"] == strategy
         assert [r["token_ids"] for r in sorted(rows, key=lambda r: r["prompt_index"])] == want, strategy
     # lookahead drafted and had drafts accepted: the broadcast plans were real trees
-    assert runs[1][1]["tokens_per_step"] > 1.0, runs[1][1]
+    assert runs[1][1]["tokens_per_step"] > 1.0 and runs[3][1]["tokens_per_step"] > 1.0, (runs[1][1], runs[3][1])
     assert outs[1].count("{") == 0  # process 1 computes the same, prints nothing
-    print(f"2-process greedy + lookahead: {time.monotonic() - t0:.0f} s")
+    print(f"2-process greedy, lookahead and sampled: {time.monotonic() - t0:.0f} s")
 
 
 @pytest.mark.parametrize("flags,error", [
@@ -136,6 +140,14 @@ def test_processes_given_different_flags_stop_at_start(tmp_path, prompts_file):
     assert rcs == [2, 2], errs
     for err in errs:
         assert "error: process 1 of 2 runs a different configuration than process 0" in err, err[-2000:]
+
+
+def test_a_strategy_not_shared_yet_is_an_error_on_every_process(tmp_path, prompts_file):
+    cmd = ["--prompts-file", prompts_file, "--mesh", MESH, "--strategy", "specinfer"]
+    rcs, _, errs = finish(tmp_path, start(tmp_path, [[cmd], [cmd]]), timeout=120)
+    assert rcs == [2, 2], errs
+    for err in errs:
+        assert "error: --strategy specinfer does not run over several processes yet" in err, err[-2000:]
 
 
 @pytest.mark.slow

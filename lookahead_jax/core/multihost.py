@@ -69,8 +69,11 @@ def init_distributed(coordinator_address: Optional[str] = None, num_processes: O
     Nothing given (and auto False) and no LOOKAHEAD_* variables: one process, nothing done.
     auto: let JAX detect the cluster (TPU pod slices, SLURM, Open MPI) from its environment.
     On CPU the cross-process collectives go through gloo (`jax_cpu_collectives_implementation`)."""
-    env = [os.environ.get(k) for k in ENV]
-    coordinator_address = coordinator_address or env[0] or None
+    env = [os.environ.get(k) or None for k in ENV]
+    for name, value in zip(ENV[1:], env[1:]):
+        if value is not None and not value.isdigit():
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+    coordinator_address = coordinator_address or env[0]
     num_processes = num_processes if num_processes is not None else (int(env[1]) if env[1] else None)
     process_id = process_id if process_id is not None else (int(env[2]) if env[2] else None)
     if coordinator_address is None and num_processes in (None, 1) and not auto:
@@ -80,21 +83,13 @@ def init_distributed(coordinator_address: Optional[str] = None, num_processes: O
     error = check_flags(coordinator_address, num_processes, process_id)
     if error:
         raise ValueError(error)
-    if (os.environ.get("JAX_PLATFORMS") or "").startswith("cpu") or _cpu_only():
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # (the CPU backend's only)
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                heartbeat_timeout_seconds=heartbeat_timeout_s)
     watch_peers()
     log.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return True
-
-
-def _cpu_only() -> bool:
-    """No accelerator plugin installed (checked without starting a backend)."""
-    import importlib.util
-
-    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
 
 
 def multiprocess() -> bool:
@@ -163,6 +158,17 @@ def agree_drafts(drafts, T: int):
 
 
 # ----------------------------------------------------------------------------- checks
+STRATEGIES = ("greedy", "lookahead")  # those whose every per-step host choice is broadcast
+
+
+def check_strategy(name: str) -> None:
+    """ValueError for a strategy that would plan steps on every process apart (a draft
+    model's own steps, retrievals): they do not run over several processes yet."""
+    if name not in STRATEGIES:
+        raise ValueError(f"--strategy {name} does not run over several processes yet ({' and '.join(STRATEGIES)} "
+                         "do: docs/multihost.md)")
+
+
 def config_digest(config: dict) -> str:
     """A short hash of `config` (JSON, sorted keys; values turned to str where not JSON)."""
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -274,6 +280,7 @@ def exit_on_failure(exc: BaseException) -> None:
 
 
 __all__ = [
-    "ENV", "HEARTBEAT_TIMEOUT_S", "agree_drafts", "broadcast_plan", "check_flags", "check_same_config", "config_digest",
-    "exit_on_failure", "init_distributed", "multiprocess", "to_host", "watch_peers",
+    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "STRATEGIES", "agree_drafts", "broadcast_plan", "check_flags",
+    "check_same_config", "check_strategy", "config_digest", "exit_on_failure", "init_distributed", "multiprocess",
+    "to_host", "watch_peers",
 ]
