@@ -237,7 +237,14 @@ def shard_params(params, config: ModelConfig, mesh):
            if tuple(got_paths[p]) != tuple(s)]
     if bad:
         raise ValueError(f"params do not match the config's shapes: {bad[:6]}")
-    return jax.device_put(params, param_shardings(config, mesh))
+    shardings = param_shardings(config, mesh)
+    if jax.process_count() > 1:  # each process places its own devices' shards from its own copy
+        def put(x, sharding):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+        return jax.tree.map(put, params, shardings)
+    return jax.device_put(params, shardings)
 
 
 def shard_cache(cache: KVCache, mesh) -> KVCache:
