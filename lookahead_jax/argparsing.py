@@ -35,3 +35,16 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+
+
+def add_distributed_flags(ap) -> None:
+    """--coordinator-address / --num-processes / --process-id / --distributed-auto: one
+    command on every host of a multi-process run (`core.multihost`, docs/multihost.md)."""
+    g = ap.add_argument_group("several processes (hosts)", "run the same command on every host, each with its "
+                              "--process-id; the mesh spans every process's devices (docs/multihost.md)")
+    g.add_argument("--coordinator-address", metavar="HOST:PORT",
+                   help="process 0's address, that every process connects to (jax.distributed)")
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1 (0 prints the answers)")
+    g.add_argument("--distributed-auto", action="store_true",
+                   help="let JAX detect the processes from the platform (a TPU pod slice, SLURM, Open MPI)")

@@ -16,12 +16,14 @@ import os
 import sys
 from typing import Optional
 
+import jax
 
 from .core.engine import engine_for
+from .core.multihost import check_flags, check_same_config, check_strategy, exit_on_failure, init_distributed
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
 from .core.params import GenerationParams, ParamError, parse_logit_bias
 from .generate import generate
-from .argparsing import Parser
+from .argparsing import Parser, add_distributed_flags
 from .interrupt import EXIT_INTERRUPTED, CtrlC, exit_now
 from .prompts import check_messages
 from .strategies import REGISTRY, SpecInfer
@@ -49,6 +51,7 @@ class CliConfig:
     references_field: Optional[str] = None
     raw: bool = False  # --no-chat: plain prompts are raw text on purpose (no instruct-model warning)
     prefix_cache_mb: float = 0.0  # MiB of generate's prefix cache (0: off)
+    distributed: tuple = (None, None, None, False)  # coordinator address, processes, process id, auto
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -248,6 +251,7 @@ def build_parser(prog: Optional[str] = None):
                     "later batches is forwarded once, with the same tokens (default 0: off, whole prompts)")
     ap.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: params split over 'model' by the "
                     "rule table, batch rows and the KV cache over 'data' (default: one device)")
+    add_distributed_flags(ap)
     flags = _strategy_flags(ap)
     ap.add_argument("--references-field", help="lookahead: JSONL field whose text(s) it drafts from too")
     ap.add_argument("-v", "--verbose", action="store_true", help="log compilations and loading")
@@ -283,6 +287,10 @@ def _config(ap, flags: dict, a) -> CliConfig:
             ap.error(f"--mesh must look like data=2,model=4, got {a.mesh!r}")
         if not {k for k, _ in mesh} <= {"data", "model"}:
             ap.error(f"--mesh axes are 'data' and 'model', got {a.mesh!r}")
+    distributed = (a.coordinator_address, a.num_processes, a.process_id, a.distributed_auto)
+    error = check_flags(*distributed[:3])
+    if error:
+        ap.error(error)
     options = []
     for flag, entries in flags.items():
         value = getattr(a, flag.replace("-", "_"))
@@ -318,7 +326,7 @@ def _config(ap, flags: dict, a) -> CliConfig:
         strategy=a.strategy, params=params, dtype=a.dtype, json=a.json,
         batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
         mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources), references_field=a.references_field,
-        prefix_cache_mb=a.prefix_cache_mb,
+        prefix_cache_mb=a.prefix_cache_mb, distributed=distributed,
         raw=a.chat is False,
     )
 
@@ -377,6 +385,9 @@ def main(argv=None, prog: Optional[str] = None) -> int:
         sys.stdout.flush()
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:  # one of several processes: end it, naming a lost peer (the others would hang)
+        exit_on_failure(e)
+        raise
 
 
 def warn_unused_options(cfg: CliConfig, strategy) -> None:
@@ -407,6 +418,19 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
     logging.basicConfig(format="%(message)s")
     logging.getLogger("lookahead_jax").setLevel(logging.INFO if cfg.verbose else logging.WARNING)
     from .loading import load
+
+    try:  # before any other JAX call; then every process must have been given the same flags
+        if init_distributed(*cfg.distributed[:3], auto=cfg.distributed[3]):
+            if not cfg.mesh:
+                raise ValueError("several processes need --mesh (e.g. data=2,model=4 over 2 processes of 4 "
+                                 "devices each): the mesh spans every process's devices")
+            check_strategy(cfg.strategy)
+            check_same_config(dataclasses.asdict(dataclasses.replace(cfg, distributed=())))
+            if jax.process_index():  # process 0 prints the answers; the others compute the same
+                sys.stdout = open(os.devnull, "w")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     try:  # the strategy's options are checked before the model loads (seconds)
         strategy = cfg.strategy_object()
@@ -445,7 +469,9 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
     kw = dict(
         params=cfg.params, strategy=strategy, chat=cfg.chat,
         mesh=mesh, max_cache_len=cfg.max_cache_len or _shared_cache_len(cfg, tok, model, strategy),
-        fallback=True,  # a tree size compiles in the background while the steps do without it
+        # a tree size compiles in the background while the steps do without it; over several
+        # processes every process compiles it at once (the plan would wait for the slowest)
+        fallback=jax.process_count() == 1,
         prefix_cache=int(cfg.prefix_cache_mb * (1 << 20)) or None,
     )
     totals = dict(new_tokens=0, wall_s=0.0, forward_steps=0, prefill_steps=0, compile_s=0.0, calibrate_s=0.0,

@@ -49,6 +49,7 @@ import numpy as np
 
 from . import tree as tree_lib
 from .drafts import DraftBatch
+from .multihost import agree_drafts, multiprocess, to_host
 from .params import MAX_TOP_LOGPROBS
 from .state import DecodeState, StepResult  # noqa: F401 - the loop's state, re-exported
 from .verify import WINDOW_MIN, WINDOW_STEP, fit_draft_probs
@@ -66,7 +67,7 @@ def timed(engine, state, fn, meanwhile: Optional[Callable[[], None]] = None):
     jax.copy_to_host_async(out)  # the copies start as soon as the device is done (a GPU's)
     if meanwhile is not None:
         meanwhile()
-    out = jax.device_get(out)  # host values, fetched together (fields not asked for stay None)
+    out = to_host(out)  # host values, fetched together (fields not asked for stay None; all processes')
     dc = engine.compiled.compile_s - c0
     state.compile_s += dc
     return out, cache, time.perf_counter() - t0 - dc, dc > 0
@@ -392,6 +393,9 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
             drafts, T = drafts.truncated(ready), ready
             window = engine.window(L + 1 + T, S, 1 + T)
         state.ready |= {(T, window)} if T else set()
+    if drafter is not None and multiprocess():  # the step's one broadcast point: process 0's drafts and tree size on every process
+        drafts, T = agree_drafts(drafts, T)
+        window = engine.window(L + 1 + T, S, 1 + T)
     blk = tree_lib.verify_block(state.root, drafts.drafts, T)
     state.host_s += time.perf_counter() - h0
     state.tree_sizes.append(T)

@@ -33,6 +33,7 @@ import numpy as np
 from . import packing
 from .compile import CompiledFunctions
 from .inputs import StepInputs, StepMode, place
+from .multihost import multiprocess
 from ..models import KVCache, init_cache
 from ..models.config import ModelConfig
 
@@ -226,12 +227,13 @@ class Engine:
 
     def put(self, x):
         """A host array [B, ...] kept on device across steps (seeds, row ids): split over
-        "data" on a mesh."""
+        "data" on a mesh; over several processes replicated, so that the host reads them
+        back (a slot's insert, a prefill's rows) without a collective."""
         if self.mesh is None:
             return jnp.asarray(x)
-        from .sharding import shard_batch
+        from .sharding import replicate, shard_batch
 
-        return shard_batch(x, self.mesh)
+        return replicate(x, self.mesh) if multiprocess() else shard_batch(x, self.mesh)
 
     def arg(self, x):
         """A host array [B, ...] used by one step (tokens, tree, active rows). Without a
@@ -240,9 +242,9 @@ class Engine:
         (~1 ms of a 53 ms greedy step on the 2-core CPU, six arguments)."""
         if self.mesh is None:
             return np.asarray(x)
-        from .sharding import shard_batch
+        from .sharding import replicate, shard_batch
 
-        return shard_batch(x, self.mesh)
+        return replicate(x, self.mesh) if multiprocess() else shard_batch(x, self.mesh)
 
     # ------------------------------------------------------------------ steps
     def _step(self, kind: str, key, make, args: tuple, static: dict):
@@ -251,7 +253,7 @@ class Engine:
         a mesh, a jit with explicit shardings: params by the rule table, the cache by
         `sharding.cache_shardings` (in and out, so it stays where it is step after step),
         every leaf of the inputs and of the result with its rows over "data" (replicated
-        when the rows do not divide the axis); the mode is bound into it (jit takes no
+        when the rows do not divide the axis, or over several processes); the mode is bound into it (jit takes no
         keyword arguments beside explicit in_shardings). The step returns (named result,
         cache): every field of the result is [B, ...]."""
         if self.mesh is None:
@@ -262,9 +264,11 @@ class Engine:
         jkey = (kind, key, B, int(args[1].length.shape[0]), tuple(sorted(static.items())))
         fn = self._mesh_steps.get(jkey)
         if fn is None:
-            from jax.sharding import NamedSharding
+            from jax.sharding import NamedSharding, PartitionSpec as P
 
-            rows = NamedSharding(self.mesh, batch_spec(1, B, self.mesh))
+            # over several processes inputs and results are whole on every device (the
+            # cache stays split): every process reads the results without a collective
+            rows = NamedSharding(self.mesh, P() if multiprocess() else batch_spec(1, B, self.mesh))
             cache = cache_shardings(self.config, self.mesh, int(args[1].length.shape[0]))
             fn = jax.jit(functools.partial(make().__wrapped__, **static), donate_argnums=(1,),
                          in_shardings=(param_shardings(self.config, self.mesh), cache, rows),

@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -236,7 +237,14 @@ def shard_params(params, config: ModelConfig, mesh):
            if tuple(got_paths[p]) != tuple(s)]
     if bad:
         raise ValueError(f"params do not match the config's shapes: {bad[:6]}")
-    return jax.device_put(params, param_shardings(config, mesh))
+    shardings = param_shardings(config, mesh)
+    if jax.process_count() > 1:  # each process places its own devices' shards from its own copy
+        def put(x, sharding):
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+        return jax.tree.map(put, params, shardings)
+    return jax.device_put(params, shardings)
 
 
 def shard_cache(cache: KVCache, mesh) -> KVCache:
@@ -268,6 +276,23 @@ def shard_batch(xs, mesh):
     return jax.tree.map(put, xs)
 
 
+def replicate(xs, mesh):
+    """Every array leaf of `xs` placed whole on every device of `mesh`. A host value goes
+    from each process to its own devices (`make_array_from_callback`: no cross-process
+    check that every process passed the same value, which `jax.device_put` makes with a
+    collective per array; over several processes the values are equal by construction,
+    `core.multihost`)."""
+    whole = NamedSharding(mesh, P())
+
+    def put(x):
+        if isinstance(x, jax.Array):
+            return jax.device_put(x, whole)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, whole, lambda index: x[index])
+
+    return jax.tree.map(put, xs)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 def abstract_params(config: ModelConfig, mesh, dtype=jnp.float32):
     """Pytree of `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` of the params: the
@@ -295,6 +320,7 @@ def checkpoint_sharding(mesh):
 __all__ = [
     "AXES", "CACHE_KV_SPEC", "CACHE_LENGTH_SPEC", "DATA", "MODEL", "PARAM_RULES",
     "abstract_params", "batch_spec", "cache_shardings", "cache_specs", "checkpoint_sharding",
-    "init_sharded_cache", "make_mesh", "param_shardings", "param_specs", "path_str", "rule_for", "shard_batch",
+    "init_sharded_cache", "make_mesh", "param_shardings", "param_specs", "path_str", "replicate", "rule_for",
+    "shard_batch",
     "shard_cache", "shard_params",
 ]

@@ -102,6 +102,7 @@ from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
 from .rows import Phase, RowState, free_row
 from .drafts import SkipRows
+from .multihost import to_host
 from .params import GenerationParams
 from .prefix_cache import budget_bytes
 from .prefix_rows import PrefixRows
@@ -305,7 +306,7 @@ class Slots:
         lengths[idx] = 0
         st.lengths = lengths
         st.cache = st.cache.replace(length=st.cache.length.at[idx].set(0))
-        seeds, rowids = np.asarray(st.seeds).copy(), np.asarray(st.rowids).copy()
+        seeds, rowids = (np.array(x) for x in to_host((st.seeds, st.rowids)))
         seeds[idx] = [np.uint32(r.params.seed) for r in requests]
         rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)

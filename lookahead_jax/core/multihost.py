@@ -1,0 +1,286 @@
+"""Several processes (hosts) decoding as one: `jax.distributed`, the checks at start, and
+the two points where host values cross processes.
+
+    init_distributed(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=0)
+    mesh = make_mesh(data=2, model=4)          # jax.devices(): every process's devices
+    check_same_config({"model": ..., "mesh": ..., "batch": ...})   # a mismatch: one error
+    ...
+    tokens = to_host(step_out)                 # a global array -> numpy on every process
+    plan = broadcast_plan(plan)                # process 0's choice, the same on every process
+
+Every process runs the same programs in the same order (STYLE.md, "Several processes"):
+a per-step choice made on the host (drafts, tree shape, budget, bucket) is made on
+process 0 and broadcast (`broadcast_plan`), never computed separately, since processes
+that pick different shapes hang in their next collective.
+
+Failures: a process that dies stops sending heartbeats to the coordination service; after
+`heartbeat_timeout_s` the service reports it and the others' runtime ends them (JAX's
+distributed client aborts the process, logging which task it lost). `init_distributed`
+sets that timeout (default 10 s, JAX's own is 100 s) so a survivor exits within a bounded
+time; `watch_peers` (started by `init_distributed`) ends it sooner (5 s) with one plain line
+naming the lost process.
+
+With one process every function here is a no-op that returns its input (or numpy of it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from typing import Optional
+
+import jax
+import numpy as np
+
+log = logging.getLogger("lookahead_jax")
+
+# heartbeat timeout (s) of the coordination service: how long a dead peer goes unnoticed
+HEARTBEAT_TIMEOUT_S = 10
+ENV = ("LOOKAHEAD_COORDINATOR_ADDRESS", "LOOKAHEAD_NUM_PROCESSES", "LOOKAHEAD_PROCESS_ID")
+
+
+def check_flags(coordinator_address: Optional[str], num_processes: Optional[int],
+                process_id: Optional[int]) -> Optional[str]:
+    """The error message of a bad combination of the three flags, or None."""
+    if num_processes is not None and num_processes < 1:
+        return f"--num-processes must be >= 1, got {num_processes}"
+    if process_id is not None and process_id < 0:
+        return f"--process-id must be >= 0, got {process_id}"
+    if num_processes is not None and process_id is not None and process_id >= num_processes:
+        return f"--process-id {process_id} is out of range for --num-processes {num_processes} (0..{num_processes - 1})"
+    given = [n for n, v in (("--num-processes", num_processes), ("--process-id", process_id)) if v is not None]
+    if given and coordinator_address is None and (num_processes or 0) > 1:
+        return f"{' and '.join(given)} need --coordinator-address HOST:PORT (process 0's address)"
+    if coordinator_address is not None:
+        host, _, port = coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            return f"--coordinator-address must look like HOST:PORT, got {coordinator_address!r}"
+    return None
+
+
+def init_distributed(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+                     process_id: Optional[int] = None, *, auto: bool = False,
+                     heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
+    """`jax.distributed.initialize`, before any other JAX call. Returns whether it ran.
+
+    Nothing given (and auto False) and no LOOKAHEAD_* variables: one process, nothing done.
+    auto: let JAX detect the cluster (TPU pod slices, SLURM, Open MPI) from its environment.
+    On CPU the cross-process collectives go through gloo (`jax_cpu_collectives_implementation`)."""
+    env = [os.environ.get(k) or None for k in ENV]
+    for name, value in zip(ENV[1:], env[1:]):
+        if value is not None and not value.isdigit():
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
+    coordinator_address = coordinator_address or env[0]
+    num_processes = num_processes if num_processes is not None else (int(env[1]) if env[1] else None)
+    process_id = process_id if process_id is not None else (int(env[2]) if env[2] else None)
+    if coordinator_address is None and num_processes in (None, 1) and not auto:
+        return False
+    if jax.distributed.is_initialized():  # a second command in the same processes (tests)
+        return True
+    error = check_flags(coordinator_address, num_processes, process_id)
+    if error:
+        raise ValueError(error)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # (the CPU backend's only)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
+    watch_peers()
+    log.info("process %d of %d: %d local devices, %d in all", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+    return True
+
+
+def multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+# ----------------------------------------------------------------------------- host values
+def to_host(tree):
+    """Every array leaf of `tree` as numpy, the whole global value on every process (a
+    collective when a leaf spans other processes' devices: call it on every process, in
+    the same order). None leaves stay None."""
+    if not multiprocess():
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(get, tree)
+
+
+def broadcast_plan(tree):
+    """Process 0's value of `tree` (numpy arrays / scalars) on every process: the one
+    broadcast point of a step's host choices. Leaves go in one packed buffer per dtype."""
+    if not multiprocess():
+        return tree
+    from jax.experimental import multihost_utils
+
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [np.asarray(x) for x in leaves]
+    out = multihost_utils.broadcast_one_to_all(arrays)
+    return jax.tree.unflatten(treedef, [np.asarray(o).astype(a.dtype).reshape(a.shape)
+                                        for o, a in zip(out, arrays)])
+
+
+def agree_drafts(drafts, T: int):
+    """(drafts, T) of process 0 on every process: a step's host plan (the drafts after the
+    budget's cut, the tree bucket after any fallback) in one packed int32 buffer
+    [T, then per row: n, tokens[MAX_NODES], parents[MAX_NODES]]. Process 0 keeps its own
+    objects; the others get Drafts of the same tokens and parents (their classes and
+    estimates only feed their own budget, whose choices are not used)."""
+    from .drafts import Draft, DraftBatch
+    from .tree import MAX_NODES
+
+    if drafts.probs is not None:
+        raise NotImplementedError("drafts with draft probabilities (sampled drafts, a draft model) are not "
+                                  "shared across processes yet (docs/multihost.md)")
+    B, N = len(drafts), MAX_NODES
+    buf = np.zeros(1 + B * (1 + 2 * N), np.int32)
+    buf[0] = T
+    rows = buf[1:].reshape(B, 1 + 2 * N)
+    for b, d in enumerate(drafts.drafts):
+        n = len(d)
+        rows[b, 0], rows[b, 1:1 + n], rows[b, 1 + N:1 + N + n] = n, d.tokens, d.parents
+    got = broadcast_plan(buf)
+    if jax.process_index() == 0:
+        return drafts, T
+    rows = got[1:].reshape(B, 1 + 2 * N)
+    out = []
+    for r in rows:
+        n = int(r[0])
+        out.append(Draft([int(t) for t in r[1:1 + n]], [int(p) for p in r[1 + N:1 + N + n]]))
+    return DraftBatch(tuple(out)), int(got[0])
+
+
+# ----------------------------------------------------------------------------- checks
+STRATEGIES = ("greedy", "lookahead")  # those whose every per-step host choice is broadcast
+
+
+def check_strategy(name: str) -> None:
+    """ValueError for a strategy that would plan steps on every process apart (a draft
+    model's own steps, retrievals): they do not run over several processes yet."""
+    if name not in STRATEGIES:
+        raise ValueError(f"--strategy {name} does not run over several processes yet ({' and '.join(STRATEGIES)} "
+                         "do: docs/multihost.md)")
+
+
+def config_digest(config: dict) -> str:
+    """A short hash of `config` (JSON, sorted keys; values turned to str where not JSON)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_same_config(config: dict) -> None:
+    """Every process hashes `config` (model, strategy options, mesh, batch, dtype, ...) and
+    the hashes are all-gathered: a process whose hash differs from process 0's is a
+    ValueError naming it (on every process), before any decoding collective could hang."""
+    if not multiprocess():
+        return
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(bytes.fromhex(config_digest(config)), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [P, 8]
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise ValueError(
+            f"process {', '.join(map(str, differ))} of {every.shape[0]} runs a different configuration "
+            f"than process 0 (model, strategy options, mesh, batch, dtype, prompts): give every process "
+            f"the same flags (this is process {jax.process_index()}, config hash {config_digest(config)})")
+
+
+PEER_TIMEOUT_S = 5.0  # a peer whose heartbeat has not moved for this long is gone
+_HB = "lookahead_jax/heartbeat/"
+
+
+def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s: float = 60.0) -> bool:
+    """Start a daemon thread that keeps this process's heartbeat in the coordination
+    service's key-value store (a counter, every `every_s`) and reads every peer's: a peer
+    whose counter has not moved for `timeout_s` (seen by this host's clock; `grace_s` for
+    its first one), or a coordinator that no longer answers, ends this process at once
+    with one line naming the process (exit status 3), before JAX's own heartbeat timeout
+    (`init_distributed`) aborts it with a stack trace. A process that ends normally marks
+    its heartbeat "done" (atexit) and is not waited for. Returns whether it started (it
+    needs the distributed client, which JAX keeps in `jax._src.distributed`)."""
+    import atexit
+    import threading
+    import time
+
+    try:
+        from jax._src import distributed
+        client = distributed.global_state.client
+    except (ImportError, AttributeError):
+        client = None
+    if client is None or not multiprocess():
+        return False
+    me, n = jax.process_index(), jax.process_count()
+    seen = {}  # peer -> (its last value, when it changed, by this host's clock)
+    start = time.monotonic()
+
+    def gone(line: str) -> None:
+        print(f"error: process {me} of {n}: {line}; ending this process", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    def loop():
+        count = 0
+        while True:
+            count += 1
+            try:
+                client.key_value_set(f"{_HB}{me}", str(count), allow_overwrite=True)
+                values = dict(client.key_value_dir_get(_HB))
+            except Exception as e:  # noqa: BLE001 - any failure of the service: the coordinator is gone
+                if me == 0:
+                    gone(f"the coordination service failed ({str(e).splitlines()[0][:200]})")
+                gone(f"process 0 (the coordinator) is unreachable ({str(e).splitlines()[0][:200]})")
+            now = time.monotonic()
+            for q in range(n):
+                if q == me:
+                    continue
+                v = values.get(f"{_HB}{q}")
+                if v == "done":
+                    continue
+                last, since = seen.get(q, (None, start))
+                if v != last:
+                    seen[q] = (v, now)
+                elif now - since > (timeout_s if last is not None else grace_s):
+                    gone(f"process {q} stopped (no heartbeat for {now - since:.0f} s: it died or hangs)")
+            time.sleep(every_s)
+
+    def done():
+        try:
+            client.key_value_set(f"{_HB}{me}", "done", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the service may be gone already
+            pass
+
+    atexit.register(done)
+    threading.Thread(target=loop, name="lookahead-heartbeat", daemon=True).start()
+    return True
+
+
+def exit_on_failure(exc: BaseException) -> None:
+    """An error escaped the decoding of one of several processes: the others would wait in
+    their next collective, and a collective that lost its peer raises here too. Print the
+    traceback, give the heartbeat watcher (`watch_peers`) the time to name a lost peer
+    (it ends the process), else end it with one line (exit status 3): never wait out the
+    runtime's shutdown barrier. One process: returns (the caller re-raises)."""
+    if not multiprocess():
+        return
+    import time
+    import traceback
+
+    traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+    time.sleep(PEER_TIMEOUT_S + 2)
+    print(f"error: process {jax.process_index()} of {jax.process_count()}: {type(exc).__name__}: "
+          f"{str(exc).splitlines()[0][:300] if str(exc) else ''}; ending this process", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+__all__ = [
+    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "STRATEGIES", "agree_drafts", "broadcast_plan", "check_flags",
+    "check_same_config", "check_strategy", "config_digest", "exit_on_failure", "init_distributed", "multiprocess",
+    "to_host", "watch_peers",
+]

@@ -1,0 +1,67 @@
+"""One process of a multi-process CLI run in tests/test_multihost.py (2 of them, 4 CPU devices each):
+
+    python tests/multihost_worker.py ARGS... [--then ARGS...]   (the generate command's arguments)
+
+Each `--then` starts another command in the same processes (the distributed runtime and the
+compiled programs kept), after the previous one ended.
+
+The command's `load` gives the tiny random model of `tiny_multihost` (the same weights on every
+process: a fixed seed), placed on the command's mesh, and a byte tokenizer. XLA_FLAGS and
+JAX_PLATFORMS come from the test's environment."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from tiny import ByteTokenizer, tiny_model  # noqa: E402
+
+# vocab 260 = 4 * 65: the vocab splits over model=4; kv heads 4 split too (as in test_sharding)
+TINY = dict(vocab_size=260, n_heads=8, n_kv_heads=4, head_dim=8)
+
+
+class Tokenizer(ByteTokenizer):
+    """ByteTokenizer whose decode skips id 259 (the 260-token vocab's one id past the bytes)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return super().decode([i for i in ids if int(i) < 259], skip_special_tokens)
+
+
+def tiny_multihost():
+    return tiny_model("llama", seed=2, **TINY)
+
+
+def fake_load(name, dtype="float32", mesh=None, **_):
+    from lookahead_jax.core.sharding import shard_params
+
+    model = tiny_multihost()
+    if mesh is not None:
+        model.params = shard_params(model.params, model.config, mesh)
+    return model, Tokenizer()
+
+
+def main(argv) -> int:
+    import lookahead_jax.loading
+    from lookahead_jax import cli
+
+    from lookahead_jax.core.compile import enable_compilation_cache
+
+    enable_compilation_cache("xla-tests")  # as the test processes (conftest.py)
+    lookahead_jax.loading.load = fake_load
+    rc, cmd = 0, []
+    for a in argv + ["--then"]:
+        if a != "--then":
+            cmd.append(a)
+            continue
+        rc = cli.main(cmd)
+        print("--- end of command", flush=True)
+        if rc:
+            return rc
+        cmd = []
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

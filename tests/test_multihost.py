@@ -1,0 +1,188 @@
+"""Several processes: the generate command run by 2 local processes of 4 CPU devices each
+(gloo collectives), on one (data=2, model=4) mesh spanning both, gives the tokens of one
+process (greedy and lookahead, at temperature 0 and sampled); processes given different flags stop at start; a killed process ends the other.
+
+Each run is 2 children of `multihost_worker.py` (the command with the tiny random model of
+a fixed seed, so both processes hold the same weights) with a free port for the
+coordinator and a timeout, so a hang fails the test instead of hanging the suite. The
+decoding runs compile for minutes on a 2-core CPU: they are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lookahead_jax.generate import generate
+from multihost_worker import Tokenizer, tiny_multihost
+
+TESTS = pathlib.Path(__file__).resolve().parent
+WORKER = TESTS / "multihost_worker.py"
+MESH = "data=2,model=4"
+# repeated text, so that lookahead's drafts are accepted (the tiny model repeats too)
+PROMPTS = ["the cat sat on the mat, the cat sat on the mat, the cat", "abcabcabcabc", "1 2 3 1 2 3 1 2 3",
+           "hello hello hello", "to be or not to be", "aaaa bbbb aaaa bbbb", "x = x + 1; x = x + 1;", "la la la"]
+NEW = 24
+RUN_S = 400  # one 2-process run at most (compiling on a busy 2-core machine)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    e["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), e.get("PYTHONPATH", "")])
+    return e
+
+
+def start(tmp_path, commands, port=None):
+    """2 worker processes; commands[i]: process i's command lines (lists of args), run in turn."""
+    port = port or free_port()
+    procs = []
+    for pid, cmds in enumerate(commands):
+        argv = []
+        for c in cmds:
+            argv += (["--then"] if argv else []) + c + [
+                "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
+        out, err = open(tmp_path / f"p{pid}.out", "w"), open(tmp_path / f"p{pid}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *argv], stdout=out, stderr=err, env=env(),
+                                      cwd=tmp_path))
+    return procs
+
+
+def finish(tmp_path, procs, timeout=RUN_S):
+    """(exit statuses, stdouts, stderrs); a process still running after `timeout` fails the test."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"a process ran past {timeout} s:\n" + read(tmp_path, "err")[0][-3000:])
+    return [p.returncode for p in procs], read(tmp_path, "out"), read(tmp_path, "err")
+
+
+def read(tmp_path, kind) -> list:
+    return [(tmp_path / f"p{i}.{kind}").read_text(errors="replace") for i in range(2)]
+
+
+def json_runs(stdout: str) -> list:
+    """Per command: (its JSON rows, its summary)."""
+    runs = []
+    for part in stdout.split("--- end of command")[:-1]:
+        objs = [json.loads(line) for line in part.splitlines() if line.startswith("{")]
+        runs.append(([o for o in objs if "summary" not in o], [o["summary"] for o in objs if "summary" in o][0]))
+    return runs
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_greedy_lookahead_and_sampling_over_two_processes_give_one_process_tokens(tmp_path, prompts_file):
+    base = ["--prompts-file", prompts_file, "--batch-size", "8", "--max-new-tokens", str(NEW), "--json",
+            "--mesh", MESH]
+    look, sample = ["--strategy", "lookahead", "--decoding-length", "8"], ["--temperature", "0.8", "--seed", "3"]
+    cmds = [base, base + look, base + sample, base + look + sample]
+    t0 = time.monotonic()
+    rcs, outs, errs = finish(tmp_path, start(tmp_path, [cmds, cmds]))
+    assert rcs == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    # one process, one device
+    greedy = generate(tiny_multihost(), Tokenizer(), PROMPTS, max_new_tokens=NEW).token_ids
+    sampled = generate(tiny_multihost(), Tokenizer(), PROMPTS, max_new_tokens=NEW, temperature=0.8, seed=3).token_ids
+    assert sampled != greedy
+    runs = json_runs(outs[0])
+    assert len(runs) == 4, outs[0][-2000:]
+    for (rows, summary), strategy, want in zip(runs, ("greedy", "lookahead") * 2, (greedy, greedy, sampled, sampled)):
+        assert summary["strategy"] == strategy
+        assert [r["token_ids"] for r in sorted(rows, key=lambda r: r["prompt_index"])] == want, strategy
+    # lookahead drafted and had drafts accepted: the broadcast plans were real trees
+    assert runs[1][1]["tokens_per_step"] > 1.0 and runs[3][1]["tokens_per_step"] > 1.0, (runs[1][1], runs[3][1])
+    assert outs[1].count("{") == 0  # process 1 computes the same, prints nothing
+    print(f"2-process greedy, lookahead and sampled: {time.monotonic() - t0:.0f} s")
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--num-processes", "2", "--process-id", "0"], "need --coordinator-address HOST:PORT"),
+    (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id 2 is out of range for --num-processes 2 (0..1)"),
+    (["--coordinator-address", "h:1", "--num-processes", "0"], "--num-processes must be >= 1"),
+    (["--coordinator-address", "h", "--num-processes", "2"], "--coordinator-address must look like HOST:PORT"),
+])
+def test_bad_process_flags_are_one_error_line(flags, error, capsys):
+    from lookahead_jax.cli import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--prompt", "x", *flags])
+    assert e.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_processes_given_different_flags_stop_at_start(tmp_path, prompts_file):
+    base = ["--prompts-file", prompts_file, "--batch-size", "8", "--mesh", MESH]
+    procs = start(tmp_path, [[base + ["--max-new-tokens", "8"]], [base + ["--max-new-tokens", "9"]]])
+    rcs, _, errs = finish(tmp_path, procs, timeout=120)
+    assert rcs == [2, 2], errs
+    for err in errs:
+        assert "error: process 1 of 2 runs a different configuration than process 0" in err, err[-2000:]
+
+
+def test_a_strategy_not_shared_yet_is_an_error_on_every_process(tmp_path, prompts_file):
+    cmd = ["--prompts-file", prompts_file, "--mesh", MESH, "--strategy", "specinfer"]
+    rcs, _, errs = finish(tmp_path, start(tmp_path, [[cmd], [cmd]]), timeout=120)
+    assert rcs == [2, 2], errs
+    for err in errs:
+        assert "error: --strategy specinfer does not run over several processes yet" in err, err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_process_ends_the_other_within_30_s(tmp_path, prompts_file, victim):
+    """Process `victim` is killed (SIGKILL) while they decode: the other exits non-zero
+    within 30 s with one line naming it (process 0: the coordinator, whose loss JAX's
+    client reports itself)."""
+    cmd = ["--prompts-file", prompts_file, "--batch-size", "1", "--max-new-tokens", "200", "--mesh", MESH]
+    procs = start(tmp_path, [[cmd], [cmd]])
+    deadline = time.monotonic() + RUN_S
+    while "--- prompt 1" not in read(tmp_path, "out")[0]:  # decoding its second prompt: past compiling
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail("the run did not reach its second prompt:\n" + read(tmp_path, "err")[0][-3000:])
+        time.sleep(0.5)
+    procs[victim].kill()
+    t0 = time.monotonic()
+    survivor = procs[1 - victim]
+    try:
+        rc = survivor.wait(30)
+    except subprocess.TimeoutExpired:
+        survivor.kill()
+        pytest.fail(f"process {1 - victim} still ran 30 s after process {victim} was killed")
+    took = time.monotonic() - t0
+    err = read(tmp_path, "err")[1 - victim]
+    assert rc != 0
+    if victim:  # the heartbeat watcher's line
+        lines = [line for line in err.splitlines()
+                 if line.startswith("error: process 0 of 2:") and "process 1 stopped" in line]
+    else:  # the coordinator gone: JAX's client aborts at once (its line names the leader, task 0),
+        # or the watcher's line comes first
+        lines = [line for line in err.splitlines() if "process 0 (the coordinator) is unreachable" in line
+                 or ("Terminating process because the JAX distributed service detected fatal errors" in line
+                     and "the leader task was preempted/died" in line)]
+    assert lines, err[-3000:]
+    print(f"process {1 - victim} exited {took:.1f} s after process {victim} was killed: {lines[-1][:300]}")
