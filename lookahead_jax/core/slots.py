@@ -47,7 +47,7 @@ running request for its whole prefill; so `insert` forwards its first block of C
 prompt length, `DecodeState.block`; with no other request decoding, all its blocks at
 once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its row's phase is
 `Phase.PREFILLING`, so the decode step, the drafter and the budget skip it), and each `step`, after
-its verify step over the decoding slots, forwards the next block of the oldest prefilling
+its verify step over the decoding slots (a plain one, no tree: `budget.NoTree`), forwards the next block of the oldest prefilling
 slot (one block of at most C tokens per step, first come first served). A block reads the
 cached prefix (`decode.forward_rows`), and its last token stays uncached as
 the row's root, re-forwarded first in the next block (the row's invariant holds between
@@ -96,7 +96,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .acceptance import TokenMatch
-from .budget import FixedBudget
+from .budget import FixedBudget, NoTree
 from .decode import DecodeState, forward_rows, prompt_bucket, step
 from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
@@ -107,7 +107,6 @@ from .prefix_cache import budget_bytes
 from .prefix_rows import PrefixRows
 from .prefix_warm import PrefixWarm
 from .sampling import Penalties, SamplingParams
-
 
 
 class NeedsOwnSlots(ValueError):
@@ -172,6 +171,7 @@ class Slots:
     its size; None / 0: off); only with prefill_chunk (else ignored).
     Call `close()` when done (a run's workers stop)."""
 
+    trees_while_prefilling = False  # a step with a prefill block verifies a tree too (before issue 57)
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
@@ -359,7 +359,9 @@ class Slots:
                 # plain decoding, several tokens per call (the strategy's device_steps)
                 self.last_step = plain_steps(self.engine, self.state, self.rule, self.device_steps)
             else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
-                self.last_step = step(self.engine, self.state, drafter, self.rule, self.budget)
+                plain = self._prefill and not self.trees_while_prefilling  # (`budget.NoTree`)
+                self.last_step = step(self.engine, self.state, drafter, self.rule,
+                                      NoTree(self.budget) if plain else self.budget)
         if decoding:
             self._decode_s = (self._decode_s + [self._clock() - t0])[-8:]
         self._prefill_blocks(t0)
