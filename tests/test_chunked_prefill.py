@@ -5,7 +5,8 @@ one block of C tokens per step while the other slots keep decoding.
   do the others (greedy, lookahead, sampling; SpecInfer in the slow run), batch 3.
 * While it prefills, every decoding slot gets tokens on each step, the long one none, for
   ceil((L - 1) / (C - 1)) - 1 steps after its insert; its first token comes in one event.
-* A step that carries a block verifies no tree (`budget.NoTree`), the tokens unchanged.
+* A step that carries a block verifies no tree (`budget.NoTree`), the tokens unchanged;
+  with `blocks_at_insert` False an insert while others decode forwards no block.
 * Many requests of mixed lengths queue their blocks (oldest first) and all equal alone.
 * A step budget (`step_budget=k`): no block at insert while others decode, and each step
   carries the blocks that fit in k decode steps; the tokens are unchanged.
@@ -153,6 +154,36 @@ def test_steps_with_a_block_verify_no_tree(model, tok, kind, trees):
     assert any(after), "the steps after the prefill draft again"
     for b, text in texts.items():
         assert got[b] == rows[b].ids == alone(model, tok, text, b, max_new[b], sp, seed), (kind, trees, b)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "lookahead", "sampling"])
+def test_no_block_at_insert(model, tok, kind):
+    """`blocks_at_insert` False: an insert while others decode forwards nothing (the prompt
+    keeps its length 0), each step then carries one block, so the long prompt takes one
+    step per block; short prompts too; every request's tokens are its tokens alone."""
+    strat, sp = STRATEGIES[kind](model)
+    seed = 5 if sp else 0
+    slots = Slots(engine_for(model), tok, 3, CACHE, strat, sampling=sp or SamplingParams(), prefill_chunk=C)
+    slots.blocks_at_insert = False
+    texts, max_new = {0: SHORT[2], 1: SHORT[1], 2: LONG[2]}, {0: 80, 1: 12, 2: 16}
+    got, rows = {b: [] for b in texts}, {}
+    take = collector(slots, got, rows)
+    mk = lambda b: Request(tok.encode(texts[b]), GenerationParams.of(sp, max_new_tokens=max_new[b], seed=seed),
+                           sampling_row=b)
+    take(slots.insert(0, mk(0)))  # nothing decoding: prefilled at insert
+    assert got[0] and slots.prefilling == []
+    for b in (1, 2):
+        ev = slots.insert(b, mk(b))
+        assert ev[0].tokens == [] and slots.row(b).phase is Phase.PREFILLING and int(slots.state.lengths[b]) == 0
+    steps = 0
+    while 2 in slots.prefilling:
+        take(slots.step())
+        steps += 1
+    assert steps == 1 + blocks(len(tok.encode(texts[2])))  # the short prompt's one block, then the long one's
+    while slots.busy:
+        take(slots.step())
+    for b, text in texts.items():
+        assert got[b] == rows[b].ids == alone(model, tok, text, b, max_new[b], sp, seed), (kind, b)
 
 
 def test_mixed_lengths_queue_their_blocks(model, tok):

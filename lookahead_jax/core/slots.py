@@ -172,6 +172,7 @@ class Slots:
     Call `close()` when done (a run's workers stop)."""
 
     trees_while_prefilling = False  # a step with a prefill block verifies a tree too (before issue 57)
+    blocks_at_insert = True  # False: while others decode, an insert forwards no block (one a step)
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
@@ -324,7 +325,7 @@ class Slots:
                 self._prefill[s], st.rows[s].phase = st.rows[s].prompt_ids, Phase.PREFILLING
             if self.prefix is not None:  # cached leading blocks into the rows; the rest is forwarded
                 self.prefix.fill(st, slots)
-            if not decoding or self.step_budget is None:  # (with a budget the steps take every block)
+            if not decoding or self.step_budget is None and self.blocks_at_insert:  # (else the steps take them)
                 self._forward_chunks(slots)
                 # a prompt one block from its end (a short one, or one the prefix cache served)
                 # takes it now too: its first token at insert, for a second block's stall
