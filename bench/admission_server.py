@@ -12,8 +12,8 @@ stream's largest gaps are shown with what the engine thread did during them.
 
 `--configs`: `KEY=VALUE,...` server settings alternated in one run (step_budget=K: the
 server's --step-budget; prefix_cache_mb=M; prefill_chunk=C; trees=1: a step that carries
-a prefill block verifies a speculation tree too, as before issue 57 (`Slots.
-trees_while_prefilling`); trees=0, the default: no tree in such a step, `budget.NoTree`;
+a prefill block verifies a speculation tree too (`Slots.trees_while_prefilling`, the
+default); trees=0: no tree in such a step, `budget.NoTree`;
 insert=0: an insert while others decode forwards no block, the steps take them one each
 (`Slots.blocks_at_insert`; insert=1, the default: its first block, two if that ends it). Prints each configuration's
 gaps (p50 / p99 / max), the requests' latencies and the top gaps' breakdown; saves JSON.
@@ -103,7 +103,7 @@ def run_config(args, cfg_over: dict, model, tok):
     from lookahead_jax.core.slots import Slots
 
     over = dict(cfg_over)
-    Slots.trees_while_prefilling = bool(over.pop("trees", 0))  # (every Slots the server builds)
+    Slots.trees_while_prefilling = bool(over.pop("trees", 1))  # (every Slots the server builds)
     Slots.blocks_at_insert = bool(over.pop("insert", 1))
     cfg = ServeConfig(model=args.model, strategy="lookahead", max_batch=args.max_batch, max_len=2048, **over)
     cold_stores(model)  # (each configuration drafts and caches prefixes from nothing)

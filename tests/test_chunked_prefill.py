@@ -5,7 +5,7 @@ one block of C tokens per step while the other slots keep decoding.
   do the others (greedy, lookahead, sampling; SpecInfer in the slow run), batch 3.
 * While it prefills, every decoding slot gets tokens on each step, the long one none, for
   ceil((L - 1) / (C - 1)) - 1 steps after its insert; its first token comes in one event.
-* A step that carries a block verifies no tree (`budget.NoTree`), the tokens unchanged;
+* `trees_while_prefilling` False: a step that carries a block verifies no tree, the tokens unchanged;
   with `blocks_at_insert` False an insert while others decode forwards no block.
 * Many requests of mixed lengths queue their blocks (oldest first) and all equal alone.
 * A step budget (`step_budget=k`): no block at insert while others decode, and each step
@@ -128,9 +128,9 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(model, tok, kind):
 @pytest.mark.parametrize("kind", ["lookahead", "sampling"])
 @pytest.mark.parametrize("trees", [False, True])
 def test_steps_with_a_block_verify_no_tree(model, tok, kind, trees):
-    """A step that carries a prefill block verifies no tree (`budget.NoTree`; the slots'
-    `trees_while_prefilling` False, the default) and the steps after it draft again; with
-    trees (before issue 57) or without, every request's tokens are its tokens alone."""
+    """With `trees_while_prefilling` False a step that carries a prefill block verifies no
+    tree (`budget.NoTree`) and the steps after it draft again; with trees (the default) or
+    without, every request's tokens are its tokens alone."""
     strat, sp = STRATEGIES[kind](model)
     seed = 5 if sp else 0
     slots = Slots(engine_for(model), tok, 2, CACHE, strat, sampling=sp or SamplingParams(), prefill_chunk=C)

@@ -164,7 +164,8 @@ class FixedBudget:
 
 class NoTree:
     """`budget` for one step that verifies no tree (T = 0) and proposes none: a step of
-    `Slots` that carries a prefill block spends its time on the block, not on a
+    `Slots` that carries a prefill block (with `Slots.trees_while_prefilling` False; off by
+    default: docs/serving.md, "Admission through the server") spends its time on the block, not on a
     speculation tree (issue 57: a tree step of the running batch plus a block was the
     stream's longest gap). The rest is `budget`'s: its buckets, the plain step's time
     recorded into its calibration, and the scoring of earlier drafts. Lossless: a row's

@@ -47,7 +47,7 @@ running request for its whole prefill; so `insert` forwards its first block of C
 prompt length, `DecodeState.block`; with no other request decoding, all its blocks at
 once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its row's phase is
 `Phase.PREFILLING`, so the decode step, the drafter and the budget skip it), and each `step`, after
-its verify step over the decoding slots (a plain one, no tree: `budget.NoTree`), forwards the next block of the oldest prefilling
+its verify step over the decoding slots, forwards the next block of the oldest prefilling
 slot (one block of at most C tokens per step, first come first served). A block reads the
 cached prefix (`decode.forward_rows`), and its last token stays uncached as
 the row's root, re-forwarded first in the next block (the row's invariant holds between
@@ -171,7 +171,7 @@ class Slots:
     its size; None / 0: off); only with prefill_chunk (else ignored).
     Call `close()` when done (a run's workers stop)."""
 
-    trees_while_prefilling = False  # a step with a prefill block verifies a tree too (before issue 57)
+    trees_while_prefilling = True  # False: a step with a prefill block verifies no tree (`budget.NoTree`)
     blocks_at_insert = True  # False: while others decode, an insert forwards no block (one a step)
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
