@@ -29,6 +29,10 @@ for each passage's first question and its repeats, and the cache's hit rate:
     python bench/serve.py --prompts nq-shared --strategies greedy/nocache greedy lookahead \
         --concurrency 4 --rate 2 --requests 24 --warmup 6 --max-tokens 128 \
         --out bench/results/serve-prefix.json
+
+A strategy written `NAME/notree` runs with a step that carries a prefill block verifying
+no speculation tree (`Slots.trees_while_prefilling` False, `budget.NoTree`; off by default):
+its A/B, e.g. `--strategies lookahead lookahead/notree --concurrency 1 4 8`.
 """
 
 from __future__ import annotations
@@ -92,9 +96,12 @@ def start_server(args, strategy: str, batch: int, model, tok):
     from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
 
     strategy, _, variant = strategy.partition("/")
-    if variant not in ("", "nocache"):
-        raise SystemExit(f"unknown strategy variant /{variant} (NAME or NAME/nocache)")
+    if variant not in ("", "nocache", "notree"):
+        raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache or NAME/notree)")
     cache_mb = 0 if variant == "nocache" else args.prefix_cache_mb
+    from lookahead_jax.core.slots import Slots
+
+    Slots.trees_while_prefilling = variant != "notree"  # (notree: a step with a prefill block drafts none)
     opts = ()
     if strategy == "lookahead" and args.decoding_length:
         opts = (("decoding_length", args.decoding_length),)
@@ -251,7 +258,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--strategies", nargs="+", default=["greedy", "lookahead"],
                     help="greedy lookahead specinfer specinfer-auto specinfer-fixed (SpecInfer's budget: the "
-                         "default, auto or fixed); NAME/nocache: with the prefix cache off. Speedups are "
+                         "default, auto or fixed); NAME/nocache: with the prefix cache off; NAME/notree: no tree in steps with a prefill block. Speedups are "
                          "against the first")
     ap.add_argument("--prompts", choices=("repo", "nq-shared"), default="repo",
                     help="repo: NQ RAG, GSM8K and HumanEval prompts of the repository's data/, shuffled; "

@@ -5,6 +5,8 @@ one block of C tokens per step while the other slots keep decoding.
   do the others (greedy, lookahead, sampling; SpecInfer in the slow run), batch 3.
 * While it prefills, every decoding slot gets tokens on each step, the long one none, for
   ceil((L - 1) / (C - 1)) - 1 steps after its insert; its first token comes in one event.
+* `trees_while_prefilling` False: a step that carries a block verifies no tree, the tokens unchanged;
+  with `blocks_at_insert` False an insert while others decode forwards no block.
 * Many requests of mixed lengths queue their blocks (oldest first) and all equal alone.
 * A step budget (`step_budget=k`): no block at insert while others decode, and each step
   carries the blocks that fit in k decode steps; the tokens are unchanged.
@@ -121,6 +123,67 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(model, tok, kind):
         want = alone(model, tok, text, b, max_new[b], sp, seed)
         assert got[b] == rows[b].ids == want, (kind, b)
     assert rows[2].prompt_ids == long_ids and slots.free_slots == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", ["lookahead", "sampling"])
+@pytest.mark.parametrize("trees", [False, True])
+def test_steps_with_a_block_verify_no_tree(model, tok, kind, trees):
+    """With `trees_while_prefilling` False a step that carries a prefill block verifies no
+    tree (`budget.NoTree`) and the steps after it draft again; with trees (the default) or
+    without, every request's tokens are its tokens alone."""
+    strat, sp = STRATEGIES[kind](model)
+    seed = 5 if sp else 0
+    slots = Slots(engine_for(model), tok, 2, CACHE, strat, sampling=sp or SamplingParams(), prefill_chunk=C)
+    slots.trees_while_prefilling = trees
+    texts, max_new = {0: PROMPTS[5][:30], 1: LONG[1]}, {0: 120, 1: 16}
+    got, rows = {b: [] for b in texts}, {}
+    take = collector(slots, got, rows)
+    mk = lambda b: Request(tok.encode(texts[b]), GenerationParams.of(sp, max_new_tokens=max_new[b], seed=seed),
+                           sampling_row=b)
+    take(slots.insert(0, mk(0)))
+    take(slots.insert(1, mk(1)))
+    with_block, after = [], []
+    while slots.busy:
+        prefilling = bool(slots.prefilling)
+        take(slots.step())
+        if slots.last_step is not None:
+            (with_block if prefilling else after).append(slots.last_step.T)
+    assert len(with_block) == blocks(len(tok.encode(texts[1]))) - 1 and after
+    if not trees:
+        assert set(with_block) == {0}
+    assert any(after), "the steps after the prefill draft again"
+    for b, text in texts.items():
+        assert got[b] == rows[b].ids == alone(model, tok, text, b, max_new[b], sp, seed), (kind, trees, b)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "lookahead", "sampling"])
+def test_no_block_at_insert(model, tok, kind):
+    """`blocks_at_insert` False: an insert while others decode forwards nothing (the prompt
+    keeps its length 0), each step then carries one block, so the long prompt takes one
+    step per block; short prompts too; every request's tokens are its tokens alone."""
+    strat, sp = STRATEGIES[kind](model)
+    seed = 5 if sp else 0
+    slots = Slots(engine_for(model), tok, 3, CACHE, strat, sampling=sp or SamplingParams(), prefill_chunk=C)
+    slots.blocks_at_insert = False
+    texts, max_new = {0: SHORT[2], 1: SHORT[1], 2: LONG[2]}, {0: 80, 1: 12, 2: 16}
+    got, rows = {b: [] for b in texts}, {}
+    take = collector(slots, got, rows)
+    mk = lambda b: Request(tok.encode(texts[b]), GenerationParams.of(sp, max_new_tokens=max_new[b], seed=seed),
+                           sampling_row=b)
+    take(slots.insert(0, mk(0)))  # nothing decoding: prefilled at insert
+    assert got[0] and slots.prefilling == []
+    for b in (1, 2):
+        ev = slots.insert(b, mk(b))
+        assert ev[0].tokens == [] and slots.row(b).phase is Phase.PREFILLING and int(slots.state.lengths[b]) == 0
+    steps = 0
+    while 2 in slots.prefilling:
+        take(slots.step())
+        steps += 1
+    assert steps == 1 + blocks(len(tok.encode(texts[2])))  # the short prompt's one block, then the long one's
+    while slots.busy:
+        take(slots.step())
+    for b, text in texts.items():
+        assert got[b] == rows[b].ids == alone(model, tok, text, b, max_new[b], sp, seed), (kind, b)
 
 
 def test_mixed_lengths_queue_their_blocks(model, tok):

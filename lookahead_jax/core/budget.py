@@ -162,6 +162,28 @@ class FixedBudget:
         return {}
 
 
+class NoTree:
+    """`budget` for one step that verifies no tree (T = 0) and proposes none: a step of
+    `Slots` that carries a prefill block (with `Slots.trees_while_prefilling` False; off by
+    default: docs/serving.md, "Admission through the server") spends its time on the block, not on a
+    speculation tree (issue 57: a tree step of the running batch plus a block was the
+    stream's longest gap). The rest is `budget`'s: its buckets, the plain step's time
+    recorded into its calibration, and the scoring of earlier drafts. Lossless: a row's
+    tokens do not depend on the tree size."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def __getattr__(self, name):
+        return getattr(self.budget, name)
+
+    def propose_nodes(self, state) -> int:
+        return 0
+
+    def plan(self, drafts, state) -> int:
+        return 0
+
+
 class AcceptanceStats:
     """Accepted drafts per budget bucket (all of `tree.BUCKETS`), kept per draft class over
     the last `window` scored drafts of that class.

@@ -96,7 +96,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from .acceptance import TokenMatch
-from .budget import FixedBudget
+from .budget import FixedBudget, NoTree
 from .decode import DecodeState, forward_rows, prompt_bucket, step
 from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
@@ -108,7 +108,6 @@ from .prefix_cache import budget_bytes
 from .prefix_rows import PrefixRows
 from .prefix_warm import PrefixWarm
 from .sampling import Penalties, SamplingParams
-
 
 
 class NeedsOwnSlots(ValueError):
@@ -173,6 +172,8 @@ class Slots:
     its size; None / 0: off); only with prefill_chunk (else ignored).
     Call `close()` when done (a run's workers stop)."""
 
+    trees_while_prefilling = True  # False: a step with a prefill block verifies no tree (`budget.NoTree`)
+    blocks_at_insert = True  # False: while others decode, an insert forwards no block (one a step)
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
@@ -325,7 +326,7 @@ class Slots:
                 self._prefill[s], st.rows[s].phase = st.rows[s].prompt_ids, Phase.PREFILLING
             if self.prefix is not None:  # cached leading blocks into the rows; the rest is forwarded
                 self.prefix.fill(st, slots)
-            if not decoding or self.step_budget is None:  # (with a budget the steps take every block)
+            if not decoding or self.step_budget is None and self.blocks_at_insert:  # (else the steps take them)
                 self._forward_chunks(slots)
                 # a prompt one block from its end (a short one, or one the prefix cache served)
                 # takes it now too: its first token at insert, for a second block's stall
@@ -360,7 +361,9 @@ class Slots:
                 # plain decoding, several tokens per call (the strategy's device_steps)
                 self.last_step = plain_steps(self.engine, self.state, self.rule, self.device_steps)
             else:  # the StepResult (drafted / emitted per row: a server's speculation metrics)
-                self.last_step = step(self.engine, self.state, drafter, self.rule, self.budget)
+                plain = self._prefill and not self.trees_while_prefilling  # (`budget.NoTree`)
+                self.last_step = step(self.engine, self.state, drafter, self.rule,
+                                      NoTree(self.budget) if plain else self.budget)
         if decoding:
             self._decode_s = (self._decode_s + [self._clock() - t0])[-8:]
         self._prefill_blocks(t0)
