@@ -273,7 +273,8 @@ class Slots:
         rowids[idx] = [s if r.sampling_row is None else int(r.sampling_row) for s, r in zip(slots, requests)]
         st.seeds, st.rowids = self.engine.put(seeds), self.engine.put(rowids)
         st.set_row_values(self.engine.put)
-        decoding = [b for b in np.flatnonzero(st.active) if b not in slots]  # requests that would wait
+        inserted = set(slots)  # (a set: a list's `in` made this quadratic in the batch)
+        decoding = [b for b in np.flatnonzero(st.active) if b not in inserted]  # requests that would wait
         if self.prefill_chunk is None:  # the whole prompt in one forward
             if self.prefix is not None:  # (a run's rows) cached leading blocks in, the rest forwarded
                 self.prefix.fill(st, slots)

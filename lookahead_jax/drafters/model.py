@@ -290,8 +290,9 @@ class ModelDrafter:
             self.catch_up_s += time.perf_counter() - t1 - (c2 - c1)
         catch = np.zeros((B, CATCH_UP), np.int32)
         n_catch = np.zeros(B, np.int32)
+        dlen = self.dlen  # (a property: computed once, not once per row)
         for b in np.flatnonzero(active):
-            new = state.context(b)[int(self.dlen[b]):int(L[b]) + 1]
+            new = state.context(b)[int(dlen[b]):int(L[b]) + 1]
             catch[b, :len(new)] = new
             n_catch[b] = len(new)
         self.mode = mode
@@ -326,9 +327,9 @@ class ModelDrafter:
             self.commit_n[b] = len(fwd)
 
     def rollback(self, rows, length) -> None:
-        rows = list(rows)
+        rows, dlen = list(rows), self.dlen
         for b in rows:
-            keep = min(int(self.dlen[b]), int(length))
+            keep = min(int(dlen[b]), int(length))
             self.commit_n[b] = max(0, min(int(self.commit_n[b]), keep - int(self.base[b])))
             self.base[b] = min(int(self.base[b]), keep)
         self.cache = self.cache.replace(length=self.cache.length.at[np.asarray(rows)].set(
@@ -393,7 +394,8 @@ class ModelDrafter:
         from ..core.decode import prompt_bucket
 
         B, S = state.batch, state.max_len
-        n_new = np.maximum(np.asarray(upto, np.int64) - self.dlen, 0).astype(np.int32)
+        dlen = self.dlen
+        n_new = np.maximum(np.asarray(upto, np.int64) - dlen, 0).astype(np.int32)
         if not n_new.any():
             return None
         rows = np.flatnonzero(n_new)  # only these rows are forwarded (a new request: its own row)
@@ -402,9 +404,9 @@ class ModelDrafter:
         P = prompt_bucket(int(n.max()), S)
         block = np.zeros((len(n), P), np.int32)
         for i, b in enumerate(range(B) if whole else rows):
-            block[i, :n[i]] = state.context(b)[int(self.dlen[b]):int(upto[b])]
-        start = self.dlen if whole else self.dlen[rows]
-        window = P if not start.any() else window_for(int((self.dlen + n_new)[rows].max()), S)
+            block[i, :n[i]] = state.context(b)[int(dlen[b]):int(upto[b])]
+        start = dlen if whole else dlen[rows]
+        window = P if not start.any() else window_for(int((dlen + n_new)[rows].max()), S)
         x = StepInputs(block, self.seeds, self.rowids, n_new=n)  # greedy: the draft's own picks are not used
         if not whole:
             x = x.rows(rows)  # (the block and n_new have these rows already)
