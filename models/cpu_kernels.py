@@ -14,7 +14,8 @@ search's shortlist pass (keys read once for all queries). They take the kernel o
 it pays and is possible, decided at trace time:
 
 * lowering for CPU (`lax.platform_dependent`: GPU/TPU lower plain `dot` / the reference),
-* f32 operands, 1..MAX_ROWS rows (MAX_ATTN_TOKENS tokens), the vectorised dims multiples
+* f32 operands, 1..MAX_ROWS rows (attention: 1..MAX_ATTN_TOKENS tokens, or any number
+  at a window of MIN_PREFILL_ATTN_WINDOW slots or more), the vectorised dims multiples
   of the vector width,
 * the kernel built: at first use, by the host C++ compiler (`c++ -O3 -march=native`,
   AVX2+FMA or AVX-512; cached per source, CPU and jax version under
@@ -61,7 +62,13 @@ log = logging.getLogger("lookahead_jax")
 
 MAX_ROWS = 16  # above this XLA's GEMM is as fast (compute, not weight reads, dominates)
 MAX_ROWS_NT = 16  # x @ e.T (tied embeddings as the output layer)
-MAX_ATTN_TOKENS = 16  # attention: decode and verify blocks (prefill keeps XLA's batched dots)
+MAX_ATTN_TOKENS = 16  # attention: decode and verify blocks, at any window
+# attention of more tokens (prefill blocks): the kernel from this window on. It reads each
+# row only to its last visible slot where XLA's batched dots read the whole window (64
+# tokens over 2,048 slots, the row at 800: 0.30 against 0.71-0.85 s of CPU for SmolLM2's 30
+# layers; a whole 512-token prompt 0.35 against 1.5 s); at a 128 window XLA's is cheaper
+# (0.03 against 0.13 s), issue 57
+MIN_PREFILL_ATTN_WINDOW = 512
 MAX_KNN_QUERIES = 64  # knn_shortlist: a speculative round's queries (the kernel takes any Q)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _lock = threading.Lock()
@@ -401,9 +408,10 @@ def matmul_nt(x, e):
 
 def attention_applies(tokens: int, head_dim: int) -> bool:
     """Whether `attention` runs the kernel for f32 blocks of `tokens` new tokens per row and
-    this head size (building the kernel on first call). The kernel reads each row only up
-    to its last visible slot, so where it applies a step's window can be the whole cache at
-    no measurable cost (`Engine.window`)."""
+    this head size at every window (building the kernel on first call). The kernel reads
+    each row only up to its last visible slot, so where it applies a step's window can be
+    the whole cache at no measurable cost (`Engine.window`). Larger blocks take it only at
+    windows of MIN_PREFILL_ATTN_WINDOW or more, so they keep small windows where they can."""
     vw = vector_width() if 1 <= tokens <= MAX_ATTN_TOKENS else None
     return bool(vw) and head_dim % vw == 0
 
@@ -418,12 +426,14 @@ def attention(q, k, v, mask, scale: float, reference):
     softmax(scale * q k^T, masked) v, a row with nothing visible giving zeros.
 
     `reference(q, k, v, mask)` is the same computation in jnp: what GPU/TPU lower, what
-    runs where the kernel does not apply (not f32, T > MAX_ATTN_TOKENS, H not a multiple of
-    the vector width, kernel off), and what derivatives go through.
+    runs where the kernel does not apply (not f32, T > MAX_ATTN_TOKENS at a window under
+    MIN_PREFILL_ATTN_WINDOW, H not a multiple of the vector width, kernel off), and what
+    derivatives go through.
     """
     T, H = q.shape[1], q.shape[4]
     usable = (q.dtype == k.dtype == v.dtype == jnp.float32 and mask.dtype == jnp.bool_
-              and 1 <= T <= MAX_ATTN_TOKENS and mask.shape[1] == T and mask.shape[2] <= k.shape[2])
+              and (1 <= T <= MAX_ATTN_TOKENS or T >= 1 and mask.shape[2] >= MIN_PREFILL_ATTN_WINDOW)
+              and mask.shape[1] == T and mask.shape[2] <= k.shape[2])
     vw = vector_width() if usable else None
     if not vw or H % vw:
         return reference(q, k, v, mask)

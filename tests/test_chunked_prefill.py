@@ -125,6 +125,29 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(model, tok, kind):
     assert rows[2].prompt_ids == long_ids and slots.free_slots == [0, 1, 2]
 
 
+def test_wide_blocks_past_512_tokens_match_the_prompt_alone(model, tok):
+    """64-token blocks of a 700-token prompt climb the windows 128 / 512 / 1,024; from 512
+    on they take the CPU attention kernel (`cpu_kernels.MIN_PREFILL_ATTN_WINDOW`, issue
+    57; elsewhere the jnp definition): the row's tokens are those of the prompt alone
+    (prefilled whole), and the decoding row's are its own."""
+    from lookahead_jax.models import cpu_kernels
+
+    assert cpu_kernels.MIN_PREFILL_ATTN_WINDOW <= 512 < CACHE
+    slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=64)
+    texts, max_new = {0: SHORT[2], 1: (PROMPTS[0] + " " + PROMPTS[7] + " " + PROMPTS[2])[:700]}, {0: 60, 1: 12}
+    assert len(tok.encode(texts[1])) > 512 + 64
+    got, rows = {0: [], 1: []}, {}
+    take = collector(slots, got, rows)
+    take(slots.insert(0, Request(tok.encode(texts[0]), GenerationParams(max_new_tokens=max_new[0]), sampling_row=0)))
+    take(slots.step())
+    take(slots.insert(1, Request(tok.encode(texts[1]), GenerationParams(max_new_tokens=max_new[1]), sampling_row=1)))
+    assert slots.prefilling == [1]
+    while slots.busy:
+        take(slots.step())
+    for b, text in texts.items():
+        assert got[b] == rows[b].ids == alone(model, tok, text, b, max_new[b]), b
+
+
 @pytest.mark.parametrize("kind", ["lookahead", "sampling"])
 @pytest.mark.parametrize("trees", [False, True])
 def test_steps_with_a_block_verify_no_tree(model, tok, kind, trees):

@@ -379,6 +379,31 @@ def test_attention_rows_do_not_depend_on_the_block_or_the_window():
 
 
 @needs_kernel
+def test_attention_prefill_block_at_a_wide_window_takes_the_kernel():
+    """A prefill block (more than MAX_ATTN_TOKENS tokens) at a window of
+    MIN_PREFILL_ATTN_WINDOW slots or more takes the kernel (it reads each row only to its
+    last visible slot, issue 57): close to the definition, and each token's output bitwise
+    what it gives alone (a decode step) and at the whole cache's window."""
+    B, K, G, T, S, H = 1, 3, 3, 64, 2048, 64
+    W = ck.MIN_PREFILL_ATTN_WINDOW
+    q, k, v, _ = _attention_case(8, B, K, G, T, S, W, H)
+    length = 300  # the row's cached slots before the block; causal over the block
+    mask = np.arange(S)[None, None, :] <= length + np.arange(T)[None, :, None]  # [1,T,S]
+    f = jax.jit(_attention)
+    block = f.lower(q, k, v, jnp.asarray(mask[:, :, :W]))
+    assert "lookahead_attention" in block.as_text()
+    got = np.asarray(block.compile()(q, k, v, jnp.asarray(mask[:, :, :W])))
+    np.testing.assert_allclose(got, np.asarray(jax.jit(_reference(0.125))(q, k, v, jnp.asarray(mask[:, :, :W]))),
+                               rtol=0, atol=2e-6)
+    assert np.array_equal(np.asarray(f(q, k, v, jnp.asarray(mask))), got)  # the whole cache's window
+    for t in (0, 17, T - 1):
+        one = f(q[:, t:t + 1], k, v, jnp.asarray(mask[:, t:t + 1]))
+        assert np.array_equal(np.asarray(one)[:, 0], got[:, t])
+    small = _attention_case(9, B, K, G, T, S, W // 4, H)  # a small window keeps XLA's dots
+    assert "lookahead_attention" not in jax.jit(_attention).lower(*small).as_text()
+
+
+@needs_kernel
 def test_attention_row_with_nothing_visible_is_finite():
     q, k, v, mask = _attention_case(3, T=3)
     mask = mask.at[:, 1].set(False)
