@@ -72,7 +72,8 @@ class SpecInfer(StrategyBase):
     name = "specinfer"
     help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
     choices = {"sampler": SAMPLERS, "draft_weights": DRAFT_WEIGHTS, "budget": ("auto", "fixed")}
-    parsers = {"expansion": _expansion, "draft_model": str}
+    # budget is "auto" or "fixed": a str (not the auto-or-integer flag of other fields defaulting to "auto")
+    parsers = {"expansion": _expansion, "draft_model": str, "budget": str}
     metavars = {"draft_model": "NAME_OR_PATH", "expansion": "W1,W2,..."}
     field_help = {
         "draft_model": "the draft model: a preset (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b) or "
