@@ -171,15 +171,16 @@ def agree_choice(*values: int) -> tuple:
 
 
 # ----------------------------------------------------------------------------- checks
-STRATEGIES = ("greedy", "lookahead")  # those whose every per-step host choice is broadcast
+# those whose every per-step host choice is process 0's (docs/multihost.md)
+STRATEGIES = ("greedy", "lookahead", "specinfer", "ralm", "ralmspec")
 
 
 def check_strategy(name: str) -> None:
-    """ValueError for a strategy that would plan steps on every process apart (a draft
-    model's own steps, retrievals): they do not run over several processes yet."""
+    """ValueError for a strategy that would plan steps on every process apart (knnlm: its
+    rounds' searches and speculation strides): it does not run over several processes yet."""
     if name not in STRATEGIES:
-        raise ValueError(f"--strategy {name} does not run over several processes yet ({' and '.join(STRATEGIES)} "
-                         "do: docs/multihost.md)")
+        raise ValueError(f"--strategy {name} does not run over several processes yet ({', '.join(STRATEGIES[:-1])} "
+                         f"and {STRATEGIES[-1]} do: docs/multihost.md)")
 
 
 def config_digest(config: dict) -> str:
