@@ -294,7 +294,7 @@ def exit_on_failure(exc: BaseException) -> None:
 
 
 __all__ = [
-    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "STRATEGIES", "agree_choice", "agree_drafts", "broadcast_plan", "check_flags",
-    "check_same_config", "check_strategy", "config_digest", "exit_on_failure", "init_distributed", "multiprocess",
-    "to_host", "watch_peers",
+    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "STRATEGIES", "agree_choice", "agree_drafts", "broadcast_plan",
+    "check_flags", "check_same_config", "check_strategy", "config_digest", "exit_on_failure", "init_distributed",
+    "multiprocess", "to_host", "watch_peers",
 ]
