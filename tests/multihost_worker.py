@@ -6,8 +6,9 @@ Each `--then` starts another command in the same processes (the distributed runt
 compiled programs kept), after the previous one ended.
 
 The command's `load` gives the tiny random model of `tiny_multihost` (the same weights on every
-process: a fixed seed), placed on the command's mesh, and a byte tokenizer. XLA_FLAGS and
-JAX_PLATFORMS come from the test's environment."""
+process: a fixed seed), placed on the command's mesh, and a byte tokenizer; `--draft-model
+tiny/draft` (SpecInfer) loads `tiny_draft`, the same model with noise on its weights. XLA_FLAGS
+and JAX_PLATFORMS come from the test's environment (LOOKAHEAD_JAX_CACHE too: a retriever's index)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,31 @@ class Tokenizer(ByteTokenizer):
         return super().decode([i for i in ids if int(i) < 259], skip_special_tokens)
 
 
+DRAFT = "tiny/draft"  # the --draft-model name that loads `tiny_draft` (a hub-id form: no vocab check)
+
+
 def tiny_multihost():
     return tiny_model("llama", seed=2, **TINY)
+
+
+def tiny_draft(scale=0.3):
+    """`tiny_multihost` with Gaussian noise (relative `scale`, a fixed key) on every weight: a
+    draft that agrees with the target often, not always (as test_specinfer's `perturbed`)."""
+    import jax
+    import jax.numpy as jnp
+
+    model = tiny_multihost()
+    leaves, tdef = jax.tree.flatten(model.params)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+    model.params = jax.tree.unflatten(tdef, [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+                                             for x, k in zip(leaves, keys)])
+    return model
 
 
 def fake_load(name, dtype="float32", mesh=None, **_):
     from lookahead_jax.core.sharding import shard_params
 
-    model = tiny_multihost()
+    model = tiny_draft() if name == DRAFT else tiny_multihost()
     if mesh is not None:
         model.params = shard_params(model.params, model.config, mesh)
     return model, Tokenizer()

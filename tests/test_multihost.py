@@ -1,6 +1,8 @@
 """Several processes: the generate command run by 2 local processes of 4 CPU devices each
 (gloo collectives), on one (data=2, model=4) mesh spanning both, gives the tokens of one
-process (greedy and lookahead, at temperature 0 and sampled); processes given different flags stop at start; a killed process ends the other.
+process (greedy, lookahead and SpecInfer, at temperature 0 and sampled; RaLM and RaLMSpec
+over a BM25 index); processes given different flags stop at start; a killed process ends
+the other.
 
 Each run is 2 children of `multihost_worker.py` (the command with the tiny random model of
 a fixed seed, so both processes hold the same weights) with a free port for the
@@ -21,7 +23,8 @@ import time
 import pytest
 
 from lookahead_jax.generate import generate
-from multihost_worker import Tokenizer, tiny_multihost
+from lookahead_jax.strategies import RaLM, SpecInfer
+from multihost_worker import DRAFT, Tokenizer, tiny_draft, tiny_multihost
 
 TESTS = pathlib.Path(__file__).resolve().parent
 WORKER = TESTS / "multihost_worker.py"
@@ -93,28 +96,76 @@ def prompts_file(tmp_path):
     return str(path)
 
 
+def bm25_corpus(tmp_path, monkeypatch) -> str:
+    """A corpus of 40 passages of 4 of the prompts' words (and a few others) whose BM25 index
+    is built in a cache the worker processes share (LOOKAHEAD_JAX_CACHE, inherited)."""
+    pytest.importorskip("bm25s")
+    pytest.importorskip("Stemmer")
+    import re
+
+    import numpy as np
+
+    from lookahead_jax.retrieval import build_index
+
+    monkeypatch.setenv("LOOKAHEAD_JAX_CACHE", str(tmp_path / "cache"))
+    words = sorted({w.lower() for p in PROMPTS for w in re.findall(r"[A-Za-z0-9]+", p)} | {"river", "king", "music"})
+    rng = np.random.default_rng(0)
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "text": " ".join(rng.choice(words, 4))}) + "\n"
+                            for i in range(40)))
+    build_index("bm25", str(path), progress=False)
+    return str(path)
+
+
 @pytest.mark.slow
-def test_greedy_lookahead_and_sampling_over_two_processes_give_one_process_tokens(tmp_path, prompts_file):
+def test_every_strategy_over_two_processes_gives_one_process_tokens(tmp_path, prompts_file, monkeypatch):
+    """One launch of 2 processes runs every command in turn (the compiled programs shared):
+    greedy, lookahead, SpecInfer (greedy with its auto budget; sampled, mss, with its draft
+    probabilities), RaLM and RaLMSpec (--async-verify asked: off over several processes)."""
+    corpus = bm25_corpus(tmp_path, monkeypatch)
     base = ["--prompts-file", prompts_file, "--batch-size", "8", "--max-new-tokens", str(NEW), "--json",
             "--mesh", MESH]
     look, sample = ["--strategy", "lookahead", "--decoding-length", "8"], ["--temperature", "0.8", "--seed", "3"]
-    cmds = [base, base + look, base + sample, base + look + sample]
+    spec = ["--strategy", "specinfer", "--draft-model", DRAFT]
+    # sampled SpecInfer's tokens depend on which steps drafted: every step drafts (fixed), and
+    # the draft's f32 weights as one device runs them
+    spec_sampled = spec + ["--budget", "fixed", "--draft-weights", "float32"] + sample
+    rag = ["--retriever", "bm25", "--corpus", corpus, "--stride", "2", "--query-tokens", "16",
+           "--max-passage-tokens", "64"]
+    cmds = [base, base + look, base + sample, base + look + sample, base + spec, base + spec_sampled,
+            base + ["--strategy", "ralm"] + rag, base + ["--strategy", "ralmspec", "--async-verify"] + rag]
     t0 = time.monotonic()
-    rcs, outs, errs = finish(tmp_path, start(tmp_path, [cmds, cmds]))
+    # 8 commands: 789 s here under a load average of ~10 on 2 cores (a hang guard, not a target)
+    rcs, outs, errs = finish(tmp_path, start(tmp_path, [cmds, cmds]), timeout=3 * RUN_S)
+    took = time.monotonic() - t0
     assert rcs == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     # one process, one device
-    greedy = generate(tiny_multihost(), Tokenizer(), PROMPTS, max_new_tokens=NEW).token_ids
-    sampled = generate(tiny_multihost(), Tokenizer(), PROMPTS, max_new_tokens=NEW, temperature=0.8, seed=3).token_ids
+    model, tok = tiny_multihost(), Tokenizer()
+    greedy = generate(model, tok, PROMPTS, max_new_tokens=NEW).token_ids
+    sampled = generate(model, tok, PROMPTS, max_new_tokens=NEW, temperature=0.8, seed=3).token_ids
     assert sampled != greedy
+    spec_want = generate(model, tok, PROMPTS, max_new_tokens=NEW, temperature=0.8, seed=3,
+                         strategy=SpecInfer(draft_model=tiny_draft(), budget="fixed", draft_weights="float32"))
+    ralm = generate(model, tok, PROMPTS, max_new_tokens=NEW, strategy=RaLM(
+        retriever="bm25", corpus=corpus, stride=2, query_tokens=16, max_passage_tokens=64))
     runs = json_runs(outs[0])
-    assert len(runs) == 4, outs[0][-2000:]
-    for (rows, summary), strategy, want in zip(runs, ("greedy", "lookahead") * 2, (greedy, greedy, sampled, sampled)):
+    assert len(runs) == len(cmds), outs[0][-2000:]
+    names = ("greedy", "lookahead") * 2 + ("specinfer",) * 2 + ("ralm", "ralmspec")
+    wants = (greedy, greedy, sampled, sampled, greedy, spec_want.token_ids, ralm.token_ids, ralm.token_ids)
+    for (rows, summary), strategy, want in zip(runs, names, wants):
         assert summary["strategy"] == strategy
         assert [r["token_ids"] for r in sorted(rows, key=lambda r: r["prompt_index"])] == want, strategy
-    # lookahead drafted and had drafts accepted: the broadcast plans were real trees
-    assert runs[1][1]["tokens_per_step"] > 1.0 and runs[3][1]["tokens_per_step"] > 1.0, (runs[1][1], runs[3][1])
+    # lookahead and SpecInfer drafted and had drafts accepted: the broadcast plans were real trees
+    assert all(runs[i][1]["tokens_per_step"] > 1.0 for i in (1, 3, 4, 5)), [runs[i][1] for i in (1, 3, 4, 5)]
+    # the passages of one process (re-prefills included), and ralmspec speculated
+    for rows, _ in runs[6:]:
+        got = [r["retrieval"]["passages"] for r in sorted(rows, key=lambda r: r["prompt_index"])]
+        assert got == [r.retrieval["passages"] for r in ralm.rows]
+    assert ralm.stats["retrieval"]["reprefills"] > 0, ralm.stats["retrieval"]
+    assert runs[7][1]["retrieval"]["speculations"] > 0, runs[7][1]["retrieval"]
+    assert "async_verify is off over several processes" in errs[0]
     assert outs[1].count("{") == 0  # process 1 computes the same, prints nothing
-    print(f"2-process greedy, lookahead and sampled: {time.monotonic() - t0:.0f} s")
+    print(f"2-process greedy, lookahead, specinfer, ralm and ralmspec: {took:.0f} s")
 
 
 @pytest.mark.parametrize("flags,error", [
@@ -143,11 +194,11 @@ def test_processes_given_different_flags_stop_at_start(tmp_path, prompts_file):
 
 
 def test_a_strategy_not_shared_yet_is_an_error_on_every_process(tmp_path, prompts_file):
-    cmd = ["--prompts-file", prompts_file, "--mesh", MESH, "--strategy", "specinfer"]
+    cmd = ["--prompts-file", prompts_file, "--mesh", MESH, "--strategy", "knnlm"]
     rcs, _, errs = finish(tmp_path, start(tmp_path, [[cmd], [cmd]]), timeout=120)
     assert rcs == [2, 2], errs
     for err in errs:
-        assert "error: --strategy specinfer does not run over several processes yet" in err, err[-2000:]
+        assert "error: --strategy knnlm does not run over several processes yet" in err, err[-2000:]
 
 
 @pytest.mark.slow
@@ -186,3 +237,28 @@ def test_a_killed_process_ends_the_other_within_30_s(tmp_path, prompts_file, vic
                      and "the leader task was preempted/died" in line)]
     assert lines, err[-3000:]
     print(f"process {1 - victim} exited {took:.1f} s after process {victim} was killed: {lines[-1][:300]}")
+
+
+def test_process_zero_retriever_answers_the_asked_shape():
+    """`ProcessZeroRetriever` (RaLM over several processes) pads or cuts process 0's answer
+    to [queries, k] (INVALID -1, score -inf), the shape every process allocates for the
+    broadcast; with one process it is process 0."""
+    import numpy as np
+
+    from lookahead_jax.strategies.ralm import ProcessZeroRetriever
+
+    class Short:  # answers one column whatever k is asked
+        corpus = ["a", "b"]
+
+        def retrieve(self, queries, k):
+            return np.array([[1]] * len(queries)), np.array([[0.5]] * len(queries), np.float32)
+
+        def retrieve_from(self, queries, candidates, k):
+            return np.array([[0, 1, 1]] * len(queries)), np.zeros((len(queries), 3), np.float32)
+
+    r = ProcessZeroRetriever(Short())
+    ids, scores = r.retrieve(["x", "y"], 2)
+    assert ids.dtype == np.int64 and ids.tolist() == [[1, -1], [1, -1]]
+    assert scores.tolist() == [[0.5, -np.inf], [0.5, -np.inf]]
+    assert r.retrieve_from(["x"], [[0, 1]], 2)[0].tolist() == [[0, 1]]
+    assert r.corpus == ["a", "b"]

@@ -393,7 +393,9 @@ def step(engine, state: DecodeState, drafter, rule, budget) -> StepResult:
             drafts, T = drafts.truncated(ready), ready
             window = engine.window(L + 1 + T, S, 1 + T)
         state.ready |= {(T, window)} if T else set()
-    if drafter is not None and multiprocess():  # the step's one broadcast point: process 0's drafts and tree size on every process
+    # process 0's drafts and tree size on every process (the step's broadcast point; a drafter
+    # that runs programs, SpecInfer's draft model, has its budget's choice agreed before: `agree_choice`)
+    if drafter is not None and multiprocess():
         drafts, T = agree_drafts(drafts, T)
         window = engine.window(L + 1 + T, S, 1 + T)
     blk = tree_lib.verify_block(state.root, drafts.drafts, T)

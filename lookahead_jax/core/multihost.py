@@ -1,5 +1,6 @@
 """Several processes (hosts) decoding as one: `jax.distributed`, the checks at start, and
-the two points where host values cross processes.
+the points where host values cross processes (`to_host`, and process 0's choices:
+`broadcast_plan` and its packed forms `agree_drafts`, `agree_choice`).
 
     init_distributed(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=0)
     mesh = make_mesh(data=2, model=4)          # jax.devices(): every process's devices
@@ -132,13 +133,15 @@ def agree_drafts(drafts, T: int):
     budget's cut, the tree bucket after any fallback) in one packed int32 buffer
     [T, then per row: n, tokens[MAX_NODES], parents[MAX_NODES]]. Process 0 keeps its own
     objects; the others get Drafts of the same tokens and parents (their classes and
-    estimates only feed their own budget, whose choices are not used)."""
+    estimates only feed their own budget, whose choices are not used).
+
+    Draft probabilities (a draft model's `q [B,1+N,V]`, sampled SpecInfer) are not sent:
+    they are a global device array, the output of the draft's program that every process
+    ran on the same inputs (its budget's choice agreed before it ran: `agree_choice`), so
+    every process holds the same one; each keeps its own."""
     from .drafts import Draft, DraftBatch
     from .tree import MAX_NODES
 
-    if drafts.probs is not None:
-        raise NotImplementedError("drafts with draft probabilities (sampled drafts, a draft model) are not "
-                                  "shared across processes yet (docs/multihost.md)")
     B, N = len(drafts), MAX_NODES
     buf = np.zeros(1 + B * (1 + 2 * N), np.int32)
     buf[0] = T
@@ -154,19 +157,30 @@ def agree_drafts(drafts, T: int):
     for r in rows:
         n = int(r[0])
         out.append(Draft([int(t) for t in r[1:1 + n]], [int(p) for p in r[1 + N:1 + N + n]]))
-    return DraftBatch(tuple(out)), int(got[0])
+    return DraftBatch(tuple(out), probs=drafts.probs), int(got[0])
+
+
+def agree_choice(*values: int) -> tuple:
+    """Process 0's small integers (a budget's choice made before a step's draft model runs:
+    whether to draft, whether it is a probe) on every process, in one int32 buffer. The
+    draft model's programs span every process's devices, so every process must run them
+    alike: the choice cannot wait for `agree_drafts`, which comes after them."""
+    if not multiprocess():
+        return tuple(int(v) for v in values)
+    return tuple(int(v) for v in broadcast_plan(np.asarray(values, np.int32)))
 
 
 # ----------------------------------------------------------------------------- checks
-STRATEGIES = ("greedy", "lookahead")  # those whose every per-step host choice is broadcast
+# those whose every per-step host choice is process 0's (docs/multihost.md)
+STRATEGIES = ("greedy", "lookahead", "specinfer", "ralm", "ralmspec")
 
 
 def check_strategy(name: str) -> None:
-    """ValueError for a strategy that would plan steps on every process apart (a draft
-    model's own steps, retrievals): they do not run over several processes yet."""
+    """ValueError for a strategy that would plan steps on every process apart (knnlm: its
+    rounds' searches and speculation strides): it does not run over several processes yet."""
     if name not in STRATEGIES:
-        raise ValueError(f"--strategy {name} does not run over several processes yet ({' and '.join(STRATEGIES)} "
-                         "do: docs/multihost.md)")
+        raise ValueError(f"--strategy {name} does not run over several processes yet ({', '.join(STRATEGIES[:-1])} "
+                         f"and {STRATEGIES[-1]} do: docs/multihost.md)")
 
 
 def config_digest(config: dict) -> str:
@@ -280,7 +294,7 @@ def exit_on_failure(exc: BaseException) -> None:
 
 
 __all__ = [
-    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "STRATEGIES", "agree_drafts", "broadcast_plan", "check_flags",
-    "check_same_config", "check_strategy", "config_digest", "exit_on_failure", "init_distributed", "multiprocess",
-    "to_host", "watch_peers",
+    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "STRATEGIES", "agree_choice", "agree_drafts", "broadcast_plan",
+    "check_flags", "check_same_config", "check_strategy", "config_digest", "exit_on_failure", "init_distributed",
+    "multiprocess", "to_host", "watch_peers",
 ]

@@ -58,6 +58,8 @@ from ..core.drafts import EMPTY, Draft, DraftBatch
 from ..models import advance, commit, hidden_states, logits_from_hidden
 from ..models.config import ModelConfig
 from ..core.inputs import StepInputs, StepMode
+from ..core.multihost import multiprocess, to_host
+from ..core.sharding import replicate
 from ..core.sampling import RowSampling, filter_logits, position_keys
 from ..core.verify import window_for
 
@@ -303,13 +305,15 @@ class ModelDrafter:
         self.compile_s += e.compiled.compile_s - c0
         self.base = self.base + self.commit_n + n_catch
         self.commit_n = np.zeros(B, np.int32)
-        tokens = np.asarray(tokens)
+        tokens = to_host(tokens)  # (a global array over several processes: all-gathered where split)
         n = min(budget, self.max_nodes)
         drafts = tuple(Draft(tokens[b, :n].tolist(), self.parents[:n]) if live and n else EMPTY
                        for b, live in enumerate(active))
         self.draft_s += time.perf_counter() - t0 - (e.compiled.compile_s - c_start) - (self.catch_up_s - u_start)
         self.steps += 1
         self._proposed = True
+        if self.mode == "mss" and multiprocess():  # the verify step takes its inputs whole on every device
+            q = replicate(q, e.mesh)  # (over several processes jit does not reshard an argument itself)
         return DraftBatch(drafts, probs=q if self.mode == "mss" else None)
 
     def update(self, state, step) -> None:

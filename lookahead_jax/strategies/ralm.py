@@ -197,6 +197,41 @@ def resolve_retriever(retriever, corpus=None):
     return _LOADED[key]
 
 
+class ProcessZeroRetriever:
+    """Over several processes: `retrieve` / `retrieve_from` answered by process 0's
+    retriever and broadcast (`multihost.broadcast_plan`, ids and scores in one call), so
+    that every process takes the same passages whatever its own index, encoder (a dense
+    one's float rounding) or remote server would answer. The other processes do not search;
+    they keep the retriever for its corpus (passage text). The answer is padded or cut to
+    [len(queries), k] (INVALID = -1, score -inf) on process 0, so every process knows its
+    shape beforehand. Every process must call it at the same points, as every collective."""
+
+    def __init__(self, inner):
+        self.inner, self.corpus = inner, inner.corpus
+
+    def __getattr__(self, name):  # warm_up and the rest: the retriever's own
+        return getattr(self.inner, name)
+
+    def _agreed(self, call, n: int, k: int) -> tuple:
+        import jax
+
+        from ..core.multihost import broadcast_plan
+
+        ids, scores = np.full((n, k), -1, np.int32), np.full((n, k), -np.inf, np.float32)  # (corpus < 2^31)
+        if jax.process_index() == 0:
+            got_ids, got_scores = (np.asarray(x) for x in call())
+            m = min(k, got_ids.shape[1] if got_ids.ndim == 2 else 0)
+            ids[:, :m], scores[:, :m] = got_ids[:, :m], got_scores[:, :m]
+        ids, scores = broadcast_plan((ids, scores))
+        return ids.astype(np.int64), scores
+
+    def retrieve(self, queries, k):
+        return self._agreed(lambda: self.inner.retrieve(queries, k), len(queries), k)
+
+    def retrieve_from(self, queries, candidates, k):
+        return self._agreed(lambda: self.inner.retrieve_from(queries, candidates, k), len(queries), k)
+
+
 # ----------------------------------------------------------------------------- runs
 class RalmRun:
     """RaLM over the rows of a decode state (`strategies.base.Run`): per row the request's
@@ -216,6 +251,10 @@ class RalmRun:
                              "retrieval.Corpus (e.g. BM25Retriever.build(corpus)) or use load_retriever")
         self.corpus = corpus
         self.n_docs = len(corpus)
+        from ..core.multihost import multiprocess
+
+        if multiprocess():  # every retrieval is process 0's (a per-step choice: the passages)
+            self.retriever = ProcessZeroRetriever(self.retriever)
         B = int(n_rows)
         self.sep = list(tokenizer.encode(SEPARATOR, add_special_tokens=False))
         self.extra_tokens = strat.max_passage_tokens + len(self.sep)

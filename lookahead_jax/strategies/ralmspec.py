@@ -92,14 +92,18 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import time
 from typing import Optional
 
 import numpy as np
 
+from ..core.multihost import broadcast_plan, multiprocess
 from .ralm import RaLM, RalmRun
 from .speculation import (RALM_DEFAULT_STRIDE, VERIFY_FIT_CALLS, AcceptanceWindow, SpeculationStats, auto_or_int,
                           check_speculation_stride, fit_verify_cost, number_in, os3_stride)
+
+log = logging.getLogger("lookahead_jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +113,8 @@ class RaLMSpec(RaLM):
     speculation_stride: speculated boundaries per verification: "auto" (OS3) or 1..16.
     prefetch: top-k of each real retrieval that enter the row's speculation cache.
     async_verify: run each batched verification on a worker thread while the rows decode on
-        (module docstring, "Asynchronous verification")."""
+        (module docstring, "Asynchronous verification"). Off over several processes (a log
+        line): when a result is applied depends on each process's timing."""
 
     speculation_stride: object = "auto"
     prefetch: int = 20
@@ -135,7 +140,14 @@ class RaLMSpec(RaLM):
             raise ValueError(f"async_verify must be True or False, got {self.async_verify!r}")
 
     def start(self, tokenizer, n_rows: int, engine=None):
-        return RalmSpecRun(self, tokenizer, n_rows)
+        strat = self
+        if self.async_verify and multiprocess():
+            # when a verification is applied depends on this process's timing (the worker's
+            # answer ready or not at a pause): processes would roll back at different steps
+            log.warning("ralmspec: async_verify is off over several processes (each process's "
+                        "timing would apply verifications at different steps): verifying synchronously")
+            strat = dataclasses.replace(self, async_verify=False)
+        return RalmSpecRun(strat, tokenizer, n_rows)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -373,6 +385,7 @@ class RalmSpecRun(RalmRun):
             recs, self.inflight[b] = self.inflight[b], []
             self.stats.overlapped += len(recs) if decoded else 0
             self._apply(state, b, recs, ids[i0:i0 + n], False, swaps)
+        self._choose_strides([b for b, e in zip(rows, epochs) if e == self.epoch[b]])
 
     def _lookup(self, state, rows) -> dict:
         """Each listed row's speculation at its boundary: {row: (query, cache top-1)}."""
@@ -418,15 +431,25 @@ class RalmSpecRun(RalmRun):
             if b in probes:
                 self.stats.speculations[b] += 1
             self._apply(state, b, recs, ids[i0:i0 + n], now, swaps, probes.get(b))
+        self._choose_strides(rows)
 
     def _apply(self, state, b, recs, got, now, swaps, probe=None) -> None:
         """A verification's answers for row b: its top-k enter the cache, the speculations
-        are checked (a rollback also drops those made since: async), the next s is chosen."""
+        are checked (a rollback also drops those made since: async); the caller then chooses
+        the next s (`_choose_strides`)."""
         self._prefetched([b] * len(got), got)
         if not self._check(state, b, recs, got, now, swaps, probe):
             self.records[b] = []
-        self.s[b] = self.os3(b)
-        self.stats.strides.append(self.s[b])
+
+    def _choose_strides(self, rows) -> None:
+        """The next s of each verified row (`os3`). Over several processes process 0's, in one
+        broadcast per verification: OS3 reads this process's timings, which differ."""
+        s = [self.os3(b) for b in rows]
+        if multiprocess() and rows:
+            s = broadcast_plan(np.asarray(s, np.int32)).tolist()
+        for b, x in zip(rows, s):
+            self.s[b] = int(x)
+            self.stats.strides.append(self.s[b])
 
     def _wait_on_change(self) -> bool:
         """Async, a lone row's lookup names another passage: wait for its verification (about

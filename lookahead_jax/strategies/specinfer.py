@@ -15,6 +15,7 @@ import numpy as np
 from ..core import tree as tree_lib
 from ..core.acceptance import SpecSampling, TokenMatch
 from ..core.budget import FixedBudget, StepTimes, prior_costs
+from ..core.multihost import agree_choice, multiprocess
 from ..core.tree import buckets_up_to
 from ..drafters.model import SAMPLERS
 from .base import StrategyBase
@@ -72,7 +73,8 @@ class SpecInfer(StrategyBase):
     name = "specinfer"
     help = "a draft model's token tree verified in one forward (greedy: same tokens; sampling: same distribution)"
     choices = {"sampler": SAMPLERS, "draft_weights": DRAFT_WEIGHTS, "budget": ("auto", "fixed")}
-    parsers = {"expansion": _expansion, "draft_model": str}
+    # budget is "auto" or "fixed": a str (not the auto-or-integer flag of other fields defaulting to "auto")
+    parsers = {"expansion": _expansion, "draft_model": str, "budget": str}
     metavars = {"draft_model": "NAME_OR_PATH", "expansion": "W1,W2,..."}
     field_help = {
         "draft_model": "the draft model: a preset (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b) or "
@@ -220,7 +222,9 @@ class DraftBudget:
     A step's gain is read at the next step's `propose_nodes` (the state then holds what it
     accepted, also when decode.step defers `score` under overlap). Only which steps draft
     changes, never what a step accepts: the tokens are plain decoding's (greedy), the
-    distribution the target's (sampling)."""
+    distribution the target's (sampling). Over several processes the choice (and whether it
+    is a probe) is process 0's (`multihost.agree_choice`): the draft's programs run on every
+    process, and each process's own timings would choose apart."""
 
     MARGIN, HOLD, MAX_HOLD, ALPHA, COST_PRIOR, PROBE_LAG, PROBE_SHARE = 0.03, 16, 1024, 0.3, 4.0, 64, 0.02
     calibrate_s = 0.0
@@ -305,6 +309,8 @@ class DraftBudget:
         self._close(state)
         active = np.flatnonzero(state.active)
         draft = self.choose()
+        if multiprocess():  # the draft's programs span every process: process 0's choice, before they run
+            draft, self.probing = (bool(v) for v in agree_choice(draft, self.probing))
         if self.drafter is not None:
             self.drafter.probe_lag = self.PROBE_LAG if draft and self.probing else None
         if draft:
