@@ -123,8 +123,8 @@ class PrefixWarm:
 
     def _end(self, slot: int) -> RowState:
         sl = self.slots
-        self._rows.pop(slot, None)
         sl.prefix.done([slot])
         row = sl.state.rows[slot]
         sl.state.rows[slot] = free_row(slot, sl.tokenizer)
+        self._rows.pop(slot, None)  # (last: a thread reading `rows` never sees a busy slot with no job)
         return row

@@ -167,6 +167,7 @@ class Scheduler:
         self.max_nodes = self.slots.max_nodes
         self.waiting: collections.deque = collections.deque()
         self.warm_waiting: collections.deque = collections.deque()  # prefix-cache warm jobs (token ids)
+        self._warm_starting = False  # one taken off warm_waiting, not yet in `warming.rows` (`warm_pending`)
         self.running: dict = {}  # slot -> Job
         self._cond = threading.Condition()
         self._stop = False
@@ -296,7 +297,7 @@ class Scheduler:
     def warm_pending(self) -> bool:
         """Warm jobs queued or running."""
         warming = getattr(self.slots, "warming", None)
-        return warming is not None and (bool(self.warm_waiting) or bool(warming.rows))
+        return warming is not None and (bool(self.warm_waiting) or self._warm_starting or bool(warming.rows))
 
     def cancel(self, jobs) -> None:
         """Cancel jobs (a client went away): waiting ones are dropped, running ones freed
@@ -429,11 +430,14 @@ class Scheduler:
             with self._cond:
                 if any(not j.cancelled for j in self.waiting) or not self.warm_waiting:
                     return
+                self._warm_starting = True  # (before the pop: another thread sees the job queued or starting)
                 ids = self.warm_waiting.popleft()
-            try:
+            try:  # (`start` makes the slot WARMING before the job is in `warming.rows`)
                 warming.start(self.slots.free_slots[0], ids)
             except ValueError as e:  # (`warm` checked the ids: not expected)
                 log.warning("prefix-cache warm job dropped: %s", e)
+            finally:
+                self._warm_starting = False
         with self._cond:
             if any(not j.cancelled for j in self.waiting):
                 return
