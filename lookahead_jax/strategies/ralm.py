@@ -39,9 +39,11 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from ..core.decode import replace_prompt, step
+from ..core.multihost import broadcast_plan, multiprocess
 from ..drafters.trie import TrieDrafter
 from .base import StrategyBase
 from .speculation import FinalTextStream, auto_or_int, number_in
@@ -213,10 +215,6 @@ class ProcessZeroRetriever:
         return getattr(self.inner, name)
 
     def _agreed(self, call, n: int, k: int) -> tuple:
-        import jax
-
-        from ..core.multihost import broadcast_plan
-
         ids, scores = np.full((n, k), -1, np.int32), np.full((n, k), -np.inf, np.float32)  # (corpus < 2^31)
         if jax.process_index() == 0:
             got_ids, got_scores = (np.asarray(x) for x in call())
@@ -251,8 +249,6 @@ class RalmRun:
                              "retrieval.Corpus (e.g. BM25Retriever.build(corpus)) or use load_retriever")
         self.corpus = corpus
         self.n_docs = len(corpus)
-        from ..core.multihost import multiprocess
-
         if multiprocess():  # every retrieval is process 0's (a per-step choice: the passages)
             self.retriever = ProcessZeroRetriever(self.retriever)
         B = int(n_rows)
