@@ -123,11 +123,16 @@ def servers(smol):
         thread.join(60)
 
 
-def accepted_drafts(url: str) -> float:
+def counter(url: str, name: str, labels: str = ".*") -> float:
+    """The server's Prometheus counter `lookahead_jax:<name>`, summed over the label sets
+    matching `labels`."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    return sum(float(v) for v in re.findall(r"^lookahead_jax:spec_decode_num_accepted_tokens_total\{.*\} (\S+)$",
-                                            text, re.M))
+    return sum(float(v) for v in re.findall(rf"^lookahead_jax:{name}(?:\{{{labels}\}})? (\S+)$", text, re.M))
+
+
+def accepted_drafts(url: str) -> float:
+    return counter(url, "spec_decode_num_accepted_tokens_total")
 
 
 def write_task(folder: Path, name: str, rows: list[dict], body: str) -> Path:
@@ -223,10 +228,16 @@ def test_guidellm_default_chat_runs_without_errors(servers, hf_tokenizer_dir, tm
     }
     (tmp_path / "scenario.json").write_text(json.dumps(scenario))
     env = {**os.environ, **OFFLINE, "GUIDELLM__MAX_WORKER_PROCESSES": "1"}
+    served = lambda: (counter(url, "request_success_total", '.*finished_reason="length".*'),  # noqa: E731
+                      counter(url, "request_success_total"), counter(url, "generation_tokens_total"))
+    before = served()
     p = subprocess.run([sys.executable, "-m", "guidellm", "run", "--scenario", str(tmp_path / "scenario.json"),
                         "--disable-console-interactive"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=1200)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    # the server finished every request guidellm sent, each at its 16 tokens ("length")
+    total = sum(GUIDELLM_REQUESTS)
+    assert [a - b for a, b in zip(served(), before)] == [total, total, 16 * total]
     report = json.loads((tmp_path / "report.json").read_text())
     runs = report["benchmarks"]
     assert [b["config"]["strategy"]["streams"] for b in runs] == GUIDELLM_STREAMS
@@ -234,8 +245,13 @@ def test_guidellm_default_chat_runs_without_errors(servers, hf_tokenizer_dir, tm
         totals = b["metrics"]["request_totals"]
         errors = [r.get("info", {}).get("error") for r in b["requests"].get("errored", [])]
         assert totals["errored"] == 0 and totals["incomplete"] == 0, (totals, errors)
-        assert totals["successful"] == n, totals
-        assert [r["output_metrics"]["text_tokens"] for r in b["requests"]["successful"]] == [16] * n
+        # guidellm 0.8.1 may leave the last requests of a benchmark out of its report (about
+        # 1 run in 20 here, its own race: the receive callback that counts the final request
+        # sets the shutdown event before that update is queued for the report, and the
+        # report's loop ends at its next empty poll), so the count served is the server's,
+        # above; every request guidellm did report came back whole
+        assert 0 < totals["successful"] <= n, totals
+        assert [r["output_metrics"]["text_tokens"] for r in b["requests"]["successful"]] == [16] * totals["successful"]
 
 
 # ------------------------------------------------------------------------ lm-eval multiple choice
