@@ -56,6 +56,8 @@ speculative step as one program: `spec_step_fn`), dispatched back to back within
 decode state is edited only through decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
 a wrong token's position, then `accept` of the right one), `set_logprob`, `accept_steps`.
+Over several processes the lists a search returns, faiss's candidates, OS3's stride and the
+"auto" decision are process 0's, broadcast (docs/multihost.md); the rest follows from them.
 """
 
 from __future__ import annotations
