@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 
 from .core.engine import engine_for
-from .core.multihost import check_flags, check_same_config, check_strategy, exit_on_failure, init_distributed
+from .core.multihost import check_flags, check_same_config, exit_on_failure, init_distributed
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
 from .core.params import GenerationParams, ParamError, parse_logit_bias
 from .generate import generate
@@ -424,7 +424,6 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
             if not cfg.mesh:
                 raise ValueError("several processes need --mesh (e.g. data=2,model=4 over 2 processes of 4 "
                                  "devices each): the mesh spans every process's devices")
-            check_strategy(cfg.strategy)
             check_same_config(dataclasses.asdict(dataclasses.replace(cfg, distributed=())))
             if jax.process_index():  # process 0 prints the answers; the others compute the same
                 sys.stdout = open(os.devnull, "w")

@@ -182,3 +182,30 @@ def test_slots_auto_equals_alone(model, tok, ds, monkeypatch, costs, speculate):
         assert row.logprobs == one.rows[0].logprobs
     st = slots.run.summary()["retrieval"]
     assert st["speculation_decision"]["speculate"] is speculate and (st["speculations"] > 0) == speculate
+
+
+def test_process_zeros_choices_are_taken(model, tok, ds, monkeypatch):
+    """Over several processes the timed choices are process 0's (`multihost.agree_choice`):
+    here this process measures costs that say plain KNN-LM while the broadcast answers
+    process 0's "speculate at stride 2" (faked, as OS3's later strides: 3). The run takes
+    them, speculates, and its tokens and log-probabilities are still plain KNN-LM's."""
+    import lookahead_jax.strategies.knnlm_runs as R
+
+    plain = run(model, tok, KNNLM(datastore=ds, knn_k=4), logprobs=True)
+    fresh_measures(model)
+    inject(monkeypatch, CHEAP_SEARCH)  # this process alone would run plain KNN-LM
+    offered = []
+
+    def process_zero(*values):
+        offered.append(values)
+        return (1, 2) if len(values) == 2 else (3,)  # (speculate, stride) | an OS3 stride
+
+    monkeypatch.setattr(R, "multiprocess", lambda: True)
+    monkeypatch.setattr(R, "agree_choice", process_zero)
+    monkeypatch.setattr(R, "broadcast_plan", lambda x: x)  # the exact search's lists: this process's own
+    out = run(model, tok, KNNLM(datastore=ds, knn_k=4, speculative="auto", speculation_stride="auto"), logprobs=True)
+    assert_same(out, plain)
+    st = out.stats["retrieval"]
+    assert offered[0] == (False, 0) and all(len(v) == 1 for v in offered[1:]) and len(offered) > 1
+    assert st["speculation_decision"]["speculate"] is True and st["speculation_decision"]["stride"] == 2
+    assert st["speculations"] > 0 and st["mean_speculation_stride"] > 2  # 2 for the first round, then 3

@@ -171,18 +171,6 @@ def agree_choice(*values: int) -> tuple:
 
 
 # ----------------------------------------------------------------------------- checks
-# those whose every per-step host choice is process 0's (docs/multihost.md)
-STRATEGIES = ("greedy", "lookahead", "specinfer", "ralm", "ralmspec")
-
-
-def check_strategy(name: str) -> None:
-    """ValueError for a strategy that would plan steps on every process apart (knnlm: its
-    rounds' searches and speculation strides): it does not run over several processes yet."""
-    if name not in STRATEGIES:
-        raise ValueError(f"--strategy {name} does not run over several processes yet ({', '.join(STRATEGIES[:-1])} "
-                         f"and {STRATEGIES[-1]} do: docs/multihost.md)")
-
-
 def config_digest(config: dict) -> str:
     """A short hash of `config` (JSON, sorted keys; values turned to str where not JSON)."""
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -294,7 +282,7 @@ def exit_on_failure(exc: BaseException) -> None:
 
 
 __all__ = [
-    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "STRATEGIES", "agree_choice", "agree_drafts", "broadcast_plan",
-    "check_flags", "check_same_config", "check_strategy", "config_digest", "exit_on_failure", "init_distributed",
-    "multiprocess", "to_host", "watch_peers",
+    "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "agree_choice", "agree_drafts", "broadcast_plan", "check_flags",
+    "check_same_config", "config_digest", "exit_on_failure", "init_distributed", "multiprocess", "to_host",
+    "watch_peers",
 ]

@@ -88,11 +88,13 @@ def model_identity(model) -> dict:
     same config, or the same one in another dtype, is another model."""
     import jax.numpy as jnp
 
+    from ..core.multihost import to_host
+
     params = model.params
     h = hashlib.sha256(repr(model.config).encode())
     dtype = jnp.dtype(getattr(model, "dtype", jnp.float32)).name
     h.update(dtype.encode())
-    for leaf in (params["final_norm"], params["embed"][:4]):
+    for leaf in to_host((params["final_norm"], params["embed"][:4])):  # (sharded over processes: gathered)
         h.update(np.ascontiguousarray(np.asarray(leaf, np.float32)).tobytes())
     return {"name": getattr(model, "name", "") or "", "dtype": dtype, "fingerprint": h.hexdigest()}
 

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..models import advance, cpu_kernels, hidden_states, logits_from_hidden
+from ..core.multihost import broadcast_plan
 from ..core.sampling import SamplingParams, select_tokens
 from ..core.verify import banned, token_logprobs
 
@@ -265,31 +266,47 @@ def next_roots(root, tok, active):
     return jnp.where(active, tok.astype(root.dtype), root)
 
 
+def _placed(mesh, config, h, logits, cache):
+    """On a mesh: h and logits whole on every device (the host reads them, over several
+    processes without a collective; the searches take them as they are), the cache where
+    the engine's steps keep it (`sharding.cache_shardings`). Without a mesh: as they are."""
+    if mesh is None:
+        return h, logits, cache
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ..core.sharding import cache_shardings
+
+    whole = NamedSharding(mesh, P())
+    cache = jax.lax.with_sharding_constraint(cache, cache_shardings(config, mesh, int(cache.length.shape[0])))
+    return jax.lax.with_sharding_constraint(h, whole), jax.lax.with_sharding_constraint(logits, whole), cache
+
+
 @functools.lru_cache(maxsize=None)
-def forward_fn(config):
+def forward_fn(config, mesh=None):
     """jit (cache donated): forward each row's root [B] at its position cache.length over
     the whole cache (window S, so a row's state never depends on the other rows' lengths)
-    -> (h [B,D] f32 final hidden states, logits [B,V] f32, cache advanced by active [B])."""
+    -> (h [B,D] f32 final hidden states, logits [B,V] f32, cache advanced by active [B]).
+    mesh: the engine's (`_placed`: h and logits replicated, the cache kept as it is split)."""
     def fn(params, cache, root, active):
         S = cache.max_len
         positions = cache.length[:, None]  # [B,1]
         mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B,1,S]
         h, cache = hidden_states(params, root[:, None], positions, cache, mask, config)
         logits = logits_from_hidden(params, h, config)[:, 0]
-        return h[:, 0].astype(jnp.float32), logits, advance(cache, active.astype(jnp.int32))
+        return _placed(mesh, config, h[:, 0].astype(jnp.float32), logits, advance(cache, active.astype(jnp.int32)))
 
     return jax.jit(fn, donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=None)
-def spec_step_fn(config):
+def spec_step_fn(config, mesh=None):
     """jit (cache donated): one speculative step as one program, `forward_fn`'s forward, then
     `cache_search` of cand [B,M], `choose` and `next_roots` -> (h, logits, cache, ids, tokens,
     log-probabilities, next roots). Its pick may round differently from `choose` alone (one
     log-probability in ~24 steps did, by an ulp), so speculative KNN-LM re-picks every
     verified position with `choose` alone; the forward's h, logits and K/V are the forward
     alone's bits (tests/test_knnlm.py checks speculative == plain bitwise)."""
-    forward = forward_fn(config)
+    forward = forward_fn(config, mesh)
 
     def fn(params, cache, root, active, keys, cand, norms, n_valid, values, seeds, rows, positions,
            suppress=None, *, k: int, lam: float, temperature: float, sampling: SamplingParams, ban: tuple = (),
@@ -328,9 +345,14 @@ def resolve_speculate(kind: str, size: int) -> str:
 class KnnIndex:
     """A datastore on the device (keys in chunks [nC,C,D] in their stored dtype, |x|^2,
     values) plus its faiss indexes, made on first use; `search` / `subset` / `scores` run
-    the jitted functions above through the engine's compiled-function table when given."""
+    the jitted functions above through the engine's compiled-function table when given.
+    mesh: the engine's; the arrays are then whole on every device of it (`replicate`).
 
-    def __init__(self, datastore, chunk: Optional[int] = None):
+    Over several processes the faiss indexes are process 0's alone (`faiss_candidates`
+    broadcasts its answer): another host's HNSW graph or IVF lists may differ, and the
+    processes would write the same saved index."""
+
+    def __init__(self, datastore, chunk: Optional[int] = None, mesh=None):
         keys = datastore.keys
         N, D = keys.shape
         chunk = chunk or CHUNKS.get(jax.default_backend(), CHUNK)
@@ -344,11 +366,16 @@ class KnnIndex:
             norms[s:s + len(part)] = np.square(part, dtype=np.float64).sum(1)
         self.datastore = datastore
         self.size, self.dim, self.chunk = N, D, C
-        self.keys = jax.device_put(pad.reshape(nC, C, D))
-        self.norms = jax.device_put(norms.reshape(nC, C))
-        self.values = jax.device_put(np.asarray(datastore.values, np.int32))
-        self.n_valid = jnp.int32(N)
-        self.xmax = jnp.float32(np.sqrt(float(norms[:N].max())) * (1 + 1e-6))  # max |x|, rounded up
+        xmax = np.float32(np.sqrt(float(norms[:N].max())) * (1 + 1e-6))  # max |x|, rounded up
+        arrays = (pad.reshape(nC, C, D), norms.reshape(nC, C), np.asarray(datastore.values, np.int32), np.int32(N),
+                  xmax)
+        if mesh is None:
+            arrays = [jax.device_put(x) for x in arrays[:3]] + [jnp.int32(N), jnp.float32(xmax)]
+        else:
+            from ..core.sharding import replicate
+
+            arrays = replicate(list(arrays), mesh)
+        self.keys, self.norms, self.values, self.n_valid, self.xmax = arrays
         self._faiss = {}
         self.fallbacks = 0  # queries the exact search redid by brute force
 
@@ -381,17 +408,19 @@ class KnnIndex:
     def faiss_candidates(self, h: np.ndarray, kind: str, k: int, ef_search: int = 128, nprobe: int = 32) -> np.ndarray:
         """Candidate ids [Q, 2k+8] int32 (-1 = none) from faiss for queries h [Q,D]: kind
         "hnsw" (efSearch >= ef_search), "flat", or "ivf" (the nprobe nearest lists, by the
-        index's 8-bit approximate distances: speculation only)."""
-        index = self.faiss_index(kind)
+        index's 8-bit approximate distances: speculation only). Over several processes
+        process 0's answer on every process (one broadcast; the others do not search)."""
         fetch = min(self.size, 2 * k + 8)
-        if kind == "hnsw":
-            index.hnsw.efSearch = max(ef_search, fetch)
-        elif kind == "ivf":
-            index.nprobe = min(int(nprobe), index.nlist)
-        _, found = index.search(np.ascontiguousarray(h, np.float32), fetch)
         out = np.full((len(h), 2 * k + 8), -1, np.int32)
-        out[:, :fetch] = found
-        return out
+        if jax.process_index() == 0:
+            index = self.faiss_index(kind)
+            if kind == "hnsw":
+                index.hnsw.efSearch = max(ef_search, fetch)
+            elif kind == "ivf":
+                index.nprobe = min(int(nprobe), index.nlist)
+            _, found = index.search(np.ascontiguousarray(h, np.float32), fetch)
+            out[:, :fetch] = found
+        return broadcast_plan(out)  # (one process: `out` itself)
 
     def with_ivf(self, base: np.ndarray, h, active, k: int, nprobe: int) -> np.ndarray:
         """Candidates [B, M + 2k+8]: base [B,M] (ids, -1 = none), then the IVF index's
@@ -425,8 +454,6 @@ def engine_index(engine, datastore, corpus) -> KnnIndex:
 
     from .datastore import Datastore, StaleDatastore, mismatch, build_command, load_datastore, model_identity
 
-    if engine.mesh is not None:
-        raise ValueError("strategy 'knnlm' runs on one device for now: drop the mesh")
     ds = datastore
     if isinstance(ds, Datastore):
         from ..retrieval.corpus import load_corpus
@@ -444,6 +471,6 @@ def engine_index(engine, datastore, corpus) -> KnnIndex:
     if hit is not None and hit[0] == key:
         return hit[1]
     store.index = None  # the old index goes before the new one is built
-    index = KnnIndex(ds)
+    index = KnnIndex(ds, mesh=engine.mesh)
     store.index = (key, index)
     return index

@@ -83,7 +83,7 @@ class KNNLM(StrategyBase):
     cli_names = {}
     choices = {"knn_search": SEARCHES, "knn_speculate": SPECULATE}
     parsers = {"datastore": str, "corpus": str, "speculation_stride": auto_or_int,
-               "speculative": parse_speculative}
+               "speculative": parse_speculative, "knn_speculate": str}  # (default "auto": not a stride)
     metavars = {"datastore": "DIR", "corpus": "JSONL", "speculative": "true|false|auto",
                 "speculation_stride": "N|auto"}
     field_help = {

@@ -56,6 +56,8 @@ speculative step as one program: `spec_step_fn`), dispatched back to back within
 decode state is edited only through decode.py's public edits: `accept` (the roots this
 run's own step forwarded are committed, the picked tokens appended), `rollback` (back to
 a wrong token's position, then `accept` of the right one), `set_logprob`, `accept_steps`.
+Over several processes the lists a search returns, faiss's candidates, OS3's stride and the
+"auto" decision are process 0's, broadcast (docs/multihost.md); the rest follows from them.
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ import dataclasses
 import logging
 import time
 
+import jax
 import numpy as np
 
 from ..core.decode import accept, call_compiled, rollback, set_logprob
+from ..core.multihost import agree_choice, broadcast_plan, multiprocess
 from ..knnlm.search import KnnlmStore, resolve_speculate
 from .base import StrategyBase
 from .knnlm_decision import DECIDE_AFTER, MIN_OUTCOMES, KnnCosts, SpeculationDecision, decide
@@ -149,7 +153,7 @@ class KnnRun:
         from ..knnlm.search import forward_fn
 
         eng = self.engine
-        h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params,
+        h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config, eng.mesh), eng.params,
                                       state.cache, eng.arg(state.root), eng.arg(active))
         h.block_until_ready()
         return h, logits, cache
@@ -164,6 +168,9 @@ class KnnRun:
         if self.strat.knn_search == "exact":
             ids, ok = self._call(state, "knn_search", exact_search, idx.keys, h, idx.norms, idx.n_valid,
                                  idx.xmax, k=k)
+            if multiprocess():  # process 0's lists and fallbacks (one buffer): every process redoes the same
+                got = broadcast_plan(np.concatenate([np.asarray(ids), np.asarray(ok, np.int32)[:, None]], axis=1))
+                ids, ok = got[:, :k], got[:, k].astype(bool)
             ok = np.asarray(ok) | (False if need is None else ~np.asarray(need))
             if not ok.all():  # a near-tie over the whole shortlist: redo by brute force
                 ids = np.array(ids)
@@ -197,8 +204,6 @@ class KnnRun:
 
     def _choose(self, state, h, logits, ids, pos, opts=None, host: bool = True):
         """(tokens [B], log-probabilities [B]) of search.choose (host=False: on the device)."""
-        import jax
-
         from ..knnlm.search import choose
 
         eng = self.engine
@@ -277,7 +282,7 @@ class KnnSpecRun(KnnRun):
             mode="forced", speculate=True, stride=s.speculation_stride)
         self.decision_s = 0.0  # the measurement and decision (speculative="auto")
         self._real, self._last = [], None  # the real steps' (forward, search, upkeep) s; the last's arrays
-        if self.speculate == "ivf":
+        if self.speculate == "ivf" and jax.process_index() == 0:  # (the only process that searches it)
             self.index.faiss_index("ivf")  # built (or read) now, not inside a timed step
 
     def add(self, state, rows, prompt_ids, spans=None) -> list:
@@ -347,7 +352,7 @@ class KnnSpecRun(KnnRun):
             return int(s)
         if not self.m.spec_steps and self.decision.mode == "auto":  # OS3's pick from the start's costs
             return int(self.decision.stride)
-        return self.m.stride(rows, os3_stride_knnlm)
+        return agree_choice(self.m.stride(rows, os3_stride_knnlm))[0]  # timed: process 0's
 
     # ---- speculative="auto": the decision (knnlm_decision.py)
     def _timed(self, fn, times: int = 2) -> float:
@@ -393,6 +398,9 @@ class KnnSpecRun(KnnRun):
         n = len(self.m.outcomes)
         g = (sum(self.m.outcomes) + 1) / (n + 2) if n >= MIN_OUTCOMES else None
         self.decision = decide(costs, self.strat.speculation_stride, g, reused=reused)
+        if multiprocess():  # from this process's timings: process 0's choice on every process
+            go, stride = agree_choice(self.decision.speculate, self.decision.stride)
+            self.decision = dataclasses.replace(self.decision, speculate=bool(go), stride=stride)
         (log.debug if reused else log.info)(self.decision.line())
         self.plain = not self.decision.speculate
         self._last = None
@@ -424,12 +432,12 @@ class KnnSpecRun(KnnRun):
             pos, ix = lengths + np.where(active, t, 0), self.index
             if self.speculate == "cache":  # one program (`spec_step_fn`)
                 h, logits, cache, spec, tok, lp, root = self._call(
-                    state, "knn_spec_step", spec_step_fn(eng.config), eng.params, cache, root, act, ix.keys, dev,
-                    ix.norms, ix.n_valid, ix.values, state.seeds, state.rowids, eng.arg(pos.astype(np.int32)),
+                    state, "knn_spec_step", spec_step_fn(eng.config, eng.mesh), eng.params, cache, root, act, ix.keys,
+                    dev, ix.norms, ix.n_valid, ix.values, state.seeds, state.rowids, eng.arg(pos.astype(np.int32)),
                     *opts[0], k=self.k, **opts[1])
             else:  # faiss proposes on the host, from h
-                h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config), eng.params, cache, root,
-                                              act)
+                h, logits, cache = self._call(state, "knn_forward", forward_fn(eng.config, eng.mesh), eng.params,
+                                              cache, root, act)
                 spec = self._call(state, "knn_cache", cache_search, ix.keys, h, self._spec_cands(h, active, base, dev),
                                   ix.norms, ix.n_valid, k=self.k)
                 tok, lp = self._choose(state, h, logits, spec, pos, opts, host=False)
