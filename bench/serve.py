@@ -32,7 +32,11 @@ for each passage's first question and its repeats, and the cache's hit rate:
 
 A strategy written `NAME/notree` runs with a step that carries a prefill block verifying
 no speculation tree (`Slots.trees_while_prefilling` False, `budget.NoTree`; off by default):
-its A/B, e.g. `--strategies lookahead lookahead/notree --concurrency 1 4 8`.
+its A/B, e.g. `--strategies lookahead lookahead/notree --concurrency 1 4 8`. `NAME/chunkN`
+serves with prefill blocks of N prompt tokens (`--prefill-chunk N`), `NAME/budgetK` with a
+step budget of K decode steps (`--step-budget K`), both as `NAME/chunkN+budgetK` (plain
+NAME: the server's defaults), e.g. issue 57's `--strategies greedy greedy/chunk32 lookahead
+lookahead/chunk32+budget3`.
 """
 
 from __future__ import annotations
@@ -96,8 +100,16 @@ def start_server(args, strategy: str, batch: int, model, tok):
     from lookahead_jax.serve import ServeConfig, make_server, start_in_thread
 
     strategy, _, variant = strategy.partition("/")
-    if variant not in ("", "nocache", "notree"):
-        raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache or NAME/notree)")
+    sizes = {}  # chunkN / budgetK parts of the variant: the server's --prefill-chunk / --step-budget
+    for part in variant.split("+") if variant.startswith(("chunk", "budget")) else ():
+        key = "prefill_chunk" if part.startswith("chunk") else "step_budget" if part.startswith("budget") else None
+        num = part[5:] if key == "prefill_chunk" else part[6:]
+        if key is None or key in sizes or not (num if key == "prefill_chunk" else num.replace(".", "", 1)).isdigit():
+            raise SystemExit(f"unknown strategy variant part {part!r} (chunkN or budgetK, joined by +)")
+        sizes[key] = int(num) if key == "prefill_chunk" else float(num)
+    if variant not in ("", "nocache", "notree") and not sizes:
+        raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache, NAME/notree or "
+                         "NAME/chunkN+budgetK)")
     cache_mb = 0 if variant == "nocache" else args.prefix_cache_mb
     from lookahead_jax.core.slots import Slots
 
@@ -110,7 +122,8 @@ def start_server(args, strategy: str, batch: int, model, tok):
         opts = (("draft_model", args.draft),) + ((("budget", budget),) if budget else ())
         strategy = "specinfer"
     cfg = ServeConfig(model=args.model, strategy=strategy, strategy_options=opts, max_batch=batch,
-                      max_len=args.max_len, max_waiting=100000, logprobs=False, prefix_cache_mb=cache_mb)
+                      max_len=args.max_len, max_waiting=100000, logprobs=False, prefix_cache_mb=cache_mb,
+                      **sizes)
     # each run starts cold (its warm-up prompts seed it), not with what the last run wrote: the
     # measured prompts are the same in every run, so a kept cache of earlier outputs (the suffix
     # drafter's, lookahead's default) would draft their answers
@@ -258,8 +271,10 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--strategies", nargs="+", default=["greedy", "lookahead"],
                     help="greedy lookahead specinfer specinfer-auto specinfer-fixed (SpecInfer's budget: the "
-                         "default, auto or fixed); NAME/nocache: with the prefix cache off; NAME/notree: no tree in steps with a prefill block. Speedups are "
-                         "against the first")
+                         "default, auto or fixed); NAME/nocache: with the prefix cache off; NAME/notree: no tree "
+                         "in steps with a prefill block; NAME/chunkN+budgetK: prefill blocks of N prompt tokens, a "
+                         "step budget of K decode steps (either alone too). Speedups "
+                         "are against the first")
     ap.add_argument("--prompts", choices=("repo", "nq-shared"), default="repo",
                     help="repo: NQ RAG, GSM8K and HumanEval prompts of the repository's data/, shuffled; "
                          "nq-shared: NQ questions three per passage, in order (repeated traffic)")
