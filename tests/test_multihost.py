@@ -29,6 +29,7 @@ from multihost_worker import DRAFT, Tokenizer, tiny_draft, tiny_multihost
 TESTS = pathlib.Path(__file__).resolve().parent
 WORKER = TESTS / "multihost_worker.py"
 MESH = "data=2,model=4"
+MESH_TP = "model=8"  # one model over both processes' devices
 # repeated text, so that lookahead's drafts are accepted (the tiny model repeats too)
 PROMPTS = ["the cat sat on the mat, the cat sat on the mat, the cat", "abcabcabcabc", "1 2 3 1 2 3 1 2 3",
            "hello hello hello", "to be or not to be", "aaaa bbbb aaaa bbbb", "x = x + 1; x = x + 1;", "la la la"]
@@ -136,7 +137,8 @@ def test_every_strategy_over_two_processes_gives_one_process_tokens(tmp_path, pr
     greedy, lookahead, SpecInfer (greedy with its auto budget; sampled, mss, with its draft
     probabilities), RaLM and RaLMSpec (--async-verify asked: off over several processes),
     speculative KNN-LM (exact search, cache speculation, OS3's stride; sampled, faiss flat
-    search and IVF candidates) against plain KNN-LM on one device."""
+    search and IVF candidates) against plain KNN-LM on one device; and lookahead on a mesh
+    whose 'model' axis spans both processes (tensor parallel over them)."""
     corpus, datastore = bm25_corpus(tmp_path, monkeypatch), knn_datastore(tmp_path)
     base = ["--prompts-file", prompts_file, "--batch-size", "8", "--max-new-tokens", str(NEW), "--json",
             "--mesh", MESH]
@@ -151,7 +153,10 @@ def test_every_strategy_over_two_processes_gives_one_process_tokens(tmp_path, pr
     cmds = [base, base + look, base + sample, base + look + sample, base + spec, base + spec_sampled,
             base + ["--strategy", "ralm"] + rag, base + ["--strategy", "ralmspec", "--async-verify"] + rag,
             base + knn + ["--speculation-stride", "auto"],
-            base + knn + ["--knn-search", "flat", "--knn-speculate", "ivf"] + sample]
+            base + knn + ["--knn-search", "flat", "--knn-speculate", "ivf"] + sample,
+            # tensor parallel across the processes: the 'model' axis spans both, so each holds
+            # only part of a split weight (their engines must not read it back whole)
+            [MESH_TP if a == MESH else a for a in base] + look]
     t0 = time.monotonic()
     # 8 commands: 789 s here under a load average of ~10 on 2 cores; 10 (knnlm too): 260 s at ~4 (a hang
     # guard, not a target)
@@ -173,14 +178,14 @@ def test_every_strategy_over_two_processes_gives_one_process_tokens(tmp_path, pr
     assert knn_want.token_ids != greedy and knn_sampled.token_ids != sampled  # the neighbours change tokens
     runs = json_runs(outs[0])
     assert len(runs) == len(cmds), outs[0][-2000:]
-    names = ("greedy", "lookahead") * 2 + ("specinfer",) * 2 + ("ralm", "ralmspec") + ("knnlm",) * 2
+    names = ("greedy", "lookahead") * 2 + ("specinfer",) * 2 + ("ralm", "ralmspec") + ("knnlm",) * 2 + ("lookahead",)
     wants = (greedy, greedy, sampled, sampled, greedy, spec_want.token_ids, ralm.token_ids, ralm.token_ids,
-             knn_want.token_ids, knn_sampled.token_ids)
+             knn_want.token_ids, knn_sampled.token_ids, greedy)
     for (rows, summary), strategy, want in zip(runs, names, wants):
         assert summary["strategy"] == strategy
         assert [r["token_ids"] for r in sorted(rows, key=lambda r: r["prompt_index"])] == want, strategy
     # lookahead and SpecInfer drafted and had drafts accepted: the broadcast plans were real trees
-    assert all(runs[i][1]["tokens_per_step"] > 1.0 for i in (1, 3, 4, 5)), [runs[i][1] for i in (1, 3, 4, 5)]
+    assert all(runs[i][1]["tokens_per_step"] > 1.0 for i in (1, 3, 4, 5, 10)), [runs[i][1] for i in (1, 3, 4, 5, 10)]
     # the passages of one process (re-prefills included), and ralmspec speculated
     for rows, _ in runs[6:8]:
         got = [r["retrieval"]["passages"] for r in sorted(rows, key=lambda r: r["prompt_index"])]
@@ -193,7 +198,8 @@ def test_every_strategy_over_two_processes_gives_one_process_tokens(tmp_path, pr
     assert ivf["speculation_hits"] > 0 and (ivf["search"], ivf["speculate"]) == ("flat", "ivf"), ivf
     assert "async_verify is off over several processes" in errs[0]
     assert outs[1].count("{") == 0  # process 1 computes the same, prints nothing
-    print(f"2-process greedy, lookahead, specinfer, ralm, ralmspec and knnlm: {took:.0f} s")
+    print(f"2-process greedy, lookahead (also tensor parallel over both), specinfer, ralm, ralmspec and knnlm: "
+          f"{took:.0f} s")
 
 
 @pytest.mark.parametrize("flags,error", [

@@ -240,6 +240,10 @@ def shard_params(params, config: ModelConfig, mesh):
     shardings = param_shardings(config, mesh)
     if jax.process_count() > 1:  # each process places its own devices' shards from its own copy
         def put(x, sharding):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:  # placed over the processes already
+                # (`load(mesh=)`, then the engine): it may hold only this process's shards, which
+                # np.asarray cannot read (a 'model' axis spanning processes)
+                return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
