@@ -12,9 +12,10 @@ whatever row or position it is used at:
 Both go through the engine's compiled-function table (`engine.compiled`: names
 "kv_copy" and "kv_write"; counted and logged as every step's compilation). The copy is a
 new array (the next step may donate the cache); writing donates the cache, as a step
-does. Neither touches `cache.length` (the caller sets the row's length). On a mesh the
-copy's placement is what the compiler propagates from the cache's, and the write returns
-the cache placed as the steps take it.
+does. Neither touches `cache.length` (the caller sets the row's length). On a mesh a
+block is placed as the cache's rows are, less the row axis (kv heads split over "model",
+the same on every "data" row: `block_sharding`), and the write returns the cache placed
+as the steps take it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import functools
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..models import KVCache
 
@@ -57,6 +59,26 @@ def _mesh_write(config, mesh, batch: int):
     return jax.jit(_write_in, donate_argnums=(1,), out_shardings=cache_shardings(config, mesh, batch))
 
 
+def block_sharding(cache: KVCache):
+    """Where a block of `cache` goes: on a mesh the cache layer's NamedSharding less its
+    row axis ([B,K,S,H] -> [K,size,H]), else None (the compiler's choice: one device)."""
+    s = cache.k[0].sharding
+    if not isinstance(s, NamedSharding):
+        return None
+    return NamedSharding(s.mesh, P(*tuple(s.spec)[1:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_copy(sharding, layers: int):
+    """COPY on a mesh: every block placed by `sharding` (`block_sharding`)."""
+    return jax.jit(_copy_out, static_argnames=("size",), out_shardings=((sharding,) * layers,) * 2)
+
+
+def _copier(engine, cache: KVCache):
+    sharding = block_sharding(cache) if engine.mesh is not None else None
+    return COPY if sharding is None else _mesh_copy(sharding, len(cache.k))
+
+
 def _writer(engine, cache: KVCache):
     return WRITE if engine.mesh is None else _mesh_write(engine.config, engine.mesh, int(cache.length.shape[0]))
 
@@ -67,7 +89,8 @@ def _index(x) -> np.ndarray:
 
 def copy_out(engine, cache: KVCache, row: int, start: int, size: int):
     """A copy of slots start..start+size-1 of `row` (module docstring)."""
-    return engine.compiled("kv_copy", COPY, None, cache, _index(row), _index(start), size=int(size))
+    return engine.compiled("kv_copy", _copier(engine, cache), None, cache, _index(row), _index(start),
+                           size=int(size))
 
 
 def write_in(engine, cache: KVCache, kv, row: int, start: int) -> KVCache:
@@ -78,12 +101,14 @@ def write_in(engine, cache: KVCache, kv, row: int, start: int) -> KVCache:
 
 def prefetch(engine, cache: KVCache, size: int) -> None:
     """Queue both programs' compilation in the background (`CompiledFunctions.prefetch`:
-    only shapes are read; a block is taken as placed like the cache's first layer)."""
+    only shapes are read; a block placed as `copy_out` places it)."""
+    sharding = (block_sharding(cache) if engine.mesh is not None else None) or cache.k[0].sharding
     one = jax.ShapeDtypeStruct((cache.k[0].shape[1], int(size), cache.k[0].shape[3]), cache.k[0].dtype,
-                               sharding=cache.k[0].sharding)
+                               sharding=sharding)
     kv = tuple(one for _ in cache.k)
     zero = _index(0)
-    engine.compiled.prefetch("kv_copy", COPY, None, cache, zero, zero, compile=True, size=int(size))
+    engine.compiled.prefetch("kv_copy", _copier(engine, cache), None, cache, zero, zero, compile=True,
+                             size=int(size))
     engine.compiled.prefetch("kv_write", _writer(engine, cache), None, cache, kv, kv, zero, zero, compile=True)
 
 
