@@ -1,6 +1,7 @@
 """One process of a multi-process CLI run in tests/test_multihost.py (2 of them, 4 CPU devices each):
 
     python tests/multihost_worker.py ARGS... [--then ARGS...]   (the generate command's arguments)
+    python tests/multihost_worker.py serve ARGS...              (the serve command's)
 
 Each `--then` starts another command in the same processes (the distributed runtime and the
 compiled programs kept), after the previous one ended.
@@ -68,6 +69,12 @@ def main(argv) -> int:
 
     enable_compilation_cache("xla-tests")  # as the test processes (conftest.py)
     lookahead_jax.loading.load = fake_load
+    if argv[:1] == ["serve"]:  # the server: process 0 serves HTTP, the other follows it
+        from lookahead_jax.serve.__main__ import main as serve
+
+        lookahead_jax.loading.vocab_size = lambda name: TINY["vocab_size"]  # (the model name's check)
+        serve([a for a in argv[1:] if a != "--then"])
+        return 0
     rc, cmd = 0, []
     for a in argv + ["--then"]:
         if a != "--then":

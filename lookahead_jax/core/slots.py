@@ -101,7 +101,7 @@ from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
 from .rows import Phase, RowState, free_row
 from .drafts import SkipRows
-from .multihost import to_host
+from .multihost import agree_choice, to_host
 from .params import GenerationParams
 from .prefix_cache import budget_bytes
 from .prefix_rows import PrefixRows
@@ -335,7 +335,8 @@ class Slots:
         """A step's prefill: the next block of the oldest prefilling slot; with a
         `step_budget` k, more blocks (the oldest slot first) while the step, begun at t0,
         stays within k x a decode step of the running batch (the median of the last ones):
-        a block is forwarded when the last block's time still fits. At least one block a
+        a block is forwarded when the last block's time still fits (process 0's times, over
+        several processes). At least one block a
         step (every prompt progresses); with no slot decoding, every block at once."""
         while self._prefill:
             t = self._clock()
@@ -345,7 +346,8 @@ class Slots:
                 return
             if self.state.active.any() and self._decode_s:
                 limit = self.step_budget * float(np.median(self._decode_s))
-                if self._clock() - t0 + block_s > limit:
+                # (process 0's clock decides for every process: each must forward the same blocks)
+                if agree_choice(self._clock() - t0 + block_s > limit)[0]:
                     return
 
     @property

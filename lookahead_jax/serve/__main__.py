@@ -14,9 +14,10 @@ import dataclasses
 import logging
 import sys
 
-from ..argparsing import Parser
+from ..argparsing import Parser, add_distributed_flags
 from ..strategies import REGISTRY
 
+from ..core.multihost import check_flags
 from .server import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFIX_CACHE_MB, DEFAULT_STEP_BUDGET, ServeConfig, check, run
 
 log = logging.getLogger("lookahead_jax.serve")
@@ -88,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
                    "the rest compile while requests are served and steps do without them meanwhile (greedy, the "
                    "default, and all are the same: sampling is data, one program serves both); none: each "
                    "program compiles at its first use")
+    p.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                   help="split the model over 'model' (tensor parallel) and the slots' rows over 'data' on a mesh "
+                   "of the devices (every process's, over several processes); default: one device")
+    add_distributed_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="also log other libraries' INFO lines (orbax, "
                    "absl, jax, ...); without it they log warnings and errors only")
     return p
@@ -108,9 +113,19 @@ def _config(p, a) -> ServeConfig:
             p.error(f"--option {k}: not an option of strategy {a.strategy!r}; its options: "
                     + (", ".join(fields) or "none"))
         opts.append((k, _value(v.strip())))
+    mesh = ()
+    if a.mesh:
+        try:
+            mesh = tuple(sorted((k.strip(), int(v)) for k, v in (x.split("=") for x in a.mesh.split(","))))
+        except ValueError:
+            p.error(f"--mesh must look like data=2,model=4, got {a.mesh!r}")
+    distributed = (a.coordinator_address, a.num_processes, a.process_id, a.distributed_auto)
+    error = check_flags(*distributed[:3])
+    if error:
+        p.error(error)
     return ServeConfig(a.model, a.strategy, tuple(opts), a.max_batch, a.max_len, a.max_waiting, not a.no_logprobs,
                        a.dtype, a.served_model_name, a.host, a.port, a.warmup, a.prefill_chunk,
-                       a.step_budget or None, a.prefix_cache_mb)
+                       a.step_budget or None, a.prefix_cache_mb, mesh, distributed)
 
 
 def main(argv=None) -> None:
@@ -138,9 +153,16 @@ def serve(cfg: ServeConfig, build=None) -> None:
     it). A configuration it cannot start with: the `error:` line and SystemExit(2); any
     other failure of the build: logged with its traceback, SystemExit(1)."""
     from ..core.compile import enable_compilation_cache
+    from ..core.multihost import check_same_config, init_distributed
     from ..retrieval import EncoderUnavailable, IndexUnavailable
 
     try:
+        # before any other JAX call: several processes (process 0 serves, the others follow it)
+        if init_distributed(*cfg.distributed[:3], auto=cfg.distributed[3]):
+            if not cfg.mesh:
+                raise ValueError("several processes need --mesh (e.g. data=2,model=4 over 2 processes of 4 "
+                                 "devices each): the mesh spans every process's devices")
+            check_same_config(dataclasses.asdict(dataclasses.replace(cfg, distributed=(), host="", port=0)))
         check(cfg)
         enable_compilation_cache()  # the server owns its process: compiled steps go to JAX's persistent cache
         run(cfg, build=build)

@@ -38,15 +38,15 @@ that step and rebuilds the slots; the thread keeps serving. Host-side only besid
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Optional
 
-from ..core.params import GenerationParams
+from ..core.multihost import multiprocess
 from ..core.sampling import Penalties, SamplingParams
-from ..core.slots import NeedsOwnSlots, Request, Slots
+from ..core.slots import NeedsOwnSlots, Slots
+from .jobs import Job, Output, Speculation  # noqa: F401 (the scheduler's API: imported from here too)
 
 log = logging.getLogger("lookahead_jax.serve")
 
@@ -66,81 +66,6 @@ class ShuttingDown(Exception):
     """The scheduler drains and takes no new jobs (HTTP 503)."""
 
 
-@dataclasses.dataclass
-class Output:
-    """What the engine hands a job after an insert or step: `tokens` kept (EOS / stop cut),
-    their `logprobs` (None unless the job asked), the `text` delta, and at the end
-    `finish` ("eos" | "stop" | "length" | "abort" | "error") with `error` / `status`, and
-    a retrieval strategy's record of the request (`Slots.free(slot).retrieval`); with its
-    last tokens (the output before the finish), a job that asked for prompt
-    log-probabilities gets them (`RowState.prompt_logprobs` / `prompt_top`)."""
-
-    index: int
-    tokens: list
-    text: str
-    logprobs: Optional[list] = None
-    finish: Optional[str] = None
-    error: Optional[str] = None
-    status: int = 200
-    retrieval: Optional[dict] = None
-    prompt_logprobs: Optional[list] = None
-    prompt_top: Optional[list] = None
-    tops: Optional[list] = None  # per token its most likely (id, log-probability) pairs (top_logprobs)
-    speculation: Optional[dict] = None  # with the finish: the job's `Speculation.record()` (drafting jobs)
-
-
-@dataclasses.dataclass
-class Speculation:
-    """One job's speculative decoding: the verify steps that checked drafts for it, the
-    draft tokens (tree nodes) they checked and how many of them it kept; `record()` is the
-    response's `metrics.speculative_decoding` (vLLM's per-request acceptance metrics)."""
-
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    histogram: dict = dataclasses.field(default_factory=dict)  # accepted draft tokens -> steps
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.steps, self.drafted, self.accepted = self.steps + 1, self.drafted + drafted, self.accepted + accepted
-        self.histogram[accepted] = self.histogram.get(accepted, 0) + 1
-
-    def record(self) -> dict:
-        return dict(num_spec_steps=self.steps, num_draft_tokens=self.drafted, num_accepted_draft_tokens=self.accepted,
-                    draft_acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0,
-                    mean_acceptance_length=1.0 + self.accepted / self.steps if self.steps else 1.0,
-                    acceptance_histogram={str(k): v for k, v in sorted(self.histogram.items())})
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """One sequence to decode (one prompt, one sample of it). `sink(Output)` is called
-    from the engine thread (it must be thread-safe and quick); `index` is its choice."""
-
-    prompt_ids: list
-    params: GenerationParams
-    sink: Callable[[Output], None]
-    index: int = 0
-    sampling_row: int = 0
-    references: list = dataclasses.field(default_factory=list)
-    strategy: object = None  # None: the server's; a drafter-less strategy: plain decoding
-    question_span: Optional[tuple] = None  # retrieval strategies: the question's [start, end) in the prompt
-    # filled in by the scheduler
-    arrival: float = dataclasses.field(default_factory=time.perf_counter)
-    cancelled: bool = False
-    done: bool = False
-    n_out: int = 0
-    t_first: Optional[float] = None
-    t_last: Optional[float] = None
-    retrieval: Optional[dict] = None
-    spec: Speculation = dataclasses.field(default_factory=Speculation)
-    _text: list = dataclasses.field(default_factory=list)
-
-    def request(self) -> Request:
-        return Request(self.prompt_ids, self.params, strategy=self.strategy, sampling_row=self.sampling_row,
-                       references=self.references,
-                       question_span=self.question_span, on_text=lambda _slot, delta: self._text.append(delta))
-
-
 class Scheduler:
     """Continuous batching over one `Slots` of `max_batch` rows and `max_len` cache slots
     (module docstring). metrics: a `metrics.Metrics` (or None); max_waiting: jobs that may
@@ -151,14 +76,18 @@ class Scheduler:
     None: one block a step); prefix_cache: bytes of prompt-block K/V the slots keep for later
     prompts that begin alike (`Slots(prefix_cache=)`, on the engine: slots rebuilt keep it;
     None / 0: off; needs prefill_chunk). A prefilling job holds
-    its slot (not free) and gets its first output, TTFT included, when its last block is out."""
+    its slot (not free) and gets its first output, TTFT included, when its last block is out.
+    replicate: over several processes, process 0's `replica.Recorder`: every call on the
+    slots is recorded for the other processes, which `replica.follow` a scheduler built
+    alike (over several processes slots never do without a program: `fallback` off)."""
 
     def __init__(self, engine, tokenizer, strategy=None, *, max_batch: int = 8, max_len: int = 2048,
                  max_waiting: int = 256, eos_ids=(), logprobs: bool = True, metrics=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  prefill_chunk: Optional[int] = None, step_budget: Optional[float] = None,
-                 prefix_cache: Optional[int] = None):
+                 prefix_cache: Optional[int] = None, replicate=None):
         self.engine, self.tokenizer, self.strategy = engine, tokenizer, strategy
+        self.replicate = replicate  # over several processes, process 0's `replica.Recorder` (else None)
         self.prefix_cache = prefix_cache
         self.prefill_chunk, self.step_budget = prefill_chunk, step_budget
         self.max_batch, self.max_len, self.max_waiting = max_batch, max_len, max_waiting
@@ -345,6 +274,8 @@ class Scheduler:
         self.warm_waiting.clear()
         if self.slots.run is not None:  # e.g. ralmspec's verification worker
             self.slots.run.close()
+        if self.replicate is not None:  # the other processes' schedulers end too
+            self.replicate.stop()
 
     def _drop_cancelled_waiting(self) -> None:  # under the lock
         if any(j.cancelled for j in self.waiting):
@@ -576,18 +507,21 @@ class Scheduler:
 
     def _new_slots(self, sampling: SamplingParams, penalties: Penalties) -> Slots:
         old = getattr(self, "slots", None)
-        if old is not None and old.drafter is not None:
-            old.drafter.end()
-        if old is not None and old.run is not None:
-            old.run.close()
+        if old is not None:  # its drafter ends every row, its run stops its workers
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - slots a failed step left half-written: new ones follow
+                log.exception("closing the old slots failed")
         return self._build_slots(sampling, penalties)
 
     def _build_slots(self, sampling: SamplingParams, penalties: Penalties) -> Slots:
-        """Slots as this scheduler serves with (the slots it serves with are untouched)."""
-        return Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
-                     sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids,
-                     prefill_chunk=self.prefill_chunk, fallback=True, step_budget=self.step_budget,
-                     penalty_rows=True, prefix_cache=self.prefix_cache)
+        """Slots as this scheduler serves with (the slots it serves with are untouched);
+        recorded for the other processes where it `replicate`s."""
+        slots = Slots(self.engine, self.tokenizer, self.max_batch, self.max_len, self.strategy,
+                      sampling=sampling, penalties=penalties, logprobs=self.logprobs, eos_ids=self.eos_ids,
+                      prefill_chunk=self.prefill_chunk, fallback=not multiprocess(), step_budget=self.step_budget,
+                      penalty_rows=True, prefix_cache=self.prefix_cache)
+        return slots if self.replicate is None else self.replicate.built(slots, sampling, penalties)
 
     def _gauges(self) -> None:
         if self.metrics is not None:

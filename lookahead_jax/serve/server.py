@@ -41,6 +41,8 @@ class ServeConfig:
     prefill_chunk: Optional[int] = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill block (None / 0: whole prompts)
     step_budget: Optional[float] = DEFAULT_STEP_BUDGET  # prefill blocks a step carries, in decode steps (None: one)
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # MiB of the prefix cache (0: off; needs prefill_chunk)
+    mesh: tuple = ()  # (("data", n), ("model", m)): the devices the model and the slots' rows are split over
+    distributed: tuple = (None, None, None, False)  # coordinator address, processes, process id, auto
 
 
 def check(cfg: ServeConfig, model_name: bool = True):
@@ -59,6 +61,8 @@ def check(cfg: ServeConfig, model_name: bool = True):
     if cfg.step_budget is not None and not cfg.step_budget >= 1:
         raise ValueError(f"--step-budget must be >= 1 (decode steps a step with prefill may take) or 0 for one "
                          f"block a step, got {cfg.step_budget!r}")
+    if cfg.mesh and not {k for k, _ in cfg.mesh} <= {"data", "model"}:
+        raise ValueError(f"--mesh axes are 'data' and 'model', got {dict(cfg.mesh)}")
     if not (isinstance(cfg.prefix_cache_mb, (int, float)) and cfg.prefix_cache_mb >= 0):
         raise ValueError(f"--prefix-cache-mb must be a number of MiB >= 0 (0: off), got {cfg.prefix_cache_mb!r}")
     if model_name:
@@ -75,22 +79,34 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None, stage: Optional[Ca
     `check(cfg)` runs first (without `model`: its name checked too); a retrieval strategy
     (ralm, ralmspec: `retriever=KIND corpus=PATH`; knnlm: `datastore=DIR` or `corpus=PATH`)
     loads its index or datastore here, once (slots rebuilt later reuse it): one not built
-    is an `IndexUnavailable` whose message gives the command that builds it."""
+    is an `IndexUnavailable` whose message gives the command that builds it.
+
+    `cfg.mesh`: the model is loaded onto it and the slots' rows split over its "data" axis.
+    Over several processes (`jax.distributed` initialized: `serve`) process 0's scheduler
+    records its calls on the slots for the others (`replica`), which build the same server
+    and follow it (`run`)."""
     from ..core.engine import engine_for
+    from ..core.multihost import multiprocess
     from ..loading import load
     from .app import Server
     from .metrics import Metrics
+    from .replica import Channel, Recorder
     from .scheduler import Scheduler
 
     stage = stage or (lambda name: None)
     strategy = check(cfg, model_name=model is None)
+    mesh = None
+    if cfg.mesh:
+        from ..core.sharding import make_mesh
+
+        mesh = make_mesh(**dict(cfg.mesh))
     if model is None:
         stage("model")
         t0 = time.perf_counter()
-        model, tokenizer = load(cfg.model, cfg.dtype)
+        model, tokenizer = load(cfg.model, cfg.dtype, **({"mesh": mesh} if mesh is not None else {}))
         log.info("model %s loaded in %.1f s", cfg.model, time.perf_counter() - t0)
     stage("engine")
-    engine = engine_for(model)
+    engine = engine_for(model, mesh)
     strategy = None if strategy.drafter(engine) is None and not strategy.runs_own_loop else strategy
     name = cfg.served_model_name or cfg.model
     metrics = Metrics(name)
@@ -98,11 +114,18 @@ def make_server(cfg: ServeConfig, model=None, tokenizer=None, stage: Optional[Ca
     sched = Scheduler(engine, tokenizer, strategy, max_batch=cfg.max_batch, max_len=cfg.max_len,
                       max_waiting=cfg.max_waiting, eos_ids=eos, logprobs=cfg.logprobs, metrics=metrics,
                       prefill_chunk=cfg.prefill_chunk or None, step_budget=cfg.step_budget,
-                      prefix_cache=int(cfg.prefix_cache_mb * 2 ** 20) or None)
+                      prefix_cache=int(cfg.prefix_cache_mb * 2 ** 20) or None,
+                      replicate=Recorder(Channel()) if multiprocess() and _process_index() == 0 else None)
     server = Server(sched, tokenizer, name, metrics, vocab=int(engine.config.vocab_size),
                     max_position=int(engine.config.max_position), warmup=cfg.warmup)
     server.model = model  # the engine holds its model weakly
     return server
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 def lazy_app(cfg: ServeConfig, build: Optional[Callable] = None):
@@ -126,7 +149,24 @@ def run(cfg: ServeConfig, server=None, build: Optional[Callable] = None) -> None
     finish, then the engine thread drains and stops). The port opens at once; the server
     (`server` if given, else `build(stage)`, by default `make_server(cfg)`: the model
     load) is built behind it (`lazy_app`). A build that raises stops serving, and its
-    exception is raised here once uvicorn has stopped."""
+    exception is raised here once uvicorn has stopped.
+
+    Over several processes, on every process but process 0: no port; the server is built
+    here and follows process 0's engine (`replica.follow`) until process 0's ends."""
+    from ..core.multihost import multiprocess
+
+    if multiprocess() and _process_index() != 0:
+        from .replica import Channel, follow
+
+        server = server or (build or (lambda stage: make_server(cfg, stage=stage)))(lambda name: None)
+        log.info("process %d: following process 0's engine (process 0 serves HTTP)", _process_index())
+        calls = follow(server.scheduler, Channel())
+        log.info("process %d: process 0's engine ended (%d calls followed)", _process_index(), calls)
+        return
+    if multiprocess():  # SIGTERM (re-raised by uvicorn once it stopped) ends this process as SIGINT does: its
+        import signal  # exit then shuts jax.distributed down with the others (not a kill they abort on)
+
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     startup = lazy_app(cfg, build if server is None else (lambda stage: server))
     try:
         startup.uvicorn(host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=60).run()
