@@ -152,8 +152,9 @@ def bytes_read() -> int:
 def multi(root, port, pid) -> dict:
     """Each process's addressable shards equal the matching slices of the saved weights, on
     a mesh whose 'model' axis stays inside each process (data=2, model=4) and on one that
-    spans both (model=8: a split weight is half on each); greedy on data=2,model=4 gives
-    the one-device tokens."""
+    spans both (model=8: a split weight is half on each), for the tiny llama and `wide` (a
+    larger one stored in several chunks per weight); the bytes each process read from the
+    checkpoint files; greedy on data=2,model=4 gives the one-device tokens."""
     import jax
     import numpy as np
 
@@ -165,29 +166,31 @@ def multi(root, port, pid) -> dict:
     init_distributed(f"127.0.0.1:{port}", 2, pid)
     enable_compilation_cache("xla-tests")
     assert jax.process_count() == 2 and jax.local_device_count() == 4
-    saved = dict(np.load(root / "llama.npz"))
     out = {}
-    for name, shape in (("data=2,model=4", (2, 4)), ("model=8", (1, 8))):
-        mesh = sh.make_mesh(data=shape[0], model=shape[1])
-        before = bytes_read()
-        model, tok = load_on(root / "llama", mesh)
-        read = bytes_read() - before
-        got, want = flat(model.params), flat(sh.param_shardings(model.config, mesh))
-        bad, partial = [], []
-        for k, x in got.items():
-            if x.sharding != want[k]:
-                bad.append(f"{k}: sharding {x.sharding.spec} != {want[k].spec}")
-            for s in x.addressable_shards:
-                if not np.array_equal(np.asarray(s.data), saved[k][s.index]):
-                    bad.append(f"{k}: shard {s.index} of device {s.device.id}")
-            held = {tuple((i.start or 0, i.stop) for i in s.index): s.data.size for s in x.addressable_shards}
-            if sum(held.values()) < x.size:  # this process holds only part of the array
-                partial.append(k)
-        out[name] = dict(bad=bad, partial=sorted(partial), read=read,
-                         down_rows=sorted({(s.index[0].start or 0) for s in got["layers.0.down"].addressable_shards}))
-        if name == "data=2,model=4":
-            kw = dict(max_new_tokens=NEW, ignore_eos=True)
-            out["tokens"] = generate(model, tok, PROMPTS, mesh=mesh, **kw).token_ids
+    for family in ("llama", "wide"):
+        saved = dict(np.load(root / f"{family}.npz"))
+        for name, shape in (("data=2,model=4", (2, 4)), ("model=8", (1, 8))):
+            mesh = sh.make_mesh(data=shape[0], model=shape[1])
+            before = bytes_read()
+            model, tok = load_on(root / family, mesh)
+            read = bytes_read() - before
+            got, want = flat(model.params), flat(sh.param_shardings(model.config, mesh))
+            bad, partial = [], []
+            for k, x in got.items():
+                if x.sharding != want[k]:
+                    bad.append(f"{k}: sharding {x.sharding.spec} != {want[k].spec}")
+                for s in x.addressable_shards:
+                    if not np.array_equal(np.asarray(s.data), saved[k][s.index]):
+                        bad.append(f"{k}: shard {s.index} of device {s.device.id}")
+                held = {tuple((i.start or 0, i.stop) for i in s.index): s.data.size for s in x.addressable_shards}
+                if sum(held.values()) < x.size:  # this process holds only part of the array
+                    partial.append(k)
+            out[f"{family}/{name}"] = dict(
+                bad=bad, partial=sorted(partial), read=read,
+                down_rows=sorted({(s.index[0].start or 0) for s in got["layers.0.down"].addressable_shards}))
+            if (family, name) == ("llama", "data=2,model=4"):
+                kw = dict(max_new_tokens=NEW, ignore_eos=True)
+                out["tokens"] = generate(model, tok, PROMPTS, mesh=mesh, **kw).token_ids
     out["process"] = pid
     return out
 

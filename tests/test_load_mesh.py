@@ -2,9 +2,11 @@
 its NamedSharding on the mesh (orbax, `sharding.checkpoint_sharding`) instead of reading the
 model whole and placing it (`shard_params`, which the children make raise while `load`
 runs): on one process of 8 CPU devices (data=2, model=4), and over 2 processes of 4 CPU
-devices each (`jax.distributed`), where each process gets its own devices' shards; a
-preset's converted checkpoint too (its first load and a cached one). The children are
-`multihost_load_worker.py` (the main pytest process has one device)."""
+devices each (`jax.distributed`), where each process gets its own devices' shards and, on
+a mesh whose 'model' axis spans both, reads about half of the checkpoint's files (weights
+stored in chunks, `convert.checkpoint.CHUNK_BYTES`); a preset's converted checkpoint too
+(its first load and a cached one). The children are `multihost_load_worker.py` (the main
+pytest process has one device)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ from tiny import tiny_model
 TESTS = pathlib.Path(__file__).resolve().parent
 WORKER = TESTS / "multihost_load_worker.py"
 # gemma3: tied embeddings (no lm_head: embed is the head), K=2 kv heads (qkv replicated on model=4)
-FAMILIES = {"llama": dict(seed=2, **TINY), "gemma3": dict(seed=1, vocab_size=260, tie_embeddings=True)}
+FAMILIES = {"llama": dict(seed=2, **TINY), "gemma3": dict(seed=1, vocab_size=260, tie_embeddings=True),
+            # 21 MB of weights, every one split on model=8; embed, lm_head, gate_up and down span
+            # several chunks of checkpoint.CHUNK_BYTES (2 MiB) each
+            "wide": dict(family="llama", seed=3, vocab_size=4096, d_model=256, n_layers=1, n_heads=8,
+                         n_kv_heads=8, head_dim=32, d_ff=4096)}
 
 
 class _Placeholder:
@@ -48,13 +54,13 @@ def saved(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("saved")
     models = {}
-    for family, kw in FAMILIES.items():
-        model = tiny_model(family, **kw)
-        model.name = family
-        save_pretrained(model, _Placeholder(), root / family)
-        np.savez(root / f"{family}.npz", **{path_str(p): np.asarray(x)
-                                            for p, x in jax.tree_util.tree_leaves_with_path(model.params)})
-        models[family] = model
+    for name, kw in FAMILIES.items():
+        model = tiny_model(**{"family": name, **kw})
+        model.name = name
+        save_pretrained(model, _Placeholder(), root / name)
+        np.savez(root / f"{name}.npz", **{path_str(p): np.asarray(x)
+                                          for p, x in jax.tree_util.tree_leaves_with_path(model.params)})
+        models[name] = model
     return root, models
 
 
@@ -104,17 +110,25 @@ def test_two_processes_each_restore_their_own_shards(saved, tmp_path):
     rcs, outs, errs = finish(tmp_path, procs, timeout=300)
     assert rcs == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     want = generate(models["llama"], Tokenizer(), PROMPTS, max_new_tokens=NEW, ignore_eos=True).token_ids
-    cfg = models["llama"].config
+    wide = sum(x.nbytes for x in np.load(root / "wide.npz").values())
     for pid, out in enumerate(outs):
         r = _result(out)
         assert r["process"] == pid
-        for name in ("data=2,model=4", "model=8"):
-            assert r[name]["bad"] == [], (pid, name, r[name]["bad"][:6])
-        # data=2,model=4: each process holds a whole replica (its 4 devices are one 'model' row)
-        assert r["data=2,model=4"]["partial"] == []
-        assert r["data=2,model=4"]["down_rows"] == [0, 32, 64, 96]
-        # model=8 spans both: the split weights are half on each process (down [F=128, D] by rows)
-        assert "layers.0.down" in r["model=8"]["partial"] and "layers.0.o" in r["model=8"]["partial"]
-        assert r["model=8"]["down_rows"] == [cfg.d_ff // 2 * pid + 16 * i for i in range(4)]
+        for family in ("llama", "wide"):
+            one, both = r[f"{family}/data=2,model=4"], r[f"{family}/model=8"]
+            F = models[family].config.d_ff
+            assert one["bad"] == [] and both["bad"] == [], (pid, family, one["bad"][:6], both["bad"][:6])
+            # data=2,model=4: each process holds a whole replica (its 4 devices are one 'model' row)
+            assert one["partial"] == [] and one["down_rows"] == [F // 4 * i for i in range(4)]
+            # model=8 spans both: a split weight is half on each process (down [F, D] by rows)
+            assert {"layers.0.down", "layers.0.o", "layers.0.gate_up"} <= set(both["partial"]), both["partial"]
+            assert both["down_rows"] == [F // 2 * pid + F // 8 * i for i in range(4)]
+        # `wide` on model=8: each process read about half of the checkpoint's files, not all of
+        # them (the tiny weights, one chunk each, are read whole; reads of chunks less than
+        # 1 MB apart are merged by TensorStore, as orbax configures it)
+        one, both = r["wide/data=2,model=4"]["read"], r["wide/model=8"]["read"]
+        assert one > 0.9 * wide and both < 0.6 * wide, (pid, one, both, wide)
         assert r["tokens"] == want, pid
+        print(f"process {pid} read {both / 1e6:.1f} MB of `wide` on model=8, {one / 1e6:.1f} MB on "
+              f"data=2,model=4 ({wide / 1e6:.1f} MB of weights)")
     print(f"2 processes: {time.monotonic() - t0:.0f} s")
