@@ -9,8 +9,8 @@ Directory layout:
 Restore builds the target pytree from the config (`models.param_shapes`), so the stored
 structure and shapes are checked against the config before any array is read, and each
 leaf is restored straight into the requested dtype and sharding (orbax reads only the
-shards each device needs; onto one device, the leaves are read one by one, largest first,
-see `restore_checkpoint`).
+stored chunks that the shards of each process's devices overlap, see CHUNK_BYTES; onto one
+device, the leaves are read one by one, largest first, see `restore_checkpoint`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,20 @@ TRIM_EVERY_S = 0.5
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
 FORMAT = "lookahead-jax-checkpoint/2"  # /2: fused qkv and gate_up (models.fuse_layer)
+# Each leaf is stored in chunks of at most CHUNK_BYTES (orbax's SaveArgs.chunk_byte_size:
+# the largest dimension split first, e.g. the rows of embed [V,D], down [F,D] and o [NH,D],
+# the F columns of gate_up), and qkv / qkv_bias one kv head per chunk (their K axis,
+# CHUNK_AXES): the dimensions `core.sharding` splits over "model". A restore into shards
+# (several devices or processes) then reads only the chunks its shards overlap: with one
+# chunk per leaf (orbax's default below its 2 GiB OCDBT file size) every process read and
+# decompressed every leaf whole (2 processes on model=8, 600 MB of f32 weights: 592 MB
+# read by each; chunked, 297). 2 MiB, not less: orbax has TensorStore merge reads of chunks
+# less than 1 MB apart, so smaller chunks of a shard and of its neighbour are read together
+# (onto one device no slower: 0.6 s for the 600 MB, 0.8 s unchunked, on a busy 2-core CPU). Leaves under
+# 2 MiB stay one chunk. The layout does not change what is stored: checkpoints saved
+# before (one chunk per leaf) restore the same, only read whole.
+CHUNK_BYTES = 2 << 20
+CHUNK_AXES = {"qkv": (1,), "qkv_bias": (0,)}  # [D, K, C, H], [K, C, H]
 
 
 def _flat(tree, prefix="") -> dict:
@@ -98,10 +112,17 @@ def save_checkpoint(directory, config: ModelConfig, params, *, overwrite: bool =
     if os.path.exists(cfg_path):
         os.remove(cfg_path)  # a config only ever sits beside a committed params dir
     with _trimming(), _checkpointer() as ckptr:
-        ckptr.save(pdir, args=ocp.args.PyTreeSave(params), force=overwrite)
+        ckptr.save(pdir, args=ocp.args.PyTreeSave(params, save_args=_save_args(params)), force=overwrite)
     with open(cfg_path, "w") as f:
         json.dump({"format": FORMAT, "config": config.to_dict(), "files": _file_sizes(pdir)}, f, indent=1)
     return directory
+
+
+def _save_args(params):
+    """orbax SaveArgs of every leaf: chunks of at most CHUNK_BYTES, qkv's per kv head."""
+    return _unflat({key: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES,
+                                      shard_axes=CHUNK_AXES.get(key.rsplit(".", 1)[-1], ()))
+                    for key in _flat(params)})
 
 
 def _checkpointer():

@@ -133,13 +133,31 @@ def _is_saved(path: Path) -> bool:
     return (path / "LOOKAHEAD_JAX").exists()
 
 
-def _restore(path: Path, dtype, name: str, pack=None):
+def _restore(path: Path, dtype, name: str, pack=None, mesh=None):
     """The saved model at `path`; pack (a `packing.LoadPacking`): its weights packed for
     the CPU kernels as each is read (`LoadPacking.put`), never a plain and a packed copy at
-    once."""
-    put = pack.put if pack is not None else None
-    config, params = ckpt.restore_checkpoint(path / "params", dtype=dtype, put=put)
+    once. mesh: each leaf restored straight into its NamedSharding on the mesh
+    (`sharding.checkpoint_sharding`, the shardings `shard_params` gives): every process
+    reads only the shards of its own devices, and no whole copy is made."""
+    if mesh is not None:
+        from .core.sharding import checkpoint_sharding
+
+        config, params = ckpt.restore_checkpoint(path / "params", dtype=dtype,
+                                                 sharding=checkpoint_sharding(mesh))
+    else:
+        put = pack.put if pack is not None else None
+        config, params = ckpt.restore_checkpoint(path / "params", dtype=dtype, put=put)
     return Model(config, params, name, dtype), Tokenizer.load(path / "tokenizer")
+
+
+def _placed(model: Model, mesh) -> Model:
+    """`model` (its params read whole: a GGUF file, an HF directory) placed on `mesh` by the
+    rule table (`shard_params`); as it is without a mesh."""
+    if mesh is not None:
+        from .core.sharding import shard_params
+
+        model.params = shard_params(model.params, model.config, mesh)
+    return model
 
 
 def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress: bool = True,
@@ -148,7 +166,14 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
 
     mesh: a ("data", "model") `jax.sharding.Mesh` (`sharding.make_mesh`): the params are
     placed on it by the rule table (heads / MLP columns over "model"); pass the same mesh
-    to `generate` to split batch rows and the KV cache over "data".
+    to `generate` to split batch rows and the KV cache over "data". An orbax checkpoint (a
+    preset's converted checkpoint, a `save_pretrained` directory) is restored straight into
+    those shardings (`sharding.checkpoint_sharding`): each process reads only its own
+    devices' shards (over several processes, every process calls `load` with the same
+    mesh: orbax's restore ends at a barrier of all of them). A GGUF file, an HF directory
+    or hub id is still read whole by every process, then placed (`sharding.shard_params`);
+    a preset's first load converts its GGUF whole, saves it, then restores the checkpoint
+    sharded. On a mesh nothing is packed for the CPU kernels.
     keep_unpacked: return plain arrays even where the CPU kernels would run packed weights
     (module docstring, "Memory"); generate then packs a copy at its first call (two copies
     of the weights in memory).
@@ -158,11 +183,7 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
     if packed_dtype is not None:
         packed_dtype = parse_dtype(packed_dtype)
     if mesh is not None:
-        from .core.sharding import shard_params
-
-        model, tok = load(name_or_path, dtype, progress=progress, keep_unpacked=True)
-        model.params = shard_params(model.params, model.config, mesh)
-        return model, tok
+        return _load(name_or_path, dtype, progress, mesh=mesh)
     pack = packing.on_load(parse_dtype(dtype), packed_dtype, keep_unpacked)
     model, tok = _load(name_or_path, dtype, progress, pack)
     if pack is not None:
@@ -170,13 +191,13 @@ def load(name_or_path: str = presets.DEFAULT_MODEL, dtype="float32", *, progress
     return model, tok
 
 
-def _load(name_or_path, dtype, progress: bool, pack=None):
+def _load(name_or_path, dtype, progress: bool, pack=None, mesh=None):
     dtype = parse_dtype(dtype)
     if not name_or_path or not str(name_or_path).strip():
         raise ValueError("empty model name; pass a preset name, a local path or an HF hub id")
     name = str(name_or_path)
     if name in presets.PRESETS:
-        return _load_preset(name, dtype, progress, pack)
+        return _load_preset(name, dtype, progress, pack, mesh)
 
     path = Path(name).expanduser()
     if path.exists():
@@ -184,27 +205,29 @@ def _load(name_or_path, dtype, progress: bool, pack=None):
             if path.suffix != ".gguf":
                 raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file or a model directory")
             config, params = load_gguf(path, dtype=dtype, progress=progress)
-            return Model(config, params, path.name, dtype), Tokenizer.from_gguf(path)
+            return _placed(Model(config, params, path.name, dtype), mesh), Tokenizer.from_gguf(path)
         if _is_saved(path):
-            return _restore(path, dtype, path.name, pack)
+            return _restore(path, dtype, path.name, pack, mesh)
         if (path / "config.json").exists():
             config, params = load_hf_dir(path, dtype=dtype)
-            return Model(config, params, path.name, dtype), Tokenizer.from_dir(path)
+            return _placed(Model(config, params, path.name, dtype), mesh), Tokenizer.from_dir(path)
         raise ValueError(
             f"{path} is neither a lookahead_jax checkpoint (save_pretrained) nor an HF model "
             "directory (config.json + *.safetensors)"
         )
 
     if _is_hub_id(name):
-        return _load_from_hub(name, dtype)
+        model, tok = _load_from_hub(name, dtype)
+        return _placed(model, mesh), tok
     raise ValueError(_unknown(name))
 
 
-def _load_preset(name, dtype, progress: bool, pack=None):
-    """A preset: its cached checkpoint, restored; else its GGUF converted and saved (and, to
-    pack, read back from the checkpoint). A checkpoint found saved is restored without a lock. Otherwise check, convert,
-    save and rename run under `_conversion_lock`: of several processes loading a preset for
-    the first time at once, one converts and the others wait, then restore its checkpoint
+def _load_preset(name, dtype, progress: bool, pack=None, mesh=None):
+    """A preset: its cached checkpoint, restored (into its shardings on `mesh`); else its
+    GGUF converted and saved (and, to pack or onto a mesh, read back from the checkpoint).
+    A checkpoint found saved is restored without a lock. Otherwise check, convert, save
+    and rename run under `_conversion_lock`: of several processes loading a preset for the
+    first time at once, one converts and the others wait, then restore its checkpoint
     (before the lock, all wrote one `<dtype>.tmp` directory, removed each other's files and
     died in orbax's save). Each save goes to a temp dir of its own, renamed onto the target
     when whole, so a reader finds no checkpoint or a complete one."""
@@ -213,7 +236,7 @@ def _load_preset(name, dtype, progress: bool, pack=None):
     seen = _marker(target)  # before the restore: the entry it read, whoever replaces it later
     if seen is not None:
         try:
-            return _restore(target, dtype, name, pack)
+            return _restore(target, dtype, name, pack, mesh)
         except Exception as e:  # a half-written, truncated or stale cache entry: rebuild it
             reason = str(e).split(" See full TensorStore details")[0].splitlines()[0]
             log.warning("cached checkpoint at %s is unreadable (%s): rebuilding it from the GGUF",
@@ -229,12 +252,14 @@ def _load_preset(name, dtype, progress: bool, pack=None):
             model, tok = _convert(name, target, dtype, progress, stale)
     if done:
         log.info("%s was converted by another process while this one waited: restoring it", target)
-        return _restore(target, dtype, name, pack)
-    if pack is None:
+        return _restore(target, dtype, name, pack, mesh)
+    if pack is None and mesh is None:
         return model, tok
-    del model  # read back packed, leaf by leaf: never the converted and a packed copy at once
+    # read back packed, leaf by leaf (never the converted and a packed copy at once), or
+    # each device's shards of each leaf
+    del model
     release_memory()
-    return _restore(target, dtype, name, pack)
+    return _restore(target, dtype, name, pack, mesh)
 
 
 def _marker(path: Path):
