@@ -2,8 +2,8 @@
 processes of 4 CPU devices each (gloo) on one (data=2, model=4) mesh spanning both;
 process 0 serves HTTP and the other follows its engine (`serve.replica`). 8 concurrent
 requests (greedy and sampled, short prompts and long ones prefilled in blocks, two that
-share a cached prefix) give the tokens `generate` gives on one device; stopping process 0
-ends both.
+share a cached prefix; a step budget, whose timed choice of blocks is process 0's) give the
+tokens `generate` gives on one device; stopping process 0 ends both.
 
 The processes are `multihost_worker.py serve ...` (the tiny random model of a fixed seed,
 the same weights on both), as in test_multihost.py; compiling takes minutes on a 2-core
@@ -19,8 +19,9 @@ import time
 import pytest
 
 from lookahead_jax.generate import generate
-from multihost_worker import Tokenizer, tiny_multihost
-from test_multihost import RUN_S, finish, free_port, read, start
+from lookahead_jax.strategies import RaLM
+from multihost_worker import DRAFT, Tokenizer, tiny_multihost
+from test_multihost import RUN_S, bm25_corpus, finish, free_port, read, start
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -46,12 +47,35 @@ def complete(url: str, prompt: str, max_tokens: int, temperature: float, seed: i
     return list(r.json()["choices"][0]["token_ids"])
 
 
+RAG = dict(retriever="bm25", stride=2, query_tokens=16, max_passage_tokens=64)
+
+
+def options(opts: dict) -> list:
+    return [a for k, v in opts.items() for a in ("--option", f"{k}={v}")]
+
+
 @pytest.mark.slow
-def test_two_process_server_answers_concurrent_requests_with_one_process_tokens(tmp_path):
+@pytest.mark.parametrize("strategy", ["lookahead", "ralmspec", "specinfer"])
+def test_two_process_server_answers_concurrent_requests_with_one_process_tokens(tmp_path, monkeypatch, strategy):
+    """lookahead (prefix cache, step budget); ralmspec over a BM25 index (process 0's
+    retrievals, OS3's stride; its slots prefill whole prompts and take only greedy requests
+    here, as RaLM decodes with the slots' sampling); specinfer with a noisy draft model (its
+    auto budget's choice is process 0's)."""
     port = free_port()
     cmd = ["serve", "--model", "tiny", "--mesh", "data=2,model=4", "--max-batch", "4", "--max-len", str(MAX_LEN),
-           "--strategy", "lookahead", "--option", "decoding_length=8", "--prefill-chunk", "32",
-           "--prefix-cache-mb", "16", "--port", str(port)]
+           "--strategy", strategy, "--prefill-chunk", "32", "--prefix-cache-mb", "16", "--port", str(port)]
+    one = "greedy"  # the strategy of one-device generate (greedy: the lossless reference)
+    if strategy == "lookahead":
+        cmd += options({"decoding_length": 8}) + ["--step-budget", "2"]
+    elif strategy == "ralmspec":
+        rag = dict(RAG, corpus=bm25_corpus(tmp_path, monkeypatch))
+        cmd += options(dict(rag, speculation_stride="auto"))
+        one = RaLM(**rag)
+    else:
+        cmd += options({"draft_model": DRAFT})
+    # (greedy only on ralmspec, whose slots decode with one sampling, and on specinfer, whose
+    # sampled tokens follow which steps drafted: its auto budget's choice, timed)
+    requests = [c if strategy == "lookahead" else (c[0], c[1], 0.0, 0) for c in cases()]
     procs = start(tmp_path, [[cmd], [cmd]])
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
@@ -69,7 +93,7 @@ def test_two_process_server_answers_concurrent_requests_with_one_process_tokens(
             time.sleep(1)
         ready = time.monotonic() - t0
         with cf.ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda c: complete(url, *c), cases()))
+            got = list(pool.map(lambda c: complete(url, *c), requests))
         metrics = httpx.get(url + "/metrics", timeout=30).text
     finally:
         procs[0].send_signal(signal.SIGTERM)  # process 0 drains and ends the record: the other ends too
@@ -77,13 +101,21 @@ def test_two_process_server_answers_concurrent_requests_with_one_process_tokens(
     assert rcs == [0, 0], errs[0][-3000:] + errs[1][-3000:]
     assert "following process 0's engine" in errs[1] and "process 0's engine ended" in errs[1], errs[1][-3000:]
     model, tok = tiny_multihost(), Tokenizer()
-    want = [generate(model, tok, [p], max_new_tokens=n, max_cache_len=MAX_LEN, temperature=t, seed=s).token_ids[0]
-            for p, n, t, s in cases()]
+    want = [generate(model, tok, [p], max_new_tokens=n, max_cache_len=MAX_LEN, temperature=t, seed=s,
+                     strategy=one).token_ids[0] for p, n, t, s in requests]
     assert got == want
-    assert got[2] != generate(model, tok, [cases()[2][0]], max_new_tokens=20, max_cache_len=MAX_LEN).token_ids[0]
-    # lookahead drafted and had drafts accepted; the second long prompt took the first's blocks
-    accepted = [line for line in metrics.splitlines() if line.startswith("lookahead_jax:spec_decode_num_accepted_tokens_total")]
-    hits = [line for line in metrics.splitlines() if line.startswith("lookahead_jax:prefix_cache_hits_total")]
-    assert accepted and float(accepted[0].split()[-1]) > 0, metrics[-3000:]
-    assert hits and float(hits[0].split()[-1]) > 0, metrics[-3000:]
-    print(f"2-process server: ready in {ready:.0f} s, 8 requests answered as one process")
+    if strategy == "ralmspec":  # the passages change the tokens
+        assert got != [generate(model, tok, [p], max_new_tokens=n, max_cache_len=MAX_LEN).token_ids[0]
+                       for p, n, _, _ in requests]
+    elif strategy == "lookahead":  # a sampled request samples
+        assert got[2] != generate(model, tok, [cases()[2][0]], max_new_tokens=20, max_cache_len=MAX_LEN).token_ids[0]
+    value = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("lookahead_jax:") and "position" not in line}
+    if strategy == "lookahead":  # drafts accepted; the second long prompt took the first's blocks
+        assert value["lookahead_jax:spec_decode_num_accepted_tokens_total"] > 0, metrics[-3000:]
+        assert value["lookahead_jax:prefix_cache_hits_total"] > 0, metrics[-3000:]
+    elif strategy == "specinfer":  # its draft model drafted for some steps
+        assert value["lookahead_jax:spec_decode_num_drafts_total"] > 0, metrics[-3000:]
+    else:  # retrievals speculated and verified
+        assert value["lookahead_jax:retrieval_speculations_total"] > 0, metrics[-3000:]
+    print(f"2-process {strategy} server: ready in {ready:.0f} s, 8 requests answered as one process")
