@@ -1,6 +1,6 @@
 """The prefix cache under the strategies that tests/test_prefix_cache.py (greedy, lookahead,
 sampling) and tests/test_prefix_cache_ralm.py (RaLM, RaLMSpec) do not run: SpecInfer (the
-target's prompt blocks come from the cache; the draft model prefills its own) and KNN-LM,
+target's prompt blocks and the draft model's units come from their caches) and KNN-LM,
 plain and speculative (a run whose prompts are forwarded whole, in the block size's
 pieces). Each: requests sharing a passage through slots with chunked prefill and the
 cache give, token for token (and log-probability for log-probability for KNN-LM), what
@@ -53,6 +53,7 @@ def test_specinfer_with_the_cache(model, tok):
     n = len(TEXTS)
     assert [ids for ids, _ in want[:n]] == [ids for ids, _ in want[n:]]  # (the same requests twice)
     assert slots.prefix.cache.hits > 0 and slots.prefix.cache.hit_requests >= n
+    assert slots.drafter.prefix.cache.hit_requests >= n  # (the draft's: tests/test_specinfer_prefix.py)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 (`core.prefix_cache`), as the server's slots do.
 
 * Lossless: a batch of prompts sharing a header, one that does not, and one shorter than a
-  block, greedy, lookahead, sampled (seed, n=2) and SpecInfer's target: token for token
+  block, greedy, lookahead, sampled (seed, n=2) and SpecInfer (target and draft): token for token
   generate without the cache (whole prompts), in a first call (hits within the batch) and
   a second (the header cached); gemma3 (sliding windows narrower than a block) and qwen2
   too; a cache too small for a block (blocks, none kept).
@@ -101,6 +101,7 @@ def test_specinfer_target(model, tok):
     fresh(model)
     out = gen(model, tok, prompts, kind, BUDGET)
     assert out.token_ids == want and out.stats["prefix_cache_hit_blocks"] == 3
+    assert out.stats["draft_prefix_cache_hit_blocks"] > 0  # the draft's units too (its engine's totals)
 
 
 def test_header_forwarded_once_then_hit_across_calls(model, tok):

@@ -56,7 +56,8 @@ class Stores:
     statistics), `drafters/trie.py`'s `TrieStore` (tries, acceptance statistics),
     `strategies/specinfer.py`'s `DraftStore` (draft engines and models, warnings, the auto
     budget's measurements), `knnlm/search.py`'s `KnnlmStore` (the index in use, OS3's
-    measurements), `core/prefix_cache.py`'s `PrefixCache` (prompt blocks' K/V)."""
+    measurements), `core/prefix_cache.py`'s `PrefixCache` (prompt blocks' K/V),
+    `drafters/draft_prefix.py`'s `DraftPrefixCache` (a draft model's prompt units)."""
 
     def __init__(self):
         self._by_key: dict = {}  # owner key -> its store

@@ -48,8 +48,10 @@ each unit stored, no token emitted. Its units are computed by the very programs 
 own prefill runs (never copied from decode-time K/V, which other programs computed), so
 they too are bit for bit what the next turn's prefill would write.
 
-Not covered yet: prompts forwarded whole (Slots without prefill_chunk), the draft
-model's K/V (SpecInfer's draft prefills its whole prompt in `begin`), and requests that
+SpecInfer's draft model keeps its own prompt units in a cache of this kind on its
+engine (`drafters.draft_prefix`), forwarding a new request's context in the same blocks.
+
+Not covered yet: prompts forwarded whole (Slots without prefill_chunk), and requests that
 score their prompt (prompt_logprobs: each prompt token's log-probability needs its
 forward; they neither take nor give blocks).
 """

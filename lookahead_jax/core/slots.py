@@ -60,8 +60,8 @@ the last few), at least one; and while other slots decode, `insert` forwards non
 blocks go with the steps, so an admission never holds the running requests longer than a
 step's budget). The last block gives the first token exactly as a whole prefill
 (same position, same sampling key), that step's events carry it, and the drafter begins
-the request then (a draft model prefills the whole prompt in its `begin`). `free` cancels
-a prefilling slot like any other. A retrieval run's slots prefill whole prompts.
+the request then (a draft model forwards the prompt at the first step that drafts for
+it). `free` cancels a prefilling slot like any other. A retrieval run's slots prefill whole prompts.
 
 A prefix cache (`prefix_cache=` bytes, with `prefill_chunk`; `core.prefix_cache`): the
 K/V of every prompt block but the last is kept on the engine as it is prefilled, and a
@@ -75,7 +75,9 @@ its own block would compute (same tokens, positions and program), so the tokens 
 without the cache. A retrieval run's slots use it too: their whole prompts go in the same
 blocks (pieces of the block size), and a re-prefill after a passage change starts at a
 block boundary and takes the new context's cached blocks (`decode.replace_prompt`). Not
-for requests that score their prompt (prompt_logprobs); a draft model's K/V is not cached.
+for requests that score their prompt (prompt_logprobs). A draft model's prompt K/V are
+cached alike on its engine (`drafters.draft_prefix`): with the cache on, SpecInfer's draft
+forwards a new request's context in the same blocks, its cached units first.
 `warming` (`core.prefix_warm`) forwards a token sequence's blocks through a free slot into
 the cache without a request (a chat's answer, for its next turn): the row is neither free
 nor busy until it ends or is freed (not in a retrieval run's slots).
@@ -518,6 +520,10 @@ class Slots:
         if not self._set_up:
             self.drafter, self.rule, self.budget = self.strategy.setup(self.engine, self.state, self.drafter, None)
             self._set_up = True
+            if self.prefix is not None and self.run is None:  # a draft model's prompt K/V cached too
+                for d in getattr(self.drafter, "drafters", (self.drafter,)):
+                    if callable(getattr(d, "use_prefix", None)):
+                        d.use_prefix(self.state, self.prefill_chunk, self.prefix.cache.capacity)
 
     def _plain_request(self, req: Request) -> bool:
         return req.strategy is not None and req.strategy != self.strategy

@@ -16,7 +16,9 @@ One jitted call per decode step (`draft_tree_step`) does, for every row at once:
    forwarded: nothing is drawn from it);
    (a row further behind, e.g. a prompt not yet forwarded: the draft forwards context only
    when a step drafts, so a budget that decodes plainly costs it nothing, is caught up
-   first by a prefill-like forward of what it lacks, `_catch_up`);
+   first by a prefill-like forward of what it lacks, `_catch_up`; with the prefix cache a
+   row with an empty draft cache goes in the target's prefill blocks, cached units first:
+   `drafters.draft_prefix`);
 3. for each level d: draw w_d children of every node of level d - 1 from the draft's
    distribution there, then forward the new level (positions length + d, written after the
    committed slots at the node's block slot, a tree mask over its ancestors) to get the
@@ -247,6 +249,16 @@ class ModelDrafter:
         self.probe_lag = None
         self.drafted = np.zeros(0, bool)  # the rows the last propose drafted for
         self._ready: set = set()  # (mode, window, rows) of tree steps found compiled (`_compiled`)
+        self.prefix = None  # the draft's prefix cache (`use_prefix`; None: a new row's context in one block)
+
+    def use_prefix(self, state, chunk: int, capacity: int) -> None:
+        """Keep the draft's prompt K/V in its engine's prefix cache (`drafters.draft_prefix`):
+        from now on a row whose draft cache is empty forwards its context in the target's
+        prefill blocks of `chunk` tokens, taking cached units first. `Slots` calls it with
+        prefill_chunk and prefix_cache on."""
+        from .draft_prefix import DraftPrefix
+
+        self.prefix = DraftPrefix(self.engine, state.batch, state.max_len, state.block, chunk, capacity)
 
     # ------------------------------------------------------------------ protocol
     def begin(self, state, references=None, rows=None) -> None:
@@ -345,9 +357,12 @@ class ModelDrafter:
 
     def summary(self) -> dict:
         """For the call's stats: the draft's time per step (its forwards included)."""
-        return dict(draft_s=self.draft_s, draft_ms_per_step=1e3 * self.draft_s / max(self.steps, 1),
-                    draft_catch_up_s=self.catch_up_s, draft_compile_s=self.compile_s,
-                    expansion=list(self.expansion), sampler=self.mode)
+        out = dict(draft_s=self.draft_s, draft_ms_per_step=1e3 * self.draft_s / max(self.steps, 1),
+                   draft_catch_up_s=self.catch_up_s, draft_compile_s=self.compile_s,
+                   expansion=list(self.expansion), sampler=self.mode)
+        if self.prefix is not None:  # the draft's prefix cache (its engine's, every request so far)
+            out.update({"draft_" + k: v for k, v in self.prefix.cache.summary().items()})
+        return out
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -373,7 +388,10 @@ class ModelDrafter:
             e.compiled.prefetch("draft_commit", *self._commit_args(), compile=True)
             ready = False
         if upto is not None:
-            step = self._catch_up_inputs(state, upto)
+            for b in self._fresh(upto):  # (with the prefix cache: blocks of the chunk)
+                ready = self.prefix.ready(self.cache, state.context(b), int(upto[b]), b, self.seeds,
+                                          self.rowids) and ready
+            step = self._catch_up_inputs(state, self._whole(upto))
             if step is not None and not e.extend(self.cache, *step, ahead="check"):
                 e.extend(self.cache, *step, ahead="compile")
                 ready = False
@@ -423,9 +441,29 @@ class ModelDrafter:
             self.cache = self.engine.compiled("draft_commit", *self._commit_args())
             self.base = self.base + self.commit_n
             self.commit_n = np.zeros(B, np.int32)
+        for b in self._fresh(upto):  # (with the prefix cache) cached units, then blocks of the chunk
+            self.cache = self.prefix.catch_up(self.cache, state.context(b), int(upto[b]), b, self.seeds, self.rowids)
+            self.base[b] = int(upto[b])
+        upto = self._whole(upto)
         n_new = np.maximum(np.asarray(upto, np.int64) - self.dlen, 0).astype(np.int32)
         step = self._catch_up_inputs(state, upto)
         if step is None:
             return
         _, self.cache = self.engine.extend(self.cache, *step)
         self.base = self.base + n_new
+
+    def _fresh(self, upto) -> list:
+        """Rows behind whose draft cache is empty, which the prefix cache serves (none
+        without it)."""
+        if self.prefix is None:
+            return []
+        return [int(b) for b in np.flatnonzero((self.dlen == 0) & (np.asarray(upto) > 0))]
+
+    def _whole(self, upto):
+        """`upto` less the rows `_fresh` serves: what the one-block catch-up forwards."""
+        fresh = self._fresh(upto)
+        if not fresh:
+            return upto
+        upto = np.asarray(upto).copy()
+        upto[fresh] = self.dlen[fresh]
+        return upto
