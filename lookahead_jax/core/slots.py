@@ -520,10 +520,11 @@ class Slots:
         if not self._set_up:
             self.drafter, self.rule, self.budget = self.strategy.setup(self.engine, self.state, self.drafter, None)
             self._set_up = True
-            if self.prefix is not None and self.run is None:  # a draft model's prompt K/V cached too
+            if self.prefill_chunk is not None and self.run is None:  # a draft model prefills in the
+                capacity = self.prefix.cache.capacity if self.prefix is not None else 0  # blocks, cached too
                 for d in getattr(self.drafter, "drafters", (self.drafter,)):
                     if callable(getattr(d, "use_prefix", None)):
-                        d.use_prefix(self.state, self.prefill_chunk, self.prefix.cache.capacity)
+                        d.use_prefix(self.state, self.prefill_chunk, capacity)
 
     def _plain_request(self, req: Request) -> bool:
         return req.strategy is not None and req.strategy != self.strategy

@@ -2,10 +2,11 @@
 prompt K/V, kept in units keyed by tokens and shared across requests, so that a request
 whose context begins with cached units has the draft forward only the rest.
 
-Without it the draft forwards a new row's context (its prompt, and whatever it decoded
-before its first drafted step) in one bucketed block (`ModelDrafter._catch_up`). With it
-(`Slots(prefill_chunk=C, prefix_cache=)`), a row whose draft cache is empty forwards that
-context in the target's fixed blocks (`core.prefix_cache`): block i forwards
+Without chunked prefill the draft forwards a new row's context (its prompt, and whatever it
+decoded before its first drafted step) in one bucketed block (`ModelDrafter._catch_up`).
+With it (`Slots(prefill_chunk=C)`, the prefix cache on or off: the same programs either
+way, so the cache changes no token, sampled ones included), a row whose draft cache is
+empty forwards that context in the target's fixed blocks (`core.prefix_cache`): block i forwards
 context[i*U : i*U + C] (U = C - 1) as one row of the chunk's bucket, commits its first U
 tokens and leaves the last uncommitted (the next block, or the draft's tree step, forwards
 it again); the attention window a function of i alone. So unit i (slots [i*U, (i+1)*U))
@@ -42,13 +43,15 @@ class DraftPrefixCache(PrefixCache):
 class DraftPrefix:
     """A `ModelDrafter`'s use of its engine's `DraftPrefixCache` (module docstring).
     batch, max_len: the draft cache's shape; block: the target's prefill block width
-    (`DecodeState.block`); chunk: C."""
+    (`DecodeState.block`); chunk: C; capacity: the cache's bytes (0: no cache, `cache`
+    None: the blocks alone, the engine's store untouched)."""
 
     def __init__(self, engine, batch: int, max_len: int, block: int, chunk: int, capacity: int):
         self.engine, self.chunk, self.unit, self.block = engine, int(chunk), int(chunk) - 1, int(block)
         self.S = int(max_len)
-        self.cache: PrefixCache = engine.stores.of(DraftPrefixCache)
-        self.cache.resize(capacity)
+        self.cache = engine.stores.of(DraftPrefixCache) if capacity else None
+        if self.cache is not None:
+            self.cache.resize(capacity)
         self.salt = repr(("draft", int(batch), self.S, self.block, self.chunk, str(np.dtype(engine.dtype)))).encode()
         self.nbytes = block_bytes(engine.config, self.unit, engine.dtype)
         self._prefetched = False
@@ -74,16 +77,17 @@ class DraftPrefix:
 
     def held(self, keys) -> int:
         """Units of the longest cached leading run of `keys` (a look-up in no counter)."""
-        return len(self.cache.match(keys, 0, self.unit, count=False))
+        return 0 if self.cache is None else len(self.cache.match(keys, 0, self.unit, count=False))
 
     def catch_up(self, cache, context, n: int, b: int, seeds, rowids):
         """Row b of the draft `cache` (length 0) forwards context[:n] (module docstring):
         its cached units are written in, the rest forwarded in blocks, each full block's
         unit stored. Returns the cache (row b's length n)."""
         e, U = self.engine, self.unit
-        self.cache.bind(e.params)
-        keys = self.keys(context, n)
-        hit = self.cache.match(keys, n, U)
+        keys, hit = self.keys(context, n), []
+        if self.cache is not None:
+            self.cache.bind(e.params)
+            hit = self.cache.match(keys, n, U)
         for i, kv in enumerate(hit):
             cache = write_in(e, cache, kv, b, i * U)
         start = len(hit) * U
@@ -91,7 +95,7 @@ class DraftPrefix:
         for p, x, mode in self.steps(context, start, n, seeds, rowids, b):
             _, cache = e.extend(cache, x, mode)
             i = p // U
-            if int(x.n_new[0]) == self.chunk:  # a full block: its unit i (tokens [0, (i+1)U)) is stored
+            if self.cache is not None and int(x.n_new[0]) == self.chunk:  # a full block: its unit i is stored
                 if keys[i] in self.cache:
                     self.cache.touch(keys[:i + 1])
                 else:
@@ -103,7 +107,7 @@ class DraftPrefix:
         queued in the background (`Engine.extend(ahead=)`), as the copy / write programs
         are the first time."""
         e, ok = self.engine, True
-        if not self._prefetched:
+        if not self._prefetched and self.cache is not None:
             prefetch(e, cache, self.unit)
             self._prefetched = True
         start = self.held(self.keys(context, n)) * self.unit

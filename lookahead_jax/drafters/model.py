@@ -252,10 +252,11 @@ class ModelDrafter:
         self.prefix = None  # the draft's prefix cache (`use_prefix`; None: a new row's context in one block)
 
     def use_prefix(self, state, chunk: int, capacity: int) -> None:
-        """Keep the draft's prompt K/V in its engine's prefix cache (`drafters.draft_prefix`):
-        from now on a row whose draft cache is empty forwards its context in the target's
-        prefill blocks of `chunk` tokens, taking cached units first. `Slots` calls it with
-        prefill_chunk and prefix_cache on."""
+        """Forward a row whose draft cache is empty in the target's prefill blocks of `chunk`
+        tokens (`drafters.draft_prefix`), taking units cached in its engine's prefix cache
+        first and storing its own (capacity bytes; 0: no cache, the blocks alone). `Slots`
+        calls it with prefill_chunk, so the draft runs the same programs with the prefix
+        cache on or off."""
         from .draft_prefix import DraftPrefix
 
         self.prefix = DraftPrefix(self.engine, state.batch, state.max_len, state.block, chunk, capacity)
@@ -360,7 +361,7 @@ class ModelDrafter:
         out = dict(draft_s=self.draft_s, draft_ms_per_step=1e3 * self.draft_s / max(self.steps, 1),
                    draft_catch_up_s=self.catch_up_s, draft_compile_s=self.compile_s,
                    expansion=list(self.expansion), sampler=self.mode)
-        if self.prefix is not None:  # the draft's prefix cache (its engine's, every request so far)
+        if self.prefix is not None and self.prefix.cache is not None:  # its engine's, every request so far
             out.update({"draft_" + k: v for k, v in self.prefix.cache.summary().items()})
         return out
 
