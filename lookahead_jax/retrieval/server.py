@@ -111,6 +111,7 @@ def serve(retriever: Retriever, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
             raise KeyboardInterrupt
 
         old = signal.signal(signal.SIGTERM, stop)
+    threads = []  # the connections' (joined before returning: below)
     try:
         try:
             listener = Listener((host, port), authkey=key)
@@ -132,10 +133,18 @@ def serve(retriever: Retriever, host: str = DEFAULT_HOST, port: int = DEFAULT_PO
                     continue
                 except (EOFError, ConnectionError):  # a client that left during the handshake
                     continue
-                threading.Thread(target=_answer, args=(conn, handlers), daemon=True,
-                                 name="retrieval-conn").start()
+                threads = [t for t in threads if t.is_alive()]
+                threads.append(threading.Thread(target=_answer, args=(conn, handlers), daemon=True,
+                                                name="retrieval-conn"))
+                threads[-1].start()
     except KeyboardInterrupt:
         log("retrieval server stopped")
     finally:
         if main:
             signal.signal(signal.SIGTERM, old)
+        # a connection still inside a search when the interpreter exits is ended in native
+        # code (jax, faiss), which may abort the process ("exception not rethrown"): let the
+        # answers in flight finish first (a client that stays connected is left after 5 s)
+        deadline = time.monotonic() + 5.0
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))

@@ -28,8 +28,9 @@ Checks: each message carries how process 0's previous call ended (it returned, o
 name of its exception); a follower whose own call ended otherwise has left process 0's
 state and ends at once with one line (exit status 3), and process 0's heartbeat watcher
 (`multihost.watch_peers`) then ends it with a line naming the follower. A follower waits
-for the next message as long as the server is idle; a process 0 that died ends it through
-the same watcher. Messages are kept in directories of `BLOCK`; the one two blocks back is
+for the next message as long as the server is idle (a read that fails, for want of the
+message or of the service, is made again a poll later); a process 0 that died ends it
+through the same watcher. Messages are kept in directories of `BLOCK`; the one two blocks back is
 deleted as a block begins (a follower is never that far behind: every step is a
 collective it must join).
 """
@@ -42,6 +43,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 
 from ..core.request import Request
 
@@ -87,12 +89,13 @@ class Channel:
         self.n += 1
         key = self._key(self.n)
         while True:
+            t0 = time.monotonic()
             try:
                 data = self.client.blocking_key_value_get_bytes(key, self.poll_ms)
                 break
-            except Exception as e:  # noqa: BLE001 - the client's error type is JAX-internal
-                if "DEADLINE_EXCEEDED" not in str(e):
-                    raise
+            except RuntimeError:  # (jax.errors.JaxRuntimeError) not written yet, or the service failed:
+                # read again; a process 0 that is gone ends this one (`multihost.watch_peers`)
+                time.sleep(max(0.0, self.poll_ms / 1000 - (time.monotonic() - t0)))
         msg = pickle.loads(data)
         if msg[0] != self.n:
             raise RuntimeError(f"the serving record is out of order: message {msg[0]} read as {self.n}")
