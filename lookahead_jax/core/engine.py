@@ -262,7 +262,8 @@ class Engine:
         from .sharding import batch_spec, cache_shardings, param_shardings
 
         B = int(args[2].tokens.shape[0])  # rows of the step (the cache's, or a `sel` subset's)
-        jkey = (kind, key, B, int(args[1].length.shape[0]), tuple(sorted(static.items())))
+        ranks = tuple(np.ndim(x) for x in jax.tree.leaves(args[2]))
+        jkey = (kind, key, B, int(args[1].length.shape[0]), tuple(sorted(static.items())), ranks)
         fn = self._mesh_steps.get(jkey)
         if fn is None:
             from jax.sharding import NamedSharding, PartitionSpec as P
@@ -270,9 +271,11 @@ class Engine:
             # over several processes inputs and results are whole on every device (the
             # cache stays split): every process reads the results without a collective
             rows = NamedSharding(self.mesh, P() if multiprocess() else batch_spec(1, B, self.mesh))
+            whole = NamedSharding(self.mesh, P())  # a scalar input (a one-row block's row) on every device
+            inputs = jax.tree.map(lambda x: rows if np.ndim(x) else whole, args[2])
             cache = cache_shardings(self.config, self.mesh, int(args[1].length.shape[0]))
             fn = jax.jit(functools.partial(make().__wrapped__, **static), donate_argnums=(1,),
-                         in_shardings=(param_shardings(self.config, self.mesh), cache, rows),
+                         in_shardings=(param_shardings(self.config, self.mesh), cache, inputs),
                          out_shardings=(rows, cache))
             self._mesh_steps[jkey] = fn
         return fn, {}

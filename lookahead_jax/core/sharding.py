@@ -272,10 +272,12 @@ def batch_spec(ndim: int, batch: Optional[int], mesh) -> P:
 
 
 def shard_batch(xs, mesh):
-    """Every array leaf [B, ...] of `xs` placed with B over "data" (replicated if it doesn't divide)."""
+    """Every array leaf [B, ...] of `xs` placed with B over "data" (replicated if it doesn't
+    divide; a scalar, e.g. the row a one-row prefill block selects, replicated)."""
     def put(x):
         x = jnp.asarray(x)
-        return jax.device_put(x, NamedSharding(mesh, batch_spec(x.ndim, x.shape[0], mesh)))
+        spec = batch_spec(x.ndim, x.shape[0], mesh) if x.ndim else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
 
     return jax.tree.map(put, xs)
 
