@@ -75,7 +75,11 @@ with unverified boundaries wait for it (then are verified at once, as above). OS
 form (`speculation.os3_rates`): per boundary, T(s) = max(a, b(n)/n) + (1 - gamma)(b(n) + R)
 with n = min(s, ceil(b(1)/a)) the boundaries one call covers, against plain RaLM's
 a + b(1) + (1 - gamma) R: speculation wins whenever gamma > 0 and the worker keeps up, and
-ties go to the largest s (more room before a row waits). (The form before, rounds of s
+ties go to the largest s (more room before a row waits). Over several processes only
+process 0 runs the worker (its own index: no collective off the main thread); whether its
+answer is ready at a pause, and a lone row's `_wait_on_change`, are process 0's choices
+(`agree_choice`), and the answer is broadcast where it is applied (`_collect`), so every
+process rolls back at the same step. (The form before, rounds of s
 boundaries launched one stride after the first of them with a miss wasting a stride,
 chose s = 0 at most boundaries of a 100 ms retrieval: its blocking calls were the time
 left un-hidden.) Stats (`speculation.SpeculationStats`): `verify_s` is the worker's
@@ -96,10 +100,11 @@ import logging
 import time
 from typing import Optional
 
+import jax
 import numpy as np
 
-from ..core.multihost import broadcast_plan, multiprocess
-from .ralm import RaLM, RalmRun
+from ..core.multihost import agree_choice, broadcast_plan, multiprocess
+from .ralm import ProcessZeroRetriever, RaLM, RalmRun
 from .speculation import (RALM_DEFAULT_STRIDE, VERIFY_FIT_CALLS, AcceptanceWindow, SpeculationStats, auto_or_int,
                           check_speculation_stride, fit_verify_cost, number_in, os3_stride)
 
@@ -140,14 +145,7 @@ class RaLMSpec(RaLM):
             raise ValueError(f"async_verify must be True or False, got {self.async_verify!r}")
 
     def start(self, tokenizer, n_rows: int, engine=None):
-        strat = self
-        if self.async_verify and multiprocess():
-            # when a verification is applied depends on this process's timing (the worker's
-            # answer ready or not at a pause): processes would roll back at different steps
-            log.warning("ralmspec: async_verify is off over several processes (each process's "
-                        "timing would apply verifications at different steps): verifying synchronously")
-            strat = dataclasses.replace(self, async_verify=False)
-        return RalmSpecRun(strat, tokenizer, n_rows)
+        return RalmSpecRun(self, tokenizer, n_rows)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -295,7 +293,7 @@ class RalmSpecRun(RalmRun):
             ended = [b for b in held if self._unverified_end(state, b)]
             plain = [b for b in due if self.s[b] == 0]
             full = [b for b in due if self.s[b] > 0 and len(self.records[b]) + len(self.inflight[b]) >= self.s[b]]
-            if self._pending is not None and (self._pending[0].done() or ended or plain or full):
+            if self._pending is not None and (ended or plain or full or self._ready()):
                 swaps = []
                 self._collect(state, swaps, "end" if ended else "full" if full or plain else None)
                 self._swap(engine, state, drafter, swaps)
@@ -311,7 +309,7 @@ class RalmSpecRun(RalmRun):
                 looks = self._lookup(state, due)
                 # a lone active row whose lookup names another passage waits for the truth
                 # when decoding on would lose more (`_wait_on_change`); with others, they use the time
-                alone = int(np.count_nonzero(state.active)) <= 1 and self._wait_on_change()
+                alone = int(np.count_nonzero(state.active)) <= 1 and agree_choice(self._wait_on_change())[0]
                 change = [b for b in due if alone and looks[b][1] != self.passage[b]]
                 if change:
                     swaps = []
@@ -331,6 +329,12 @@ class RalmSpecRun(RalmRun):
                 return
 
     # ---- asynchronous verification
+    def _ready(self) -> bool:
+        """Whether the verification in flight has answered: process 0's worker's answer, the
+        same on every process (over several processes only process 0 runs the worker)."""
+        future = self._pending[0]
+        return bool(agree_choice(future is not None and future.done())[0])
+
     def _verify_blocking(self, state, rows, swaps, probes) -> None:
         """`_verify` made at once in the async loop (nothing in flight), its time counted
         as `blocking_verify_s`."""
@@ -350,24 +354,37 @@ class RalmSpecRun(RalmRun):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ralmspec-verify")
         k = min(self.strat.prefetch, self.n_docs)
+        # over several processes process 0's worker searches its own index (no collective
+        # off the main thread) and `_collect` broadcasts the answer; the others have none
+        retriever = self.retriever.inner if isinstance(self.retriever, ProcessZeroRetriever) else self.retriever
 
         def work():
             t0 = time.perf_counter()
-            ids, _ = self.retriever.retrieve(queries, k)
+            ids, _ = retriever.retrieve(queries, k)
             return np.asarray(ids), time.perf_counter() - t0
 
-        self._pending = (self._pool.submit(work), list(rows), spans, [self.epoch[b] for b in rows],
-                         sum(r.steps for r in state.rows))
+        mine = jax.process_index() == 0 or not multiprocess()
+        self._pending = (self._pool.submit(work) if mine else None, list(rows), spans,
+                         [self.epoch[b] for b in rows], sum(r.steps for r in state.rows), (len(queries), k))
 
     def _collect(self, state, swaps, why=None) -> None:
         """Wait for the verification in flight (if not done) and apply it: a wrong speculation
         rolls its row back and drops the speculations made since. why: what waits for it
         ("end": a finished row, "full": a row with s unverified or s = 0), for the stats."""
-        future, rows, spans, epochs, steps = self._pending
+        future, rows, spans, epochs, steps, (n_q, k) = self._pending
         self._pending = None
         decoded = sum(r.steps for r in state.rows) > steps  # decoding went on while it ran
         t0 = time.perf_counter()
-        ids, seconds = future.result()
+        if multiprocess():  # process 0's answer (its shape known to all: [queries, k], INVALID-padded)
+            ids, seconds = np.full((n_q, k), -1, np.int64), np.zeros(1, np.float64)
+            if future is not None:
+                got, took = future.result()
+                m = min(k, got.shape[1] if got.ndim == 2 else 0)
+                ids[:, :m], seconds[0] = got[:, :m], took
+            ids, seconds = broadcast_plan((ids, seconds))
+            seconds = float(seconds[0])
+        else:
+            ids, seconds = future.result()
         wait = time.perf_counter() - t0
         self.stats.verify_wait_s += wait
         if why == "end":
