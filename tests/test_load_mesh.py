@@ -125,9 +125,11 @@ def test_two_processes_each_restore_their_own_shards(saved, tmp_path):
             assert both["down_rows"] == [F // 2 * pid + F // 8 * i for i in range(4)]
         # `wide` on model=8: each process read about half of the checkpoint's files, not all of
         # them (the tiny weights, one chunk each, are read whole; reads of chunks less than
-        # 1 MB apart are merged by TensorStore, as orbax configures it)
+        # 1 MB apart are merged by TensorStore, as orbax configures it, and how many merge
+        # varies from run to run: 0.47-0.48 x the weights here quiet, 0.64 once in a loaded
+        # CI run; stored in one chunk per leaf, each process reads 1.09 x, which fails this)
         one, both = r["wide/data=2,model=4"]["read"], r["wide/model=8"]["read"]
-        assert one > 0.9 * wide and both < 0.6 * wide, (pid, one, both, wide)
+        assert one > 0.9 * wide and both < 0.75 * wide, (pid, one, both, wide)
         assert r["tokens"] == want, pid
         print(f"process {pid} read {both / 1e6:.1f} MB of `wide` on model=8, {one / 1e6:.1f} MB on "
               f"data=2,model=4 ({wide / 1e6:.1f} MB of weights)")
