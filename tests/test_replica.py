@@ -1,7 +1,7 @@
 """`serve.replica` in one process: process 0's scheduler records every call on its slots
 into a stand-in for the coordination service's key-value store, a second scheduler (its own
 engine) follows the record in another thread, and ends with it; the follower's requests
-end with the tokens process 0's jobs got (lookahead, prefill blocks, the prefix cache and
+end with the tokens process 0's jobs got (plain decoding, prefill blocks, the prefix cache and
 its warm jobs, greedy and sampled requests, slots rebuilt for a request's own values). A
 follower whose call ends otherwise than process 0's stops with one line; the record's
 messages come in order and old blocks of them are deleted. (Over 2 real processes:
@@ -19,7 +19,6 @@ from lookahead_jax.core.sampling import SamplingParams
 from lookahead_jax.serve import replica
 from lookahead_jax.serve.jobs import Job
 from lookahead_jax.serve.scheduler import Scheduler
-from lookahead_jax.strategies import Lookahead
 from tiny import ByteTokenizer, tiny_model
 
 TEXT = "the cat sat on the mat, the dog sat on the log; " * 4
@@ -67,8 +66,11 @@ class Spy:
 
 
 def scheduler(replicate=None, seed=1):
+    """Plain decoding: one token a row a step on both sides. (A drafting strategy's trees
+    come from each engine's own drafter and timed budget; over processes `agree_drafts`
+    makes them process 0's, in one process nothing does, so rows could end at other steps.)"""
     model, tok = tiny_model("llama", seed=seed), ByteTokenizer()
-    sched = Scheduler(_engine(model), tok, Lookahead(decoding_length=7), max_batch=3,
+    sched = Scheduler(_engine(model), tok, None, max_batch=3,
                       max_len=512, prefill_chunk=32, prefix_cache=2 ** 22, replicate=replicate)
     sched.model = model  # (the engine holds its model weakly)
     return sched
