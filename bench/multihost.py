@@ -35,6 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def mesh_devices(mesh: str, processes: int) -> int:
+    """The devices of `--mesh` ("data=2,model=2"), which `processes` must divide."""
+    axes = dict((k, int(v)) for k, v in (x.split("=") for x in mesh.split(",")))
+    devices = axes.get("data", 1) * axes.get("model", 1)
+    if devices % processes:
+        raise SystemExit(f"--processes {processes} does not divide the mesh's {devices} devices")
+    return devices
+
+
 def run(args, n_proc: int, devices: int, timeout: int) -> tuple:
     """(process 0's JSON rows, its summary, wall seconds of the whole run) of the command
     over n_proc processes of devices // n_proc CPU devices each."""
@@ -75,10 +84,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per run at most")
     ap.add_argument("--out", default=str(ROOT / "bench/results/multihost.json"))
     a = ap.parse_args()
-    mesh = dict((k, int(v)) for k, v in (x.split("=") for x in a.mesh.split(",")))
-    devices = mesh.get("data", 1) * mesh.get("model", 1)
-    if devices % a.processes:
-        raise SystemExit(f"--processes {a.processes} does not divide the mesh's {devices} devices")
+    devices = mesh_devices(a.mesh, a.processes)
     recs = read_jsonl(ROOT / "data/humaneval_sample.jsonl", a.prompts)
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.writelines(json.dumps({"prompt": r["prompt"]}) + "\n" for r in recs)

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multihost import free_port  # noqa: E402
+from multihost import free_port, mesh_devices  # noqa: E402
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -127,10 +127,7 @@ def main() -> None:
     ap.add_argument("--ttft-prompts", type=int, default=3, help="prompts sent alone, streamed, for their TTFT")
     ap.add_argument("--out", default=str(ROOT / "bench/results/multihost-serve.json"))
     a = ap.parse_args()
-    mesh = dict((k, int(v)) for k, v in (x.split("=") for x in a.mesh.split(",")))
-    devices = mesh.get("data", 1) * mesh.get("model", 1)
-    if devices % a.processes:
-        raise SystemExit(f"--processes {a.processes} does not divide the mesh's {devices} devices")
+    devices = mesh_devices(a.mesh, a.processes)
     prompts = [r["prompt"] for r in read_jsonl(ROOT / "data/humaneval_sample.jsonl", a.prompts)]
     runs = {}
     for n in (1, a.processes):

@@ -37,6 +37,20 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
 
 
+def parse_mesh(ap, text) -> tuple:
+    """--mesh "data=2,model=4" as sorted (axis, size) pairs (() when not given); a malformed
+    value or another axis name is `ap.error` (one line, exit status 2)."""
+    if not text:
+        return ()
+    try:
+        mesh = tuple(sorted((k.strip(), int(v)) for k, v in (x.split("=") for x in text.split(","))))
+    except ValueError:
+        ap.error(f"--mesh must look like data=2,model=4, got {text!r}")
+    if not {k for k, _ in mesh} <= {"data", "model"}:
+        ap.error(f"--mesh axes are 'data' and 'model', got {text!r}")
+    return mesh
+
+
 def add_distributed_flags(ap) -> None:
     """--coordinator-address / --num-processes / --process-id / --distributed-auto: one
     command on every host of a multi-process run (`core.multihost`, docs/multihost.md)."""

@@ -23,7 +23,7 @@ from .core.multihost import check_flags, check_same_config, exit_on_failure, ini
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
 from .core.params import GenerationParams, ParamError, parse_logit_bias
 from .generate import generate
-from .argparsing import Parser, add_distributed_flags
+from .argparsing import Parser, add_distributed_flags, parse_mesh
 from .interrupt import EXIT_INTERRUPTED, CtrlC, exit_now
 from .prompts import check_messages
 from .strategies import REGISTRY, SpecInfer
@@ -279,14 +279,7 @@ def _config(ap, flags: dict, a) -> CliConfig:
         ap.error(f"--{e.field.replace('_', '-')} {e.detail}")
     if a.logprobs and not a.json:
         ap.error("--logprobs needs --json (they are printed in each answer's JSON row)")
-    mesh = None
-    if a.mesh:
-        try:
-            mesh = tuple(sorted((k.strip(), int(v)) for k, v in (x.split("=") for x in a.mesh.split(","))))
-        except ValueError:
-            ap.error(f"--mesh must look like data=2,model=4, got {a.mesh!r}")
-        if not {k for k, _ in mesh} <= {"data", "model"}:
-            ap.error(f"--mesh axes are 'data' and 'model', got {a.mesh!r}")
+    mesh = parse_mesh(ap, a.mesh) or None
     distributed = (a.coordinator_address, a.num_processes, a.process_id, a.distributed_auto)
     error = check_flags(*distributed[:3])
     if error:

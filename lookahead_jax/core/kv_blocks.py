@@ -74,8 +74,8 @@ def _mesh_copy(sharding, layers: int):
     return jax.jit(_copy_out, static_argnames=("size",), out_shardings=((sharding,) * layers,) * 2)
 
 
-def _copier(engine, cache: KVCache):
-    sharding = block_sharding(cache) if engine.mesh is not None else None
+def _copier(cache: KVCache):
+    sharding = block_sharding(cache)
     return COPY if sharding is None else _mesh_copy(sharding, len(cache.k))
 
 
@@ -89,7 +89,7 @@ def _index(x) -> np.ndarray:
 
 def copy_out(engine, cache: KVCache, row: int, start: int, size: int):
     """A copy of slots start..start+size-1 of `row` (module docstring)."""
-    return engine.compiled("kv_copy", _copier(engine, cache), None, cache, _index(row), _index(start),
+    return engine.compiled("kv_copy", _copier(cache), None, cache, _index(row), _index(start),
                            size=int(size))
 
 
@@ -102,12 +102,12 @@ def write_in(engine, cache: KVCache, kv, row: int, start: int) -> KVCache:
 def prefetch(engine, cache: KVCache, size: int) -> None:
     """Queue both programs' compilation in the background (`CompiledFunctions.prefetch`:
     only shapes are read; a block placed as `copy_out` places it)."""
-    sharding = (block_sharding(cache) if engine.mesh is not None else None) or cache.k[0].sharding
+    sharding = block_sharding(cache) or cache.k[0].sharding
     one = jax.ShapeDtypeStruct((cache.k[0].shape[1], int(size), cache.k[0].shape[3]), cache.k[0].dtype,
                                sharding=sharding)
     kv = tuple(one for _ in cache.k)
     zero = _index(0)
-    engine.compiled.prefetch("kv_copy", _copier(engine, cache), None, cache, zero, zero, compile=True,
+    engine.compiled.prefetch("kv_copy", _copier(cache), None, cache, zero, zero, compile=True,
                              size=int(size))
     engine.compiled.prefetch("kv_write", _writer(engine, cache), None, cache, kv, kv, zero, zero, compile=True)
 

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import sys
 
-from ..argparsing import Parser, add_distributed_flags
+from ..argparsing import Parser, add_distributed_flags, parse_mesh
 from ..strategies import REGISTRY
 
 from ..core.multihost import check_flags
@@ -113,12 +113,7 @@ def _config(p, a) -> ServeConfig:
             p.error(f"--option {k}: not an option of strategy {a.strategy!r}; its options: "
                     + (", ".join(fields) or "none"))
         opts.append((k, _value(v.strip())))
-    mesh = ()
-    if a.mesh:
-        try:
-            mesh = tuple(sorted((k.strip(), int(v)) for k, v in (x.split("=") for x in a.mesh.split(","))))
-        except ValueError:
-            p.error(f"--mesh must look like data=2,model=4, got {a.mesh!r}")
+    mesh = parse_mesh(p, a.mesh)
     distributed = (a.coordinator_address, a.num_processes, a.process_id, a.distributed_auto)
     error = check_flags(*distributed[:3])
     if error:
