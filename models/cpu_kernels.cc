@@ -507,18 +507,22 @@ static void attention_rows(const float* q, const float* kc, const float* vc, con
 // The queries arrive as the qkv projection leaves them, q[B,T,K,G,H], and out has that
 // layout too (a [B,T,N*H] input of the output projection): no transposes around the call.
 // A tile is up to ATTN_ROWS queries of one (row b, kv head k), in the order t*G + g,
-// copied to a contiguous block and back (which changes no value).
-static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
-                            ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> mask,
-                            ffi::ResultBuffer<ffi::F32> out, float scale) {
+// copied to a contiguous block and back (which changes no value). rows (nullptr: the
+// identity): query row b reads cache row rows[b] of a cache of C rows (a prefill block
+// of a few rows of the whole cache reads their slots in place, no copy of the window).
+static ffi::Error attention_impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& kc,
+                                 ffi::Buffer<ffi::F32>& vc, ffi::Buffer<ffi::PRED>& mask, const int32_t* rows,
+                                 int64_t n_rows, ffi::ResultBuffer<ffi::F32>& out, float scale) {
   auto qd = q.dimensions(), kd = kc.dimensions(), vd = vc.dimensions(), md = mask.dimensions();
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
-    return ffi::Error::InvalidArgument("attention: needs q[B,T,K,G,H], k/v[B,K,S,H], mask[B,T,W]");
-  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], S = kd[2], W = md[2];
+    return ffi::Error::InvalidArgument("attention: needs q[B,T,K,G,H], k/v[C,K,S,H], mask[B,T,W]");
+  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], H = qd[4], C = kd[0], S = kd[2], W = md[2];
   for (int i = 0; i < 4; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("attention: k and v shapes differ");
-  if (kd[0] != B || kd[1] != K || kd[3] != H || md[0] != B || md[1] != T || W > S || H % VW)
-    return ffi::Error::InvalidArgument("attention: inconsistent shapes (W <= S, H % vector width)");
+  if ((rows ? n_rows != B : C != B) || kd[1] != K || kd[3] != H || md[0] != B || md[1] != T || W > S || H % VW)
+    return ffi::Error::InvalidArgument("attention: inconsistent shapes (rows, W <= S, H % vector width)");
+  for (int64_t b = 0; rows && b < B; ++b)
+    if (rows[b] < 0 || rows[b] >= C) return ffi::Error::InvalidArgument("attention: a row index outside the cache");
   const float* qp = q.typed_data();
   const float* kp = kc.typed_data();
   const float* vp = vc.typed_data();
@@ -527,21 +531,35 @@ static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int64_t Q = T * G, blocks = (Q + ATTN_ROWS - 1) / ATTN_ROWS;
   auto tile = [=](int64_t t) {
     const int64_t bk = t / blocks, i0 = (t % blocks) * ATTN_ROWS, b = bk / K, k = bk % K;
+    const int64_t ck = (rows ? int64_t(rows[b]) : b) * K + k;  // the cache's (row, kv head)
     const int64_t R = std::min(ATTN_ROWS, Q - i0);
     std::unique_ptr<float[]> buf(new float[R * (W + 2 * H)]);
     float *qb = buf.get(), *ob = qb + R * H, *p = ob + R * H;
-    int64_t rows[ATTN_ROWS];  // offset of each query's H values in q and out
+    int64_t offs[ATTN_ROWS];  // offset of each query's H values in q and out
     for (int64_t r = 0; r < R; ++r) {
       const int64_t i = i0 + r, tok = i / G, g = i % G;
-      rows[r] = (((b * T + tok) * K + k) * G + g) * H;
-      std::copy(qp + rows[r], qp + rows[r] + H, qb + r * H);
+      offs[r] = (((b * T + tok) * K + k) * G + g) * H;
+      std::copy(qp + offs[r], qp + offs[r] + H, qb + r * H);
     }
-    attention_rows(qb, kp + bk * S * H, vp + bk * S * H, mp + b * T * W, ob, p, R, i0, G, W, H, scale);
-    for (int64_t r = 0; r < R; ++r) std::copy(ob + r * H, ob + (r + 1) * H, op + rows[r]);
+    attention_rows(qb, kp + ck * S * H, vp + ck * S * H, mp + b * T * W, ob, p, R, i0, G, W, H, scale);
+    for (int64_t r = 0; r < R; ++r) std::copy(ob + r * H, ob + (r + 1) * H, op + offs[r]);
   };
   if (B * K * blocks == 1) tile(0);
   else parallel_tiles(pool, B * K * blocks, tile);
   return ffi::Error::Success();
+}
+
+static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+                            ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> mask,
+                            ffi::ResultBuffer<ffi::F32> out, float scale) {
+  return attention_impl(pool, q, kc, vc, mask, nullptr, 0, out, scale);
+}
+
+static ffi::Error AttentionRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+                                ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> rows,
+                                ffi::ResultBuffer<ffi::F32> out, float scale) {
+  if (rows.dimensions().size() != 1) return ffi::Error::InvalidArgument("attention: rows must be [B]");
+  return attention_impl(pool, q, kc, vc, mask, rows.typed_data(), rows.dimensions()[0], out, scale);
 }
 
 // ---------------------------------------------------------------- argmax
@@ -644,6 +662,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_attention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(lookahead_attention_rows, AttentionRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
 

@@ -125,7 +125,8 @@ def _build(flags: tuple = ()) -> Path:
 
 
 KERNELS = ("lookahead_matmul_nn", "lookahead_matmul_nn_packed", "lookahead_matmul_nn_packed_bf16",
-           "lookahead_matmul_nt", "lookahead_attention", "lookahead_argmax", "lookahead_copy",
+           "lookahead_matmul_nt", "lookahead_attention", "lookahead_attention_rows", "lookahead_argmax",
+           "lookahead_copy",
            "lookahead_knn_shortlist_f16", "lookahead_knn_shortlist_f32")
 
 
@@ -416,16 +417,18 @@ def attention_applies(tokens: int, head_dim: int) -> bool:
     return bool(vw) and head_dim % vw == 0
 
 
-def attention(q, k, v, mask, scale: float, reference):
+def attention(q, k, v, mask, scale: float, reference, rows=None):
     """Attention of one layer's new tokens over the cache, in one kernel call on CPU.
 
     q [B,T,K,G,H] f32: the queries as the qkv projection lays them out (query head
-    k*G + g of token t); k, v [B,K,S,H]: the cache (new tokens already written); mask
-    [B,T,W] bool, W <= S: the slots each token sees (attention reads slots < W only).
+    k*G + g of token t); k, v [C,K,S,H]: the cache (new tokens already written); mask
+    [B,T,W] bool, W <= S: the slots each token sees (attention reads slots < W only);
+    rows [B] int32 (optional): query row b attends over cache row rows[b] (a block of a
+    few rows of a C-row cache, read in place); without it C == B, row b over row b.
     Returns [B,T,K,G,H] f32 (a [B,T,N*H] reshape away from the output projection):
     softmax(scale * q k^T, masked) v, a row with nothing visible giving zeros.
 
-    `reference(q, k, v, mask)` is the same computation in jnp: what GPU/TPU lower, what
+    `reference(q, k, v, mask, rows)` is the same computation in jnp: what GPU/TPU lower, what
     runs where the kernel does not apply (not f32, T > MAX_ATTN_TOKENS at a window under
     MIN_PREFILL_ATTN_WINDOW, H not a multiple of the vector width, kernel off), and what
     derivatives go through.
@@ -436,13 +439,19 @@ def attention(q, k, v, mask, scale: float, reference):
               and mask.shape[1] == T and mask.shape[2] <= k.shape[2])
     vw = vector_width() if usable else None
     if not vw or H % vw:
-        return reference(q, k, v, mask)
+        return reference(q, k, v, mask, rows)
+    if rows is None:
+        def kernel(q, k, v, mask):
+            return jax.ffi.ffi_call("lookahead_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+                q, k, v, mask, scale=np.float32(scale))
 
-    def kernel(q, k, v, mask):
-        return jax.ffi.ffi_call("lookahead_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-            q, k, v, mask, scale=np.float32(scale))
+        return _with_plain_jvp(kernel, lambda q, k, v, mask: reference(q, k, v, mask, None))(q, k, v, mask)
 
-    return _with_plain_jvp(kernel, reference)(q, k, v, mask)
+    def kernel_rows(q, k, v, mask, rows):
+        return jax.ffi.ffi_call("lookahead_attention_rows", jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q, k, v, mask, rows, scale=np.float32(scale))
+
+    return _with_plain_jvp(kernel_rows, reference)(q, k, v, mask, rows.astype(jnp.int32))
 
 
 def knn_shortlist(h, keys, norms, kp: int, reference):

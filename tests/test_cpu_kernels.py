@@ -404,6 +404,34 @@ def test_attention_prefill_block_at_a_wide_window_takes_the_kernel():
 
 
 @needs_kernel
+@pytest.mark.parametrize("T,W", [(4, 256), (64, 512)])
+def test_attention_over_cache_rows_reads_them_in_place(T, W):
+    """rows [G]: query row g attends over cache row rows[g] of a larger cache (a prefill
+    block of a few of the server's rows, no copy of their windows): bitwise the kernel
+    over those rows copied out, and close to the definition, which reads them the same way."""
+    C, K, G, S, H = 5, 3, 3, 512, 64
+    q, k, v, _ = _attention_case(11 + T, 2, K, G, T, S, W, H)
+    rng = np.random.default_rng(T)
+    k = jnp.asarray(rng.standard_normal((C, K, S, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((C, K, S, H)), jnp.float32)
+    rows = jnp.asarray([3, 1], jnp.int32)
+    length = np.array([[100], [40]])
+    mask = jnp.asarray(np.arange(W)[None, None, :] <= length[:, :, None] + np.arange(T)[None, :, None])
+
+    def f(q, k, v, mask, rows):
+        return ck.attention(q, k, v, mask, 0.125, _reference(0.125), rows)
+
+    lowered = jax.jit(f).lower(q, k, v, mask, rows)
+    assert "lookahead_attention_rows" in lowered.as_text()
+    got = np.asarray(lowered.compile()(q, k, v, mask, rows))
+    copied = np.asarray(jax.jit(_attention)(q, k[rows], v[rows], mask))  # the rows copied out
+    assert np.array_equal(got, copied)
+    ref = np.asarray(jax.jit(_reference(0.125))(q, k, v, mask, rows))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(ref, np.asarray(jax.jit(_reference(0.125))(q, k[rows], v[rows], mask)), rtol=0, atol=0)
+
+
+@needs_kernel
 def test_attention_row_with_nothing_visible_is_finite():
     q, k, v, mask = _attention_case(3, T=3)
     mask = mask.at[:, 1].set(False)

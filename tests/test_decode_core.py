@@ -541,3 +541,46 @@ def test_top_logprobs_are_the_forward_top_k(model, tok):
     assert list(np.asarray(emitted)[0, :4]) == list(np.asarray(res[0][0].tokens)[0, :4]) == ctx[n + 1:n + 5]
     check(np.asarray(v)[0, :4], np.asarray(i)[0, :4], np.arange(n, n + 4))
     assert (np.asarray(i)[0, 4:] == -1).all() and (np.asarray(v)[0, 4:] == 0).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("P,window", [(8, 128), (40, 128), (40, 512)])
+def test_a_block_of_some_rows_works_on_them_in_place(family, P, window):
+    """`verify.extend_step` with `sel` (a prefill block of a few of the server's rows)
+    reads and writes those rows' slots in the whole cache: their K/V and picks are bitwise
+    those of a cache holding only them, every other row is untouched, and only their
+    lengths move. (8 tokens: the CPU attention kernel over rows; 40 at a 128 window: the
+    jnp definition; 40 at 512: the kernel's prefill form. gemma3: sliding-window layers.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from lookahead_jax.core.verify import extend_step
+    from lookahead_jax.models.cache import KVCache
+
+    m = tiny_model(family)
+    rng = np.random.default_rng(P + window)
+    B, S, L = 4, 512, m.config.n_layers
+    shape = (B, m.config.n_kv_heads, S, m.config.head_dim)
+    full = KVCache(k=tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(L)),
+                   v=tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(L)),
+                   length=jnp.asarray([30, 7, 60, 12], jnp.int32))
+    sel = np.array([2, 0], np.int32)
+    tokens = rng.integers(3, 250, (2, P)).astype(np.int32)
+    n_new = np.array([P, P - 3], np.int32)
+    x = StepInputs(tokens, np.zeros(2, np.uint32), sel.copy(), n_new=n_new)
+    mode = StepMode(window=window, emit=False)
+    step = jax.jit(lambda c, x: extend_step(m.params, c, x, config=m.config, mode=mode))
+    before = jax.tree.map(np.asarray, full)
+    out, got = step(full, x._replace(sel=sel))
+    alone = KVCache(k=tuple(jnp.asarray(b[sel]) for b in before.k), v=tuple(jnp.asarray(b[sel]) for b in before.v),
+                    length=jnp.asarray(before.length[sel]))
+    out1, want = step(alone, x)
+    assert np.array_equal(np.asarray(out.tokens), np.asarray(out1.tokens))
+    for g, w, b in zip(got.k + got.v, want.k + want.v, before.k + before.v):
+        g, w = np.asarray(g), np.asarray(w)
+        assert np.array_equal(g[sel], w)  # the block's rows: their own slots, as alone
+        rest = [r for r in range(B) if r not in sel]
+        assert np.array_equal(g[rest], b[rest])  # the others untouched
+    want_len = before.length.copy()
+    want_len[sel] += n_new - 1  # emit=False: the last forwarded token stays the root
+    assert np.array_equal(np.asarray(got.length), want_len)

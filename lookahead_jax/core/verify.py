@@ -257,23 +257,19 @@ def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     pick, covers it).
 
     inputs.sel [G] (optional): the block is for cache rows `sel` only; every per-row input
-    and output then has G rows (`StepInputs.rows`). The step works on a copy of those rows'
-    first `window` slots and writes it back, so it costs G rows, not the cache's B: a
-    mixed-length batch prefills each group of similar lengths apart."""
+    and output then has G rows (`StepInputs.rows`). The forward reads and writes those
+    rows' slots in place (`hidden_states(rows=)`: no copy of their windows out and back),
+    so it costs G rows, not the cache's B: a mixed-length batch prefills each group of
+    similar lengths apart, and a server's newcomer prefills beside the running rows."""
     mode.check(inputs)
     x = inputs
     tokens, n_new, sel, window, top_logprobs = x.tokens, x.n_new, x.sel, mode.window, mode.top_logprobs
-    full = None
-    if sel is not None:
-        full = cache
-        cache = KVCache(k=tuple(b[sel, :, :window] for b in full.k),
-                        v=tuple(b[sel, :, :window] for b in full.v), length=full.length[sel])
     B, P = tokens.shape
-    length = cache.length
+    length = cache.length if sel is None else cache.length[sel]
     positions = length[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]  # [B,P]
     s = jnp.arange(window)[None, None, :]
     mask = s <= positions[:, :, None]  # [B,P,W]: the committed prefix and the block, causal
-    h, cache = hidden_states(params, tokens, positions, cache, mask, config)
+    h, cache = hidden_states(params, tokens, positions, cache, mask, config, rows=sel)
     last = jnp.take_along_axis(h, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)  # [B,1,D]
     raw = logits_from_hidden(params, last, config)  # [B,1,V]
     logits = penalize(add_bias(raw, x.bias), x.penalties, x.seen, x.counts)
@@ -281,11 +277,10 @@ def extend_step(params, cache: KVCache, inputs: StepInputs, *, config: ModelConf
     sp = GREEDY if x.sampling is None else x.sampling
     nxt = select_tokens(logits, sp, x.seed, x.row, (length + n_new)[:, None])[:, 0]
     keep = n_new if mode.emit else jnp.maximum(n_new - 1, 0)
-    cache = advance(cache, keep)
-    if full is not None:  # the rows' slots back into the (donated) whole cache
-        cache = KVCache(k=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.k, cache.k)),
-                        v=tuple(f.at[sel, :, :window].set(c) for f, c in zip(full.v, cache.v)),
-                        length=full.length.at[sel].set(cache.length))
+    if sel is None:
+        cache = advance(cache, keep)
+    else:
+        cache = cache.replace(length=cache.length.at[sel].add(jnp.asarray(keep, jnp.int32)))
     top, prompt_lps = (None, None), None
     if top_logprobs or mode.prompt_logprobs:
         def scores(h, raw, tokens, n_new):
