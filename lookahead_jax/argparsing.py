@@ -52,8 +52,10 @@ def parse_mesh(ap, text) -> tuple:
 
 
 def add_distributed_flags(ap) -> None:
-    """--coordinator-address / --num-processes / --process-id / --distributed-auto: one
-    command on every host of a multi-process run (`core.multihost`, docs/multihost.md)."""
+    """--coordinator-address / --num-processes / --process-id / --distributed-auto /
+    --stall-timeout: one command on every host of a multi-process run (`core.multihost`,
+    docs/multihost.md; the stall timeout's default is `multihost.STALL_TIMEOUT_S`, written
+    out here since this module imports no jax)."""
     g = ap.add_argument_group("several processes (hosts)", "run the same command on every host, each with its "
                               "--process-id; the mesh spans every process's devices (docs/multihost.md)")
     g.add_argument("--coordinator-address", metavar="HOST:PORT",
@@ -62,3 +64,7 @@ def add_distributed_flags(ap) -> None:
     g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1 (0 prints the answers)")
     g.add_argument("--distributed-auto", action="store_true",
                    help="let JAX detect the processes from the platform (a TPU pod slice, SLURM, Open MPI)")
+    g.add_argument("--stall-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="end every process, naming it, when one stays alive but keeps the others waiting in a "
+                   "collective this long (its main thread stuck in host code); give every process the same value; "
+                   "0: never (docs/multihost.md)")

@@ -19,7 +19,7 @@ from typing import Optional
 import jax
 
 from .core.engine import engine_for
-from .core.multihost import check_flags, check_same_config, exit_on_failure, init_distributed
+from .core.multihost import STALL_TIMEOUT_S, check_flags, check_same_config, exit_on_failure, init_distributed
 from .core.compile import enable_compilation_cache  # noqa: F401 (the CLI's entry points call it)
 from .core.params import GenerationParams, ParamError, parse_logit_bias
 from .generate import generate
@@ -52,6 +52,7 @@ class CliConfig:
     raw: bool = False  # --no-chat: plain prompts are raw text on purpose (no instruct-model warning)
     prefix_cache_mb: float = 0.0  # MiB of generate's prefix cache (0: off)
     distributed: tuple = (None, None, None, False)  # coordinator address, processes, process id, auto
+    stall_timeout_s: float = STALL_TIMEOUT_S  # (in the config hash: every process must give the same)
 
     def strategy_object(self):
         """The strategy with the options given on the command line."""
@@ -281,7 +282,7 @@ def _config(ap, flags: dict, a) -> CliConfig:
         ap.error("--logprobs needs --json (they are printed in each answer's JSON row)")
     mesh = parse_mesh(ap, a.mesh) or None
     distributed = (a.coordinator_address, a.num_processes, a.process_id, a.distributed_auto)
-    error = check_flags(*distributed[:3])
+    error = check_flags(*distributed[:3], a.stall_timeout)
     if error:
         ap.error(error)
     options = []
@@ -319,7 +320,7 @@ def _config(ap, flags: dict, a) -> CliConfig:
         strategy=a.strategy, params=params, dtype=a.dtype, json=a.json,
         batch_size=a.batch_size, options=tuple(options), verbose=a.verbose,
         mesh=mesh, max_cache_len=a.max_cache_len, sources=tuple(sources), references_field=a.references_field,
-        prefix_cache_mb=a.prefix_cache_mb, distributed=distributed,
+        prefix_cache_mb=a.prefix_cache_mb, distributed=distributed, stall_timeout_s=a.stall_timeout,
         raw=a.chat is False,
     )
 
@@ -413,7 +414,7 @@ def _run(argv, prog, ctrl_c: CtrlC) -> int:
     from .loading import load
 
     try:  # before any other JAX call; then every process must have been given the same flags
-        if init_distributed(*cfg.distributed[:3], auto=cfg.distributed[3]):
+        if init_distributed(*cfg.distributed[:3], auto=cfg.distributed[3], stall_timeout_s=cfg.stall_timeout_s):
             if not cfg.mesh:
                 raise ValueError("several processes need --mesh (e.g. data=2,model=4 over 2 processes of 4 "
                                  "devices each): the mesh spans every process's devices")

@@ -9,7 +9,8 @@ compiled programs kept), after the previous one ended.
 The command's `load` gives the tiny random model of `tiny_multihost` (the same weights on every
 process: a fixed seed), placed on the command's mesh, and a byte tokenizer; `--draft-model
 tiny/draft` (SpecInfer) loads `tiny_draft`, the same model with noise on its weights. XLA_FLAGS
-and JAX_PLATFORMS come from the test's environment (LOOKAHEAD_JAX_CACHE too: a retriever's index)."""
+and JAX_PLATFORMS come from the test's environment (LOOKAHEAD_JAX_CACHE too: a retriever's index;
+LOOKAHEAD_TEST_STALL_AT=P:N: process P stalls before its collective N, `stall_before`)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,33 @@ def fake_load(name, dtype="float32", mesh=None, **_):
     return model, Tokenizer()
 
 
+def stall_before(process: int, n: int) -> None:
+    """A stall for tests/test_multihost.py: `process`'s main thread sleeps for good in host
+    code just before it would enter its collective `n` (`multihost.collective`, counted
+    from 1), its heartbeat thread still running: alive, not progressing."""
+    import contextlib
+    import time
+
+    import jax
+
+    from lookahead_jax.core import multihost
+
+    enter = multihost.collective
+
+    @contextlib.contextmanager
+    def stalling():
+        if jax.process_index() == process and multihost.progress()[0] + 1 == n:
+            print(f"stalling before collective {n}", file=sys.stderr, flush=True)
+            time.sleep(10 ** 6)
+        with enter():
+            yield
+
+    multihost.collective = stalling
+
+
 def main(argv) -> int:
+    import os
+
     import lookahead_jax.loading
     from lookahead_jax import cli
 
@@ -69,6 +96,8 @@ def main(argv) -> int:
 
     enable_compilation_cache("xla-tests")  # as the test processes (conftest.py)
     lookahead_jax.loading.load = fake_load
+    if os.environ.get("LOOKAHEAD_TEST_STALL_AT"):  # (tests/test_multihost.py)
+        stall_before(*map(int, os.environ["LOOKAHEAD_TEST_STALL_AT"].split(":")))
     if argv[:1] == ["serve"]:  # the server: process 0 serves HTTP, the other follows it
         from lookahead_jax.serve.__main__ import main as serve
 

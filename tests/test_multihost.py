@@ -2,7 +2,8 @@
 (gloo collectives), on one (data=2, model=4) mesh spanning both, gives the tokens of one
 process (greedy, lookahead and SpecInfer, at temperature 0 and sampled; RaLM and RaLMSpec
 over a BM25 index; speculative KNN-LM, exact search and faiss's); processes given different
-flags stop at start; a killed process ends the other.
+flags stop at start; a killed process ends the other; a stalled one (alive, its main thread
+stuck in host code) ends both.
 
 Each run is 2 children of `multihost_worker.py` (the command with the tiny random model of
 a fixed seed, so both processes hold the same weights) with a free port for the
@@ -49,9 +50,10 @@ def env() -> dict:
     return e
 
 
-def start(tmp_path, commands, port=None):
+def start(tmp_path, commands, port=None, extra_env=None):
     """2 worker processes; commands[i]: process i's command lines (lists of args), run in turn."""
     port = port or free_port()
+    environ = dict(env(), **(extra_env or {}))
     procs = []
     for pid, cmds in enumerate(commands):
         argv = []
@@ -59,7 +61,7 @@ def start(tmp_path, commands, port=None):
             argv += (["--then"] if argv else []) + c + [
                 "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
         out, err = open(tmp_path / f"p{pid}.out", "w"), open(tmp_path / f"p{pid}.err", "w")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *argv], stdout=out, stderr=err, env=env(),
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *argv], stdout=out, stderr=err, env=environ,
                                       cwd=tmp_path))
     return procs
 
@@ -266,6 +268,61 @@ def test_a_killed_process_ends_the_other_within_30_s(tmp_path, prompts_file, vic
     print(f"process {1 - victim} exited {took:.1f} s after process {victim} was killed: {lines[-1][:300]}")
 
 
+STALL_S = 10  # the stall runs' --stall-timeout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stalled", [None, 1, 0])
+def test_a_stalled_process_ends_both_within_bounded_time(tmp_path, prompts_file, stalled):
+    """Process `stalled`'s main thread sleeps for good before its 12th collective, mid-decode
+    (`multihost_worker.stall_before`; its heartbeat thread runs on): the other, waiting in
+    the step after, exits 3 within --stall-timeout + 20 s with one line naming it as
+    stalled, and the stalled one then ends too (its watcher sees the other's heartbeat
+    stop, or JAX's client the coordinator gone) within 30 s. None: no stall, the same
+    flags: the run finishes (the short timeout does not fire while they compile or step)."""
+    cmd = ["--prompts-file", prompts_file, "--batch-size", "8", "--max-new-tokens", str(NEW), "--mesh", MESH,
+           "--stall-timeout", str(STALL_S)]
+    extra = {} if stalled is None else {"LOOKAHEAD_TEST_STALL_AT": f"{stalled}:12"}
+    t0 = time.monotonic()
+    procs = start(tmp_path, [[cmd], [cmd]], extra_env=extra)
+    if stalled is None:
+        rcs, outs, errs = finish(tmp_path, procs)
+        assert rcs == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+        assert outs[0].count("--- prompt") == len(PROMPTS), outs[0][-2000:]
+        print(f"2-process greedy with --stall-timeout {STALL_S}: {time.monotonic() - t0:.1f} s, exit 0")
+        return
+    waiter, victim = procs[1 - stalled], procs[stalled]
+
+    def bounded(p, seconds, what):
+        try:
+            return p.wait(seconds)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{what}:\n" + "\n".join(e[-3000:] for e in read(tmp_path, "err")))
+
+    while "stalling before collective" not in read(tmp_path, "err")[stalled]:
+        if time.monotonic() - t0 > RUN_S or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail("the run did not reach the stall:\n" + "\n".join(e[-3000:] for e in read(tmp_path, "err")))
+        time.sleep(0.2)
+    t_stall = time.monotonic()
+    rc = bounded(waiter, STALL_S + 20, f"process {1 - stalled} still ran {STALL_S + 20} s into process {stalled}'s stall")
+    t_waiter = time.monotonic()
+    rc_victim = bounded(victim, 30, f"the stalled process {stalled} still ran 30 s after the other ended")
+    t_victim = time.monotonic()
+    errs = read(tmp_path, "err")
+    assert rc == 3, errs[1 - stalled][-3000:]
+    lines = [line for line in errs[1 - stalled].splitlines()
+             if line.startswith(f"error: process {1 - stalled} of 2: process {stalled} stalled: alive")]
+    assert len(lines) == 1, errs[1 - stalled][-3000:]
+    assert rc_victim != 0, errs[stalled][-3000:]
+    print(f"process {stalled} stalled: process {1 - stalled} exited 3 after {t_waiter - t_stall:.1f} s "
+          f"(--stall-timeout {STALL_S}), process {stalled} {t_victim - t_waiter:.1f} s later (status {rc_victim}): "
+          f"{lines[0]}")
+
+
 def test_process_zero_retriever_answers_the_asked_shape():
     """`ProcessZeroRetriever` (RaLM over several processes) pads or cuts process 0's answer
     to [queries, k] (INVALID -1, score -inf), the shape every process allocates for the
@@ -289,3 +346,68 @@ def test_process_zero_retriever_answers_the_asked_shape():
     assert scores.tolist() == [[0.5, -np.inf], [0.5, -np.inf]]
     assert r.retrieve_from(["x"], [[0, 1]], 2)[0].tolist() == [[0, 1]]
     assert r.corpus == ["a", "b"]
+
+
+def test_a_stall_is_a_live_peer_behind_and_frozen_while_this_process_waits():
+    """`stalled_peer` (the watcher's rule) with this process inside collective 13 since
+    t=0, a 5 s timeout: fires at t=6 for a peer at 11 unchanged since t=0, and only then."""
+    from lookahead_jax.core.multihost import stalled_peer
+
+    inside = (13, True, 0.0)
+    assert stalled_peer(inside, {1: (11, 0.0)}, 6.0, 5.0).startswith("process 1 stalled: alive")
+    assert stalled_peer(inside, {1: (13, 0.0), 2: (12, 0.5)}, 6.0, 5.0).startswith("process 2 stalled")
+    assert stalled_peer(inside, {1: (11, 3.0)}, 6.0, 5.0) is None  # behind, but it moved 3 s ago (host work)
+    assert stalled_peer((13, False, 0.0), {1: (11, 0.0)}, 60.0, 5.0) is None  # this one idles (outside)
+    assert stalled_peer(inside, {1: (11, 0.0)}, 4.0, 5.0) is None  # not yet the timeout
+    assert stalled_peer((13, True, 2.0), {1: (11, 0.0)}, 6.0, 5.0) is None  # inside for 4 s only
+    assert stalled_peer(inside, {1: (14, 0.0)}, 60.0, 5.0) is None  # ahead: it waits for this one
+    assert stalled_peer(inside, {1: (13, 0.0)}, 60.0, 5.0) is None  # in the same collective
+    assert stalled_peer(inside, {1: (11, 0.0)}, 60.0, 0.0) is None  # --stall-timeout 0: off
+    assert stalled_peer(inside, {}, 60.0, 5.0) is None
+
+
+def test_collectives_are_counted_and_the_heartbeat_carries_the_count(monkeypatch):
+    """`collective` counts entries and marks inside/outside (also when the call raises);
+    a heartbeat value "count:entered:inside" gives its entered count, others None."""
+    from lookahead_jax.core import multihost
+
+    monkeypatch.setattr(multihost, "_progress", (7, False, 0.0))
+    t = time.monotonic()
+    with multihost.collective():
+        n, inside, since = multihost.progress()
+        assert (n, inside) == (8, True) and since >= t
+    assert multihost.progress() == (8, False, since)
+    with pytest.raises(KeyError):
+        with multihost.collective():
+            raise KeyError
+    assert multihost.progress()[:2] == (9, False)
+    assert [multihost._entered(v) for v in ("12:8:1", "done", None, "12", "a:b:c")] == [8, None, None, None, None]
+
+
+def test_the_stall_timeout_flag(capsys):
+    """--stall-timeout: the same default everywhere (`multihost.STALL_TIMEOUT_S`), a negative
+    value is one error line, and it is part of the configuration every process must share
+    (the hash `check_same_config` compares)."""
+    import dataclasses
+
+    from lookahead_jax.cli import parse_args
+    from lookahead_jax.core.multihost import STALL_TIMEOUT_S, config_digest
+    from lookahead_jax.serve.__main__ import _config, parser
+    from lookahead_jax.serve.server import ServeConfig
+
+    cfg = parse_args(["--prompt", "x"])
+    assert cfg.stall_timeout_s == STALL_TIMEOUT_S == ServeConfig().stall_timeout_s
+    p = parser()
+    assert _config(p, p.parse_args([])).stall_timeout_s == STALL_TIMEOUT_S
+    assert _config(p, p.parse_args(["--stall-timeout", "0"])).stall_timeout_s == 0
+    short = parse_args(["--prompt", "x", "--stall-timeout", "5"])
+    assert short.stall_timeout_s == 5
+
+    def digest(c):
+        return config_digest(dataclasses.asdict(dataclasses.replace(c, distributed=())))
+
+    assert digest(short) != digest(cfg)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--prompt", "x", "--stall-timeout", "-1"])
+    assert e.value.code == 2
+    assert "--stall-timeout must be >= 0 seconds" in capsys.readouterr().err

@@ -19,18 +19,22 @@ Failures: a process that dies stops sending heartbeats to the coordination servi
 distributed client aborts the process, logging which task it lost). `init_distributed`
 sets that timeout (default 10 s, JAX's own is 100 s) so a survivor exits within a bounded
 time; `watch_peers` (started by `init_distributed`) ends it sooner (5 s) with one plain line
-naming the lost process.
+naming the lost process. A process that is alive but stalled (its main thread stuck in host
+code while the others wait in the next collective) is found by counting the collectives
+(`collective`, `stalled_peer`): the heartbeat carries how many this process has entered.
 
 With one process every function here is a no-op that returns its input (or numpy of it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import sys
+import time
 from typing import Optional
 
 import jax
@@ -40,12 +44,19 @@ log = logging.getLogger("lookahead_jax")
 
 # heartbeat timeout (s) of the coordination service: how long a dead peer goes unnoticed
 HEARTBEAT_TIMEOUT_S = 10
+# how long a peer may keep the others waiting in a collective while doing host work (s; 0: no
+# limit): longer than the known one-sided host work between two collectives (a model only one
+# host downloads, since loading follows the first collective; a faiss HNSW index process 0
+# builds at its first search; a compile one process's persistent cache lacks: minutes)
+STALL_TIMEOUT_S = 600.0
 ENV = ("LOOKAHEAD_COORDINATOR_ADDRESS", "LOOKAHEAD_NUM_PROCESSES", "LOOKAHEAD_PROCESS_ID")
 
 
 def check_flags(coordinator_address: Optional[str], num_processes: Optional[int],
-                process_id: Optional[int]) -> Optional[str]:
-    """The error message of a bad combination of the three flags, or None."""
+                process_id: Optional[int], stall_timeout_s: float = STALL_TIMEOUT_S) -> Optional[str]:
+    """The error message of a bad combination of the flags, or None."""
+    if stall_timeout_s < 0:
+        return f"--stall-timeout must be >= 0 seconds (0: off), got {stall_timeout_s:g}"
     if num_processes is not None and num_processes < 1:
         return f"--num-processes must be >= 1, got {num_processes}"
     if process_id is not None and process_id < 0:
@@ -64,12 +75,16 @@ def check_flags(coordinator_address: Optional[str], num_processes: Optional[int]
 
 def init_distributed(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
                      process_id: Optional[int] = None, *, auto: bool = False,
-                     heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
+                     heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+                     stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
     """`jax.distributed.initialize`, before any other JAX call. Returns whether it ran.
 
     Nothing given (and auto False) and no LOOKAHEAD_* variables: one process, nothing done.
     auto: let JAX detect the cluster (TPU pod slices, SLURM, Open MPI) from its environment.
-    On CPU the cross-process collectives go through gloo (`jax_cpu_collectives_implementation`)."""
+    On CPU the cross-process collectives go through gloo (`jax_cpu_collectives_implementation`).
+    stall_timeout_s: `stalled_peer`'s limit (0: off), also set by a second call in the same
+    processes (a later command), whose watcher is the first one's."""
+    global _stall_timeout_s
     env = [os.environ.get(k) or None for k in ENV]
     for name, value in zip(ENV[1:], env[1:]):
         if value is not None and not value.isdigit():
@@ -79,6 +94,7 @@ def init_distributed(coordinator_address: Optional[str] = None, num_processes: O
     process_id = process_id if process_id is not None else (int(env[2]) if env[2] else None)
     if coordinator_address is None and num_processes in (None, 1) and not auto:
         return False
+    _stall_timeout_s = float(stall_timeout_s)
     if jax.distributed.is_initialized():  # a second command in the same processes (tests)
         return True
     error = check_flags(coordinator_address, num_processes, process_id)
@@ -97,6 +113,55 @@ def multiprocess() -> bool:
     return jax.process_count() > 1
 
 
+# ----------------------------------------------------------------------------- collectives
+# this process's host collectives: (how many it entered, whether it is inside the last one,
+# when it entered it by time.monotonic()); one tuple, replaced whole, read by the heartbeat
+_progress = (0, False, 0.0)
+_stall_timeout_s = STALL_TIMEOUT_S
+
+
+@contextlib.contextmanager
+def collective():
+    """Around each host-side collective of ours (`to_host`, `broadcast_plan`,
+    `check_same_config`: every process enters them in the same order, so their count is
+    the same point of the program on every process). The heartbeat (`watch_peers`) sends
+    the count, which is how a waiting process tells a stalled peer (alive, behind, its count
+    frozen) from a busy or idle one. Costs a tuple: nothing crosses processes here."""
+    global _progress
+    _progress = (_progress[0] + 1, True, time.monotonic())
+    try:
+        yield
+    finally:
+        _progress = (_progress[0], False, _progress[2])
+
+
+def progress() -> tuple:
+    """(collectives entered, inside one now, when it entered it: time.monotonic())."""
+    return _progress
+
+
+def stalled_peer(mine: tuple, peers: dict, now: float, timeout_s: float) -> Optional[str]:
+    """Why a live peer is stalled, or None: this process has been inside its collective N
+    for more than `timeout_s` while the peer has entered only collectives before N and that
+    number has not changed for `timeout_s`. mine: `progress()`; peers: {process: (its
+    collectives entered, when this host saw that number change)}, live peers only (their
+    heartbeat moves); now and the times: this host's time.monotonic(); timeout_s 0: off.
+
+    What it leaves alone: a peer doing host work whose number still moves, or that is
+    ahead (it waits for this one); any peer while this process is outside a collective
+    (an idle server, its own host work); a wait shorter than the timeout (compiling,
+    an index only process 0 builds). A peer stalled while this process idles (process 0's
+    engine thread stuck while a follower waits for its next call) looks idle: not found."""
+    entered, inside, since = mine
+    if timeout_s <= 0 or not inside or now - since <= timeout_s:
+        return None
+    for q, (theirs, moved) in sorted(peers.items()):
+        if theirs < entered and now - moved > timeout_s:
+            return (f"process {q} stalled: alive, but it has not reached collective {entered} in "
+                    f"{now - since:.0f} s (it is at {theirs}; --stall-timeout {timeout_s:g} s)")
+    return None
+
+
 # ----------------------------------------------------------------------------- host values
 def to_host(tree):
     """Every array leaf of `tree` as numpy, the whole global value on every process (a
@@ -111,7 +176,8 @@ def to_host(tree):
             return np.asarray(x)
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-    return jax.tree.map(get, tree)
+    with collective():  # (a replicated leaf's read waits for the step that every process runs)
+        return jax.tree.map(get, tree)
 
 
 def broadcast_plan(tree):
@@ -123,7 +189,8 @@ def broadcast_plan(tree):
 
     leaves, treedef = jax.tree.flatten(tree)
     arrays = [np.asarray(x) for x in leaves]
-    out = multihost_utils.broadcast_one_to_all(arrays)
+    with collective():
+        out = multihost_utils.broadcast_one_to_all(arrays)
     return jax.tree.unflatten(treedef, [np.asarray(o).astype(a.dtype).reshape(a.shape)
                                         for o, a in zip(out, arrays)])
 
@@ -185,7 +252,8 @@ def check_same_config(config: dict) -> None:
     from jax.experimental import multihost_utils
 
     mine = np.frombuffer(bytes.fromhex(config_digest(config)), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))  # [P, 8]
+    with collective():
+        every = np.asarray(multihost_utils.process_allgather(mine))  # [P, 8]
     differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
     if differ:
         raise ValueError(
@@ -200,16 +268,18 @@ _HB = "lookahead_jax/heartbeat/"
 
 def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s: float = 60.0) -> bool:
     """Start a daemon thread that keeps this process's heartbeat in the coordination
-    service's key-value store (a counter, every `every_s`) and reads every peer's: a peer
-    whose counter has not moved for `timeout_s` (seen by this host's clock; `grace_s` for
-    its first one), or a coordinator that no longer answers, ends this process at once
-    with one line naming the process (exit status 3), before JAX's own heartbeat timeout
-    (`init_distributed`) aborts it with a stack trace. A process that ends normally marks
-    its heartbeat "done" (atexit) and is not waited for. Returns whether it started (it
-    needs the distributed client, which JAX keeps in `jax._src.distributed`)."""
+    service's key-value store ("count:entered:inside", every `every_s`: a counter and
+    `progress()`, in one write) and reads every peer's: a peer whose counter has not moved
+    for `timeout_s` (seen by this host's clock; `grace_s` for its first one), a coordinator
+    that no longer answers, or a peer `stalled_peer` finds stalled (the limit set by
+    `init_distributed`) ends this process at once with one line naming the process (exit
+    status 3), before JAX's own heartbeat timeout (`init_distributed`) aborts it with a
+    stack trace. A stalled peer is ended in turn by its own watcher, when the heartbeats of
+    the processes that left stop. A process that ends normally marks its heartbeat "done"
+    (atexit) and is not waited for. Returns whether it started (it needs the distributed
+    client, which JAX keeps in `jax._src.distributed`)."""
     import atexit
     import threading
-    import time
 
     try:
         from jax._src import distributed
@@ -220,6 +290,7 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
         return False
     me, n = jax.process_index(), jax.process_count()
     seen = {}  # peer -> (its last value, when it changed, by this host's clock)
+    moved = {}  # peer -> (its collectives entered, when that changed, by this host's clock)
     start = time.monotonic()
 
     def gone(line: str) -> None:
@@ -230,8 +301,9 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
         count = 0
         while True:
             count += 1
+            entered, inside, _ = mine = _progress
             try:
-                client.key_value_set(f"{_HB}{me}", str(count), allow_overwrite=True)
+                client.key_value_set(f"{_HB}{me}", f"{count}:{entered}:{int(inside)}", allow_overwrite=True)
                 values = dict(client.key_value_dir_get(_HB))
             except Exception as e:  # noqa: BLE001 - any failure of the service: the coordinator is gone
                 if me == 0:
@@ -243,12 +315,19 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
                     continue
                 v = values.get(f"{_HB}{q}")
                 if v == "done":
+                    moved.pop(q, None)  # (it ended normally: neither dead nor stalled)
                     continue
                 last, since = seen.get(q, (None, start))
                 if v != last:
                     seen[q] = (v, now)
                 elif now - since > (timeout_s if last is not None else grace_s):
                     gone(f"process {q} stopped (no heartbeat for {now - since:.0f} s: it died or hangs)")
+                theirs = _entered(v)
+                if theirs is not None and moved.get(q, (None,))[0] != theirs:
+                    moved[q] = (theirs, now)
+            stalled = stalled_peer(mine, moved, now, _stall_timeout_s)
+            if stalled:
+                gone(stalled)
             time.sleep(every_s)
 
     def done():
@@ -262,6 +341,13 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
     return True
 
 
+def _entered(value: Optional[str]) -> Optional[int]:
+    """The collectives entered that a heartbeat value ("count:entered:inside") carries, or
+    None (no value yet, "done", or another version's plain counter)."""
+    parts = (value or "").split(":")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
 def exit_on_failure(exc: BaseException) -> None:
     """An error escaped the decoding of one of several processes: the others would wait in
     their next collective, and a collective that lost its peer raises here too. Print the
@@ -270,7 +356,6 @@ def exit_on_failure(exc: BaseException) -> None:
     runtime's shutdown barrier. One process: returns (the caller re-raises)."""
     if not multiprocess():
         return
-    import time
     import traceback
 
     traceback.print_exception(exc, file=sys.stderr)
@@ -283,6 +368,6 @@ def exit_on_failure(exc: BaseException) -> None:
 
 __all__ = [
     "ENV", "HEARTBEAT_TIMEOUT_S", "PEER_TIMEOUT_S", "agree_choice", "agree_drafts", "broadcast_plan", "check_flags",
-    "check_same_config", "config_digest", "exit_on_failure", "init_distributed", "multiprocess", "to_host",
-    "watch_peers",
+    "STALL_TIMEOUT_S", "check_same_config", "collective", "config_digest", "exit_on_failure", "init_distributed",
+    "multiprocess", "progress", "stalled_peer", "to_host", "watch_peers",
 ]

@@ -115,12 +115,12 @@ def _config(p, a) -> ServeConfig:
         opts.append((k, _value(v.strip())))
     mesh = parse_mesh(p, a.mesh)
     distributed = (a.coordinator_address, a.num_processes, a.process_id, a.distributed_auto)
-    error = check_flags(*distributed[:3])
+    error = check_flags(*distributed[:3], a.stall_timeout)
     if error:
         p.error(error)
     return ServeConfig(a.model, a.strategy, tuple(opts), a.max_batch, a.max_len, a.max_waiting, not a.no_logprobs,
                        a.dtype, a.served_model_name, a.host, a.port, a.warmup, a.prefill_chunk,
-                       a.step_budget or None, a.prefix_cache_mb, mesh, distributed)
+                       a.step_budget or None, a.prefix_cache_mb, mesh, distributed, a.stall_timeout)
 
 
 def main(argv=None) -> None:
@@ -153,7 +153,7 @@ def serve(cfg: ServeConfig, build=None) -> None:
 
     try:
         # before any other JAX call: several processes (process 0 serves, the others follow it)
-        if init_distributed(*cfg.distributed[:3], auto=cfg.distributed[3]):
+        if init_distributed(*cfg.distributed[:3], auto=cfg.distributed[3], stall_timeout_s=cfg.stall_timeout_s):
             if not cfg.mesh:
                 raise ValueError("several processes need --mesh (e.g. data=2,model=4 over 2 processes of 4 "
                                  "devices each): the mesh spans every process's devices")

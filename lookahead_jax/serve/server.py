@@ -43,6 +43,7 @@ class ServeConfig:
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB  # MiB of the prefix cache (0: off; needs prefill_chunk)
     mesh: tuple = ()  # (("data", n), ("model", m)): the devices the model and the slots' rows are split over
     distributed: tuple = (None, None, None, False)  # coordinator address, processes, process id, auto
+    stall_timeout_s: float = 600.0  # `multihost.STALL_TIMEOUT_S` (0: off); in the config hash, as every flag
 
 
 def check(cfg: ServeConfig, model_name: bool = True):
