@@ -170,7 +170,8 @@ def main(argv=None):
             results.append(res)
             print(f"round {r + 1} {c or 'default'}: gaps p50 {res['gap_p50_s']} p99 {res['gap_p99_s']} max "
                   f"{res['gap_max_s']} s over {res['chunks']} chunks; requests "
-                  f"{[(s['prompt_tokens'], s['latency_s']) for s in res['sampled']]}", flush=True)
+                  f"(prompt tokens, TTFT, latency) {[(s['prompt_tokens'], s['ttft_s'], s['latency_s']) for s in res['sampled']]}",
+                  flush=True)
             for w in res["worst"]:
                 print(f"   gap {w['gap_s']:.3f} s at {w['at']}: {w['engine']}", flush=True)
     out = dict(command="python " + " ".join(sys.argv), host_cpu=cpu_name(), model=a.model, runs=results)

@@ -37,7 +37,8 @@ second process on that same directory.
   prompt (data/ passages + an NQ question), every other one with presence / frequency /
   repetition penalties; every chunk's arrival time, the gaps between
   consecutive chunks (p50 / p99 / max), the gaps over 0.5 s with the compilations the
-  server logged during them, and each sampled request's latency.
+  server logged during them, and each sampled request's time to first token and latency
+  (they stream too).
 
 Each process's code is fingerprinted as it starts (lookahead_jax/, models/, convert/):
 a warm run whose code differs from its cold run's (someone edited the tree meanwhile;
@@ -487,15 +488,25 @@ async def mixed_load(a, url: str, t_start: float) -> dict:
         for k in range(a.mixed_requests):
             prompt = rag_prompt(MIXED_CHARS[k % len(MIXED_CHARS)] * (1 + k // len(MIXED_CHARS)), k + 1)
             body = dict(model=a.model, messages=[{"role": "user", "content": prompt}], temperature=1.0,
-                        max_tokens=a.mixed_tokens, ignore_eos=True, seed=k)
+                        max_tokens=a.mixed_tokens, ignore_eos=True, seed=k, stream=True,
+                        stream_options={"include_usage": True})
             if k % 2:  # every other one with penalties (data on the server's steps: no program of its own)
                 body.update(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
             t0 = time.time()
-            r = await http.post(url + "/v1/chat/completions", json=body)
+            ttft, usage = None, None  # streamed: its time to first token as well as its latency
+            async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                status = r.status_code
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    d = json.loads(line[6:])
+                    usage = d.get("usage") or usage
+                    if ttft is None and any((c.get("delta") or {}).get("content") for c in d.get("choices") or ()):
+                        ttft = time.time() - t0
             t1 = time.time()
-            usage = r.json().get("usage") if r.status_code == 200 else None
             sampled.append(dict(start=round(t0 - t_start, 3), end=round(t1 - t_start, 3), latency_s=round(t1 - t0, 3),
-                                status=r.status_code, prompt_tokens=(usage or {}).get("prompt_tokens"),
+                                ttft_s=None if ttft is None else round(ttft, 3),
+                                status=status, prompt_tokens=(usage or {}).get("prompt_tokens"),
                                 completion_tokens=(usage or {}).get("completion_tokens"),
                                 penalties=bool(k % 2), during_stream=not task.done()))
         await task

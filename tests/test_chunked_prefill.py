@@ -357,6 +357,56 @@ def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
     assert got[1] == rows[1].ids == alone(model, tok, LONG[0], 1, 8)
 
 
+def test_the_step_a_request_finishes_in_keeps_to_the_budget(model, tok, monkeypatch):
+    """A step whose decoding rows all finish in it still carries only the blocks that fit
+    its budget (their last tokens go out with its events, which every block at once would
+    hold); the next step, with nothing decoding, forwards every remaining block. A fake
+    clock as above: decode 1, block 1, k = 3 (two blocks a step)."""
+    import lookahead_jax.core.slots as slots_mod
+
+    now = [0.0]
+    real_step = slots_mod.step
+
+    def decode_step(*a, **kw):
+        now[0] += 1.0
+        return real_step(*a, **kw)
+
+    monkeypatch.setattr(slots_mod, "step", decode_step)
+    slots = Slots(engine_for(model), tok, 2, CACHE, None, prefill_chunk=C, step_budget=3)
+    slots._clock = lambda: now[0]
+    forward, counts = slots._forward_chunks, [0]
+
+    def block(ss):
+        now[0] += 1.0
+        counts[-1] += 1
+        return forward(ss)
+
+    slots._forward_chunks = block
+    got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=6), sampling_row=0))[0].tokens), 1: []}
+    rows = {}
+    take = collector(slots, got, rows)
+    take(slots.step())
+    take(slots.step())  # (the running request's decode steps: the budget's unit)
+    long_ids = tok.encode(LONG[0])
+    take(slots.insert(1, Request(long_ids, GenerationParams(max_new_tokens=8), sampling_row=1)))
+    per_step, finished_at = [], None
+    while 1 in slots.prefilling:
+        counts.append(0)
+        events = slots.step()
+        take(events)
+        per_step.append(counts[-1])
+        if finished_at is None and any(ev.slot == 0 and ev.finish for ev in events):
+            finished_at = len(per_step) - 1
+    n = blocks(len(long_ids))
+    assert finished_at is not None and finished_at + 2 <= len(per_step)  # it ended while the long prompt prefilled
+    assert per_step[:finished_at + 1] == [2] * (finished_at + 1)  # the step it ended in too
+    assert per_step[finished_at + 1:] == [n - 2 * (finished_at + 1)]  # then nothing decodes: every block
+    while slots.busy:
+        take(slots.step())
+    assert got[0] == rows[0].ids == alone(model, tok, SHORT[2], 0, 6)
+    assert got[1] == rows[1].ids == alone(model, tok, LONG[0], 1, 8)
+
+
 @pytest.mark.parametrize("budget", [0, 0.5, "3", -1, True])
 def test_step_budget_must_be_one_or_more(model, tok, budget):
     with pytest.raises(ValueError, match="step_budget must be a number >= 1"):

@@ -330,23 +330,25 @@ class Slots:
                                       NoTree(self.budget) if plain else self.budget)
         if decoding:
             self._decode_s = (self._decode_s + [self._clock() - t0])[-8:]
-        self._prefill_blocks(t0)
+        self._prefill_blocks(t0, decoding)
         return [self._event(b) for b in busy]
 
-    def _prefill_blocks(self, t0: float) -> None:
+    def _prefill_blocks(self, t0: float, decoding: bool) -> None:
         """A step's prefill: the next block of the oldest prefilling slot; with a
         `step_budget` k, more blocks (the oldest slot first) while the step, begun at t0,
         stays within k x a decode step of the running batch (the median of the last ones):
         a block is forwarded when the last block's time still fits (process 0's times, over
         several processes). At least one block a
-        step (every prompt progresses); with no slot decoding, every block at once."""
+        step (every prompt progresses); with no slot decoding at the step's start (`decoding`),
+        every block at once. A step whose rows all finished still keeps to the budget: their
+        last tokens go out with this step's events, which would otherwise wait for every block."""
         while self._prefill:
             t = self._clock()
             self._forward_chunks([next(iter(self._prefill))])
             block_s = self._clock() - t
             if self.step_budget is None:
                 return
-            if self.state.active.any() and self._decode_s:
+            if decoding and self._decode_s:
                 limit = self.step_budget * float(np.median(self._decode_s))
                 # (process 0's clock decides for every process: each must forward the same blocks)
                 if agree_choice(self._clock() - t0 + block_s > limit)[0]:
