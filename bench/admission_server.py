@@ -127,7 +127,14 @@ def run_config(args, cfg_over: dict, model, tok):
     top = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:args.show]
     worst = [dict(gap_s=round(gaps[i], 4), at=round(ts[i] - t_start, 3), engine=tl.during(ts[i], ts[i + 1]))
              for i in top]
-    return dict(config=cfg_over, warm_up_s=round(warm, 1), chunks=len(ts),
+    blocks = [(a, b) for n, a, b in tl.spans if n == "block" and ts[0] <= a <= ts[-1]]
+    steps = [(a, b) for n, a, b in tl.spans if n == "_step" and ts[0] <= a <= ts[-1]]
+    with_block = [b - a for a, b in steps if any(a <= x < b for x, _ in blocks)]
+    plain = [b - a for a, b in steps if not any(a <= x < b for x, _ in blocks)]
+    calls = dict(blocks=len(blocks), block_s_p50=pct([b - a for a, b in blocks], 50),
+                 steps_with_blocks=len(with_block), step_with_blocks_s_p50=pct(with_block, 50),
+                 steps_without=len(plain), step_without_s_p50=pct(plain, 50))
+    return dict(config=cfg_over, warm_up_s=round(warm, 1), chunks=len(ts), calls=calls,
                 gap_p50_s=round(pct(gaps, 50), 4), gap_p99_s=round(pct(gaps, 99), 4), gap_max_s=round(max(gaps), 4),
                 sampled=r["sampled"], worst=worst,
                 engine_total=tl.during(ts[0], ts[-1]))
@@ -172,6 +179,7 @@ def main(argv=None):
                   f"{res['gap_max_s']} s over {res['chunks']} chunks; requests "
                   f"(prompt tokens, TTFT, latency) {[(s['prompt_tokens'], s['ttft_s'], s['latency_s']) for s in res['sampled']]}",
                   flush=True)
+            print(f"   engine calls while streaming: {res['calls']}", flush=True)
             for w in res["worst"]:
                 print(f"   gap {w['gap_s']:.3f} s at {w['at']}: {w['engine']}", flush=True)
     out = dict(command="python " + " ".join(sys.argv), host_cpu=cpu_name(), model=a.model, runs=results)

@@ -36,7 +36,8 @@ its A/B, e.g. `--strategies lookahead lookahead/notree --concurrency 1 4 8`. `NA
 serves with prefill blocks of N prompt tokens (`--prefill-chunk N`), `NAME/budgetK` with a
 step budget of K decode steps (`--step-budget K`), both as `NAME/chunkN+budgetK` (plain
 NAME: the server's defaults), e.g. issue 57's `--strategies greedy greedy/chunk32 lookahead
-lookahead/chunk32+budget3`.
+lookahead/chunk32+budget3`. `+fcfs` (or `NAME/fcfs`): prefilling prompts take their blocks
+oldest first, as before shortest-remaining-first (`Slots.shortest_first` False).
 """
 
 from __future__ import annotations
@@ -101,19 +102,22 @@ def start_server(args, strategy: str, batch: int, model, tok):
 
     strategy, _, variant = strategy.partition("/")
     sizes = {}  # chunkN / budgetK parts of the variant: the server's --prefill-chunk / --step-budget
+    fcfs = "fcfs" in variant.split("+")  # prefilling slots' blocks oldest first (`Slots.shortest_first` False)
+    variant = "+".join(x for x in variant.split("+") if x != "fcfs") or ("fcfs" if fcfs else "")
     for part in variant.split("+") if variant.startswith(("chunk", "budget")) else ():
         key = "prefill_chunk" if part.startswith("chunk") else "step_budget" if part.startswith("budget") else None
         num = part[5:] if key == "prefill_chunk" else part[6:]
         if key is None or key in sizes or not (num if key == "prefill_chunk" else num.replace(".", "", 1)).isdigit():
             raise SystemExit(f"unknown strategy variant part {part!r} (chunkN or budgetK, joined by +)")
         sizes[key] = int(num) if key == "prefill_chunk" else float(num)
-    if variant not in ("", "nocache", "notree") and not sizes:
-        raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache, NAME/notree or "
-                         "NAME/chunkN+budgetK)")
+    if variant not in ("", "nocache", "notree", "fcfs") and not sizes:
+        raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache, NAME/notree, NAME/fcfs or "
+                         "NAME/chunkN+budgetK[+fcfs])")
     cache_mb = 0 if variant == "nocache" else args.prefix_cache_mb
     from lookahead_jax.core.slots import Slots
 
     Slots.trees_while_prefilling = variant != "notree"  # (notree: a step with a prefill block drafts none)
+    Slots.shortest_first = not fcfs
     opts = ()
     if strategy == "lookahead" and args.decoding_length:
         opts = (("decoding_length", args.decoding_length),)

@@ -232,6 +232,43 @@ def test_mixed_lengths_queue_their_blocks(model, tok):
     assert slots.free_slots == [0, 1, 2] and slots.prefilling == []
 
 
+@pytest.mark.parametrize("shortest", [True, False])
+def test_the_prompt_with_the_fewest_tokens_left_prefills_first(model, tok, monkeypatch, shortest):
+    """While a request decodes, a long prompt and then a shorter one wait for blocks: the
+    step serves the one with fewer tokens left first (`Slots.shortest_first`), so the short
+    one gets its first token after its own blocks; oldest first, after the long one's.
+    Either way every request gives its tokens alone."""
+    monkeypatch.setattr(Slots, "shortest_first", shortest)
+    slots = Slots(engine_for(model), tok, 3, CACHE, Lookahead(decoding_length=7), prefill_chunk=C)
+    got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=200), sampling_row=0))[0].tokens),
+           1: [], 2: []}
+    rows = {}
+    take = collector(slots, got, rows)
+    take(slots.step())
+    texts = {1: LONG[0], 2: LONG[2]}  # 251 then 121 tokens
+    for s in (1, 2):
+        take(slots.insert(s, Request(tok.encode(texts[s]), GenerationParams(max_new_tokens=8), sampling_row=s)))
+    first_token = {}
+    n = 0
+    while slots.prefilling:
+        take(slots.step())
+        n += 1
+        for s in (1, 2):
+            if got[s] and s not in first_token:
+                first_token[s] = n
+    assert set(first_token) == {1, 2}
+    if shortest:
+        assert first_token[2] < first_token[1]
+        assert first_token[2] == blocks(len(tok.encode(texts[2]))) - 1  # its own blocks only (one at insert)
+    else:
+        assert first_token[1] < first_token[2]
+    while slots.busy:
+        take(slots.step())
+    assert got[0] == rows[0].ids == alone(model, tok, SHORT[2], 0, 200)
+    for s in (1, 2):
+        assert got[s] == rows[s].ids == alone(model, tok, texts[s], s, 8)
+
+
 def test_free_a_prefilling_slot_and_reuse_it(model, tok):
     slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=C)
     slots.insert(0, Request(tok.encode(SHORT[0]), GenerationParams(max_new_tokens=30), sampling_row=0))

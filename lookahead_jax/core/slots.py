@@ -47,15 +47,17 @@ running request for its whole prefill; so `insert` forwards its first block of C
 prompt length, `DecodeState.block`; with no other request decoding, all its blocks at
 once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its row's phase is
 `Phase.PREFILLING`, so the decode step, the drafter and the budget skip it), and each `step`, after
-its verify step over the decoding slots, forwards the next block of the oldest prefilling
-slot (one block of at most C tokens per step, first come first served). A block reads the
+its verify step over the decoding slots, forwards the next block of the prefilling slot
+with the fewest prompt tokens left, the oldest among equals (one block of at most C tokens
+per step; `shortest_first`: a short prompt behind a long one waits for its own few blocks,
+not the long one's, which is what the median time to first token sees). A block reads the
 cached prefix (`decode.forward_rows`), and its last token stays uncached as
 the row's root, re-forwarded first in the next block (the row's invariant holds between
 blocks): a prompt of L > C tokens takes ceil((L - 1) / (C - 1)) blocks, the insert's and
 one per step after it; a prompt whose next block after the insert's is its last (one of at
 most two blocks, or one the prefix cache served but for its end) takes that one at insert
-too, so its first token comes out at once for a second block's stall. With a `step_budget` k a step forwards more blocks (oldest prefilling
-slot first) while it stays within k x a decode step of the running batch (the median of
+too, so its first token comes out at once for a second block's stall. With a `step_budget` k a step forwards more blocks (in
+the same order) while it stays within k x a decode step of the running batch (the median of
 the last few), at least one; and while other slots decode, `insert` forwards none (its
 blocks go with the steps, so an admission never holds the running requests longer than a
 step's budget). The last block gives the first token exactly as a whole prefill
@@ -137,6 +139,7 @@ class Slots:
 
     trees_while_prefilling = True  # False: a step with a prefill block verifies no tree (`budget.NoTree`)
     blocks_at_insert = True  # False: while others decode, an insert forwards no block (one a step)
+    shortest_first = True  # False: prefilling slots take their blocks oldest first (`_next_prefill`)
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
@@ -221,9 +224,19 @@ class Slots:
 
     @property
     def prefilling(self) -> list:
-        """Slots whose prompt is still being forwarded in chunks, oldest first (the order
-        `step` serves them in); they are neither free nor decoding."""
+        """Slots whose prompt is still being forwarded in chunks, oldest first; they are
+        neither free nor decoding (`step` serves them in `_next_prefill`'s order)."""
         return list(self._prefill)
+
+    def _next_prefill(self) -> int:
+        """The prefilling slot whose block goes next: the one with the fewest prompt tokens
+        left to forward, the oldest among equals (shortest remaining first: a short prompt
+        that arrives behind long ones gets its first token after its own few blocks), or
+        the oldest (`shortest_first` False). A slot waits at most for the prompts of the
+        other slots, which are finite. From the state alone, so every process picks alike."""
+        if not self.shortest_first:
+            return next(iter(self._prefill))
+        return min(self._prefill, key=lambda s: len(self._prefill[s]) - int(self.state.lengths[s]))
 
     def row(self, slot: int) -> RowState:
         return self.state.rows[slot]
@@ -305,7 +318,7 @@ class Slots:
     def step(self) -> list:
         """One propose -> verify -> accept over the decoding slots (several tokens per slot
         where drafts are accepted; a retrieval strategy's run: one turn of its loop), then
-        the next block of the oldest prefilling slot (`prefill_chunk`; when it is the
+        a prefilling slot's next block (`prefill_chunk`, `_next_prefill`; when it is the
         prompt's last, the slot gets its first token and decodes from the next step).
         Returns a SlotEvent per slot that was busy."""
         busy = self.busy
@@ -334,8 +347,8 @@ class Slots:
         return [self._event(b) for b in busy]
 
     def _prefill_blocks(self, t0: float, decoding: bool) -> None:
-        """A step's prefill: the next block of the oldest prefilling slot; with a
-        `step_budget` k, more blocks (the oldest slot first) while the step, begun at t0,
+        """A step's prefill: the next block of a prefilling slot (`_next_prefill`); with a
+        `step_budget` k, more blocks (each `_next_prefill`'s) while the step, begun at t0,
         stays within k x a decode step of the running batch (the median of the last ones):
         a block is forwarded when the last block's time still fits (process 0's times, over
         several processes). At least one block a
@@ -344,7 +357,7 @@ class Slots:
         last tokens go out with this step's events, which would otherwise wait for every block."""
         while self._prefill:
             t = self._clock()
-            self._forward_chunks([next(iter(self._prefill))])
+            self._forward_chunks([self._next_prefill()])
             block_s = self._clock() - t
             if self.step_budget is None:
                 return
