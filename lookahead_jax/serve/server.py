@@ -15,9 +15,9 @@ log = logging.getLogger("lookahead_jax.serve")
 # a block of 64 prompt tokens costs ~5-7 decode steps of 4 slots (SmolLM2-135M f32 on the
 # 2-core CPU, docs/serving.md): a long prompt holds running requests that long per step
 DEFAULT_PREFILL_CHUNK = 64
-# off by default: measured, a budget of 3 or 4 decode steps with 16- or 32-token chunks left
-# the stream's largest gap at 1.3-1.9 s against 0.9 s for one 64-token block a step
-# (bench/results/admission.json; docs/serving.md, "Admission")
+# off by default: measured on a quiet host, 32-token chunks with a budget of 3 decode steps
+# bound a stream's gaps (max 0.11 s against 0.22-0.36 s) but cost 0.86-0.94x throughput and
+# 1.5-1.8x TTFT at 8 streams (bench/results/serve-srpt.json; docs/serving.md, "Admission")
 DEFAULT_STEP_BUDGET = None
 # prompt-block K/V kept for later prompts that begin alike (`core.prefix_cache`): SmolLM2-135M
 # in f32 holds 46 KB per token, so 512 MB keep ~11,600 prompt tokens (~180 blocks of 63)
