@@ -2,7 +2,7 @@
 into a stand-in for the coordination service's key-value store, a second scheduler (its own
 engine) follows the record in another thread, and ends with it; the follower's requests
 end with the tokens process 0's jobs got (plain decoding, prefill blocks, the prefix cache and
-its warm jobs, greedy and sampled requests, slots rebuilt for a request's own values). A
+its warm jobs, greedy and sampled requests, one with top_k last). A
 follower whose call ends otherwise than process 0's stops with one line; the record's
 messages come in order and old blocks of them are deleted. (Over 2 real processes:
 tests/test_multihost_serve.py.)"""
