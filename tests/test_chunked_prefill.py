@@ -337,13 +337,10 @@ def test_nothing_decoding_means_a_whole_prefill(model, tok):
     assert got == alone(model, tok, LONG[0], 0, 8)
 
 
-@pytest.mark.parametrize("budget", [None, 3, 1e9])
-def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
-    """With a step budget k, a prompt inserted while another request decodes gets no block
-    at insert, and each step carries the blocks that fit in k decode steps of the running
-    batch (a fake clock: a decode step costs 1, a block 1: k = 3 fits the decode and two
-    blocks, a huge k every block in one step; None: the first block at insert, then one a
-    step). Both requests give their tokens alone."""
+def budget_slots(model, tok, monkeypatch, strategy, budget):
+    """Slots with a `step_budget` on a fake clock: a decode step costs 1, a prefill block 1.
+    Returns (slots, counts): counts[-1] is the blocks forwarded since the caller last
+    appended a 0."""
     import lookahead_jax.core.slots as slots_mod
 
     now = [0.0]
@@ -354,8 +351,7 @@ def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
         return real_step(*a, **kw)
 
     monkeypatch.setattr(slots_mod, "step", decode_step)
-    slots = Slots(engine_for(model), tok, 2, CACHE, Lookahead(decoding_length=7), prefill_chunk=C,
-                  step_budget=budget)
+    slots = Slots(engine_for(model), tok, 2, CACHE, strategy, prefill_chunk=C, step_budget=budget)
     slots._clock = lambda: now[0]
     forward, counts = slots._forward_chunks, [0]
 
@@ -365,6 +361,17 @@ def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
         return forward(ss)
 
     slots._forward_chunks = block
+    return slots, counts
+
+
+@pytest.mark.parametrize("budget", [None, 3, 1e9])
+def test_step_budget_fills_a_step_with_blocks(model, tok, monkeypatch, budget):
+    """With a step budget k, a prompt inserted while another request decodes gets no block
+    at insert, and each step carries the blocks that fit in k decode steps of the running
+    batch (a fake clock: a decode step costs 1, a block 1: k = 3 fits the decode and two
+    blocks, a huge k every block in one step; None: the first block at insert, then one a
+    step). Both requests give their tokens alone."""
+    slots, counts = budget_slots(model, tok, monkeypatch, Lookahead(decoding_length=7), budget)
     got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=200), sampling_row=0))[0].tokens), 1: []}
     rows = {}
     take = collector(slots, got, rows)
@@ -398,27 +405,8 @@ def test_the_step_a_request_finishes_in_keeps_to_the_budget(model, tok, monkeypa
     """A step whose decoding rows all finish in it still carries only the blocks that fit
     its budget (their last tokens go out with its events, which every block at once would
     hold); the next step, with nothing decoding, forwards every remaining block. A fake
-    clock as above: decode 1, block 1, k = 3 (two blocks a step)."""
-    import lookahead_jax.core.slots as slots_mod
-
-    now = [0.0]
-    real_step = slots_mod.step
-
-    def decode_step(*a, **kw):
-        now[0] += 1.0
-        return real_step(*a, **kw)
-
-    monkeypatch.setattr(slots_mod, "step", decode_step)
-    slots = Slots(engine_for(model), tok, 2, CACHE, None, prefill_chunk=C, step_budget=3)
-    slots._clock = lambda: now[0]
-    forward, counts = slots._forward_chunks, [0]
-
-    def block(ss):
-        now[0] += 1.0
-        counts[-1] += 1
-        return forward(ss)
-
-    slots._forward_chunks = block
+    clock (`budget_slots`): decode 1, block 1, k = 3 (two blocks a step)."""
+    slots, counts = budget_slots(model, tok, monkeypatch, None, 3)
     got = {0: list(slots.insert(0, Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=6), sampling_row=0))[0].tokens), 1: []}
     rows = {}
     take = collector(slots, got, rows)
