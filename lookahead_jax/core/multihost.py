@@ -195,6 +195,18 @@ def broadcast_plan(tree):
                                         for o, a in zip(out, arrays)])
 
 
+def padded(x, n: int, k: int, fill, dtype) -> np.ndarray:
+    """x [n, <= k] (process 0's answer, e.g. a retrieval's ids; None on the other processes)
+    in an [n, k] array of `dtype`, `fill` past its columns: the shape every process knows
+    before it takes part in process 0's `broadcast_plan` of it."""
+    out = np.full((n, k), fill, dtype)
+    if x is not None:
+        x = np.asarray(x)
+        m = min(k, x.shape[1] if x.ndim == 2 else 0)
+        out[:, :m] = x[:, :m]
+    return out
+
+
 def agree_drafts(drafts, T: int):
     """(drafts, T) of process 0 on every process: a step's host plan (the drafts after the
     budget's cut, the tree bucket after any fallback) in one packed int32 buffer

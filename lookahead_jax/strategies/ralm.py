@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from ..core.decode import replace_prompt, step
-from ..core.multihost import broadcast_plan, multiprocess
+from ..core.multihost import broadcast_plan, multiprocess, padded
 from ..drafters.trie import TrieDrafter
 from .base import StrategyBase
 from .speculation import FinalTextStream, auto_or_int, number_in
@@ -215,12 +215,9 @@ class ProcessZeroRetriever:
         return getattr(self.inner, name)
 
     def _agreed(self, call, n: int, k: int) -> tuple:
-        ids, scores = np.full((n, k), -1, np.int32), np.full((n, k), -np.inf, np.float32)  # (corpus < 2^31)
-        if jax.process_index() == 0:
-            got_ids, got_scores = (np.asarray(x) for x in call())
-            m = min(k, got_ids.shape[1] if got_ids.ndim == 2 else 0)
-            ids[:, :m], scores[:, :m] = got_ids[:, :m], got_scores[:, :m]
-        ids, scores = broadcast_plan((ids, scores))
+        got_ids, got_scores = call() if jax.process_index() == 0 else (None, None)
+        ids, scores = broadcast_plan((padded(got_ids, n, k, -1, np.int32),  # (corpus < 2^31)
+                                      padded(got_scores, n, k, -np.inf, np.float32)))
         return ids.astype(np.int64), scores
 
     def retrieve(self, queries, k):

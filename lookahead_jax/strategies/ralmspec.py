@@ -103,7 +103,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from ..core.multihost import agree_choice, broadcast_plan, multiprocess
+from ..core.multihost import agree_choice, broadcast_plan, multiprocess, padded
 from .ralm import ProcessZeroRetriever, RaLM, RalmRun
 from .speculation import (RALM_DEFAULT_STRIDE, VERIFY_FIT_CALLS, AcceptanceWindow, SpeculationStats, auto_or_int,
                           check_speculation_stride, fit_verify_cost, number_in, os3_stride)
@@ -376,12 +376,8 @@ class RalmSpecRun(RalmRun):
         decoded = sum(r.steps for r in state.rows) > steps  # decoding went on while it ran
         t0 = time.perf_counter()
         if multiprocess():  # process 0's answer (its shape known to all: [queries, k], INVALID-padded)
-            ids, seconds = np.full((n_q, k), -1, np.int64), np.zeros(1, np.float64)
-            if future is not None:
-                got, took = future.result()
-                m = min(k, got.shape[1] if got.ndim == 2 else 0)
-                ids[:, :m], seconds[0] = got[:, :m], took
-            ids, seconds = broadcast_plan((ids, seconds))
+            got, took = future.result() if future is not None else (None, 0.0)
+            ids, seconds = broadcast_plan((padded(got, n_q, k, -1, np.int64), np.asarray([took], np.float64)))
             seconds = float(seconds[0])
         else:
             ids, seconds = future.result()
