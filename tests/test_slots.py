@@ -208,13 +208,16 @@ def test_specinfer_probes_draft_only_rows_that_lag_little(model, tok, ids, monke
     assert all(n_fwd <= n_draft for _, _, n_draft, _, n_fwd in drafted)
 
 
-def test_draft_budget_measures_outlive_the_batch(model, tok):
+def test_draft_budget_measures_outlive_the_batch(tok):
     """The auto budget's measurements (the draft's cost, the gains) are kept per engine,
     draft, rule and batch shape: the next generate call of the same shape starts from
-    them (no probe), another batch size does not."""
+    them (no probe), another batch size does not. (An engine of its own: the verify-cost
+    ratio rho blends the prior with the step times the engine keeps per batch shape, and
+    the module's engine holds whatever earlier tests in this process timed, so rho, and
+    the choice below, would depend on which tests ran before and on the host's load.)"""
     from lookahead_jax.strategies.specinfer import DraftBudget
 
-    engine = engine_for(model)
+    engine = engine_for(tiny_model("llama"))
     strat = SpecInfer(draft_model=tiny_model("llama", seed=2), expansion=(1, 1, 2), budget="auto")
     drafter = strat.drafter(engine)
 
