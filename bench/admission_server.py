@@ -129,8 +129,9 @@ def run_config(args, cfg_over: dict, model, tok):
              for i in top]
     blocks = [(a, b) for n, a, b in tl.spans if n == "block" and ts[0] <= a <= ts[-1]]
     steps = [(a, b) for n, a, b in tl.spans if n == "_step" and ts[0] <= a <= ts[-1]]
-    with_block = [b - a for a, b in steps if any(a <= x < b for x, _ in blocks)]
-    plain = [b - a for a, b in steps if not any(a <= x < b for x, _ in blocks)]
+    carried = [any(a <= x < b for x, _ in blocks) for a, b in steps]  # a step that forwarded a block
+    with_block = [b - a for (a, b), c in zip(steps, carried) if c]
+    plain = [b - a for (a, b), c in zip(steps, carried) if not c]
     calls = dict(blocks=len(blocks), block_s_p50=pct([b - a for a, b in blocks], 50),
                  steps_with_blocks=len(with_block), step_with_blocks_s_p50=pct(with_block, 50),
                  steps_without=len(plain), step_without_s_p50=pct(plain, 50))

@@ -103,14 +103,14 @@ def start_server(args, strategy: str, batch: int, model, tok):
     strategy, _, variant = strategy.partition("/")
     sizes = {}  # chunkN / budgetK parts of the variant: the server's --prefill-chunk / --step-budget
     fcfs = "fcfs" in variant.split("+")  # prefilling slots' blocks oldest first (`Slots.shortest_first` False)
-    variant = "+".join(x for x in variant.split("+") if x != "fcfs") or ("fcfs" if fcfs else "")
+    variant = "+".join(x for x in variant.split("+") if x != "fcfs")
     for part in variant.split("+") if variant.startswith(("chunk", "budget")) else ():
         key = "prefill_chunk" if part.startswith("chunk") else "step_budget" if part.startswith("budget") else None
         num = part[5:] if key == "prefill_chunk" else part[6:]
         if key is None or key in sizes or not (num if key == "prefill_chunk" else num.replace(".", "", 1)).isdigit():
             raise SystemExit(f"unknown strategy variant part {part!r} (chunkN or budgetK, joined by +)")
         sizes[key] = int(num) if key == "prefill_chunk" else float(num)
-    if variant not in ("", "nocache", "notree", "fcfs") and not sizes:
+    if variant not in ("", "nocache", "notree") and not sizes:
         raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache, NAME/notree, NAME/fcfs or "
                          "NAME/chunkN+budgetK[+fcfs])")
     cache_mb = 0 if variant == "nocache" else args.prefix_cache_mb
