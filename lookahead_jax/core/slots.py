@@ -232,8 +232,11 @@ class Slots:
         """The prefilling slot whose block goes next: the one with the fewest prompt tokens
         left to forward, the oldest among equals (shortest remaining first: a short prompt
         that arrives behind long ones gets its first token after its own few blocks), or
-        the oldest (`shortest_first` False). A slot waits at most for the prompts of the
-        other slots, which are finite. From the state alone, so every process picks alike."""
+        the oldest (`shortest_first` False). Shortest first's known cost: a long prompt
+        waits while shorter ones keep prefilling in the other slots, so a steady stream of
+        shorter prompts (each longer than the blocks an insert forwards) delays it for as
+        long as it lasts; oldest first bounds every wait. From the state alone, so every
+        process picks alike."""
         if not self.shortest_first:
             return next(iter(self._prefill))
         return min(self._prefill, key=lambda s: len(self._prefill[s]) - int(self.state.lengths[s]))
