@@ -93,7 +93,11 @@ def test_two_process_server_answers_concurrent_requests_with_one_process_tokens(
             time.sleep(1)
         ready = time.monotonic() - t0
         with cf.ThreadPoolExecutor(8) as pool:
-            got = list(pool.map(lambda c: complete(url, *c), requests))
+            try:
+                got = list(pool.map(lambda c: complete(url, *c), requests))
+            except AssertionError as e:  # a request failed: what each process said
+                pytest.fail(f"{e}\n" + "\n".join(f"process {i}:\n{t[-4000:]}"
+                                                   for i, t in enumerate(read(tmp_path, "err"))))
         metrics = httpx.get(url + "/metrics", timeout=30).text
     finally:
         procs[0].send_signal(signal.SIGTERM)  # process 0 drains and ends the record: the other ends too

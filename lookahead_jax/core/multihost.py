@@ -17,9 +17,9 @@ that pick different shapes hang in their next collective.
 Failures: a process that dies stops sending heartbeats to the coordination service; after
 `heartbeat_timeout_s` the service reports it and the others' runtime ends them (JAX's
 distributed client aborts the process, logging which task it lost). `init_distributed`
-sets that timeout (default 10 s, JAX's own is 100 s) so a survivor exits within a bounded
-time; `watch_peers` (started by `init_distributed`) ends it sooner (5 s) with one plain line
-naming the lost process. A process that is alive but stalled (its main thread stuck in host
+sets that timeout (30 s, JAX's own default is 100 s) so a survivor exits within a bounded
+time; `watch_peers` (started by `init_distributed`) ends it sooner (15 s) with one plain
+line naming the lost process. A process that is alive but stalled (its main thread stuck in host
 code while the others wait in the next collective) is found by counting the collectives
 (`collective`, `stalled_peer`): the heartbeat carries how many this process has entered.
 
@@ -43,7 +43,8 @@ import numpy as np
 log = logging.getLogger("lookahead_jax")
 
 # heartbeat timeout (s) of the coordination service: how long a dead peer goes unnoticed
-HEARTBEAT_TIMEOUT_S = 10
+# (the second bound, after `watch_peers`' PEER_TIMEOUT_S)
+HEARTBEAT_TIMEOUT_S = 30
 # how long a peer may keep the others waiting in a collective while doing host work (s; 0: no
 # limit): longer than the known one-sided host work between two collectives (a model only one
 # host downloads, since loading follows the first collective; a faiss HNSW index process 0
@@ -274,7 +275,12 @@ def check_same_config(config: dict) -> None:
             f"the same flags (this is process {jax.process_index()}, config hash {config_digest(config)})")
 
 
-PEER_TIMEOUT_S = 5.0  # a peer whose heartbeat has not moved for this long is gone
+# a peer whose heartbeat has not moved for this long is gone. A live process's heartbeat
+# thread can wait seconds for the GIL: a compiled program written to the compilation cache
+# holds it while serialized (0.5 s for a 1,500-op program on a quiet 2-core host; a follower
+# of a 2-process server once saw process 0's heartbeat stand still for 5 s on a loaded CI
+# host and ended both). 15 s: 3x that, still half of JAX's own bound.
+PEER_TIMEOUT_S = 15.0
 _HB = "lookahead_jax/heartbeat/"
 
 
@@ -282,7 +288,8 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
     """Start a daemon thread that keeps this process's heartbeat in the coordination
     service's key-value store ("count:entered:inside", every `every_s`: a counter and
     `progress()`, in one write) and reads every peer's: a peer whose counter has not moved
-    for `timeout_s` (seen by this host's clock; `grace_s` for its first one), a coordinator
+    for `timeout_s` (seen by this host's clock; `grace_s` for its first one; a look of this
+    thread's that came late, its own process held up, restarts every peer's clock), a coordinator
     that no longer answers, or a peer `stalled_peer` finds stalled (the limit set by
     `init_distributed`) ends this process at once with one line naming the process (exit
     status 3), before JAX's own heartbeat timeout (`init_distributed`) aborts it with a
@@ -310,7 +317,7 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
         os._exit(3)
 
     def loop():
-        count = 0
+        count, last_look = 0, start
         while True:
             count += 1
             entered, inside, _ = mine = _progress
@@ -322,6 +329,10 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
                     gone(f"the coordination service failed ({str(e).splitlines()[0][:200]})")
                 gone(f"process 0 (the coordinator) is unreachable ({str(e).splitlines()[0][:200]})")
             now = time.monotonic()
+            # this thread itself held up (its process busy, or the host): peers starved by
+            # the same load wrote nothing either; their clocks restart from this look
+            late = now - last_look > 2 * every_s + 1.0
+            last_look = now
             for q in range(n):
                 if q == me:
                     continue
@@ -330,7 +341,7 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
                     moved.pop(q, None)  # (it ended normally: neither dead nor stalled)
                     continue
                 last, since = seen.get(q, (None, start))
-                if v != last:
+                if v != last or late and last is not None:
                     seen[q] = (v, now)
                 elif now - since > (timeout_s if last is not None else grace_s):
                     gone(f"process {q} stopped (no heartbeat for {now - since:.0f} s: it died or hangs)")
