@@ -22,7 +22,7 @@ import math
 
 import pytest
 
-from lookahead_jax.core.engine import engine_for
+from lookahead_jax.core.engine import Engine, engine_for
 from lookahead_jax.core.sampling import SamplingParams
 from lookahead_jax.core.rows import Phase
 from lookahead_jax.core.params import GenerationParams
@@ -321,6 +321,50 @@ def test_lengths_at_block_edges(model, tok):
             got += slots.step()[0].tokens
         assert got == slots.free(0).ids == alone(model, tok, text, 3, 8), n
     assert slots.busy == [1]
+
+
+@pytest.mark.parametrize("ready", ["in place", "compiled", "not compiled"])
+def test_a_short_last_piece_takes_the_narrower_block(model, tok, monkeypatch, ready):
+    """With blocks of 32 a prompt's last piece of at most 16 tokens goes in a 16-token block
+    (`DecodeState.tail`), a longer one in the full block, the non-last ones always in the
+    full block, and every request's tokens are those alone, batch 3 with another request
+    decoding. ready: slots without `fallback` compile the narrower block in place; with it,
+    a warmed-up one is taken ("compiled") and one never compiled gives way to the full
+    block ("not compiled": the listed programs minus the narrower one)."""
+    from lookahead_jax.core import decode, programs
+
+    chunk = 32
+    eng = Engine(model)  # (its own: what another test's engine compiled does not count)
+    slots = Slots(eng, tok, 3, CACHE, prefill_chunk=chunk, fallback=ready != "in place")
+    assert slots.state.tail == 16 and any(p.kind == "prefill" and p.tokens == 16 for p in slots.programs())
+    if ready != "in place":
+        inventory = programs.inventory
+        monkeypatch.setattr(programs, "inventory", lambda s: [p for p in inventory(s) if ready == "compiled"
+                                                               or p.tokens != 16])
+        slots.warm_up(wait="all")
+    widths = []  # (block width, tokens forwarded, emits) of every prefill block
+    extend_block = decode.extend_block
+
+    def spy(engine, state, group, block, n_new, **kw):
+        if kw.get("ahead") is None:
+            widths.append((block.shape[1], int(n_new.max()), kw["emit"]))
+        return extend_block(engine, state, group, block, n_new, **kw)
+
+    monkeypatch.setattr(decode, "extend_block", spy)
+    # 40 tokens: a block of 32 (31 committed), then 9 (the narrower block); 60: 32, then 29
+    # (the full block); 20: one piece of 20 (full); 12: one piece (narrower)
+    texts = [PROMPTS[5][:39], PROMPTS[6][:59], PROMPTS[1][:19], PROMPTS[3][:11]]
+    reqs = [Request(tok.encode(SHORT[2]), GenerationParams(max_new_tokens=60), sampling_row=9)] + \
+        [Request(tok.encode(t), GenerationParams(max_new_tokens=10), sampling_row=i) for i, t in enumerate(texts)]
+    done = drive_slots(slots, reqs, every=1)
+    monkeypatch.setattr(decode, "extend_block", extend_block)
+    for (row, got), (i, text) in zip(done[1:], enumerate(texts)):
+        assert got == row.ids == alone(model, tok, text, i, 10), text
+    assert all(w == chunk for w, _, emit in widths if not emit)  # the non-last pieces
+    narrow = 16 if ready != "not compiled" else chunk
+    # the last pieces: the four prompts', and the first request's (41 tokens: 32, then 10)
+    assert sorted((n, w) for w, n, emit in widths if emit) == [(9, narrow), (10, narrow), (12, narrow), (20, chunk),
+                                                               (29, chunk)]
 
 
 def test_nothing_decoding_means_a_whole_prefill(model, tok):

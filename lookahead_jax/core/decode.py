@@ -156,27 +156,30 @@ def _forward_blocks(engine, state: DecodeState, blocks: dict, emit: bool):
         n_new = np.zeros(G, np.int32)
         for b in group:
             n_new[at[b]] = len(blocks[b])
-        P = min(max(prompt_bucket(int(n_new.max()), S), state.block), S)
-        block = np.zeros((G, P), np.int32)
-        for b in group:
-            block[at[b], :n_new[at[b]]] = blocks[b]
         start = state.lengths if whole else state.lengths[group]
-        # a fresh prefill reads only its own P slots; later blocks (and fixed blocks) read the prefix too
         upto = int(max(state.lengths[b] + n_new[at[b]] for b in group))
-        window = P if not start.any() and not state.block else engine.window(max(upto, P), S, P)
-
         scoring = any(state.rows[b].prompt_logprobs is not None for b in group)  # (rows that score their prompt)
         # the k most likely ids: a scoring row's alternatives, or the first token's (emit)
         top = MAX_TOP_LOGPROBS if any(state.rows[b].prompt_k for b in group) else state.top_k(group) if emit else 0
 
-        def call(window, ahead=None, group=group, block=block, n_new=n_new, scoring=scoring, top=top):
+        def call(P, window, ahead=None, group=group, n_new=n_new, scoring=scoring, top=top):
+            block = np.zeros((G, P), np.int32)
+            for b in group:
+                block[at[b], :n_new[at[b]]] = blocks[b]
             return extend_block(engine, state, None if whole else group, block, n_new, window=window,
                                 emit=emit, ahead=ahead, prompt_logprobs=scoring, top_logprobs=top)
 
-        if state.block and state.fallback:  # the smallest compiled window that covers the block
-            window = next((w for w in sorted(x for x in windows(S, engine, P) if x >= window)
-                           if call(w, "check")), window)
-        out, state.cache, _, _ = timed(engine, state, lambda: call(window))
+        def window_of(P):  # a fresh prefill reads only its own P slots; later (and fixed) blocks the prefix too
+            return P if not start.any() and not state.block else engine.window(max(upto, P), S, P)
+
+        P = min(max(prompt_bucket(int(n_new.max()), S), state.block), S)
+        # a prompt's last piece, when short, in the narrower block (`DecodeState.tail`)
+        Ps = ([state.tail] if emit and int(n_new.max()) <= state.tail < P else []) + [P]
+        P, window = Ps[0], window_of(Ps[0])
+        if state.block and state.fallback:  # the narrowest block, smallest window, that is compiled
+            P, window = next(((p, w) for p in Ps for w in windows(S, engine, p) if w >= window_of(p)
+                              and call(p, w, "check")), (Ps[-1], window_of(Ps[-1])))
+        out, state.cache, _, _ = timed(engine, state, lambda: call(P, window))
         for b in group:
             nxt_all[b] = out.tokens[at[b]]
             if lps_all is not None:

@@ -4,7 +4,8 @@ the requests.
 A compiled step is one program per shape and static mode. What a configuration can run is
 `inventory(slots)`: prefill blocks (Slots with `prefill_chunk`, a retrieval run's too: one
 row of exactly the chunk's bucket of tokens, at each of a few attention windows,
-committing its last token or not; without chunks: one request's whole prompt per prompt
+committing its last token or not, and the narrower block a short last piece takes,
+`DecodeState.tail`; without chunks: one request's whole prompt per prompt
 bucket), verify steps (one
 per tree size the budget may pick, at each window a step of that size may take: on CPU
 with the attention kernel only the whole cache, `Engine.window`) and plain decoding's
@@ -76,9 +77,13 @@ def inventory(slots) -> list:
     if st.block:  # chunked prefill: one row of `block` tokens per call (the batch's own row at B = 1)
         P = st.block
         wins = windows(S, eng, P)
+        emits = (False,) if own_picks else (True, False)
         for W in sorted(wins, reverse=True):
-            progs += [Program("prefill", P, 1, W, emit, minimum=W == wins[-1])
-                      for emit in ((False,) if own_picks else (True, False))]
+            progs += [Program("prefill", P, 1, W, emit, minimum=W == wins[-1]) for emit in emits]
+        if st.tail and not own_picks:  # a short last piece's narrower block, at the widest window
+            # (any row's; where the CPU kernel runs it, no dearer than a narrower one); until
+            # it is compiled, such pieces take the full block
+            progs.append(Program("prefill", st.tail, 1, wins[-1], True))
     else:  # one request's whole prompt, per prompt bucket (a fresh prefill reads its own P slots)
         progs += [Program("prefill", P, 1, P, not own_picks, minimum=True)
                   for P in PROMPT_BUCKETS if P + slots.max_nodes + 2 <= S]

@@ -100,6 +100,7 @@ import numpy as np
 
 from .acceptance import TokenMatch
 from .budget import FixedBudget, NoTree
+from .buckets import tail_bucket
 from .decode import DecodeState, forward_rows, prompt_bucket, step
 from .device_steps import plain_steps
 from .programs import inventory, warm_up as warm_programs
@@ -140,6 +141,7 @@ class Slots:
     trees_while_prefilling = True  # False: a step with a prefill block verifies no tree (`budget.NoTree`)
     blocks_at_insert = True  # False: while others decode, an insert forwards no block (one a step)
     shortest_first = True  # False: prefilling slots take their blocks oldest first (`_next_prefill`)
+    narrow_tail = True  # False: a prompt's short last piece takes the full block (`DecodeState.tail`)
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
                  logprobs: bool = False, eos_ids: Sequence[int] = (), prefill_chunk: Optional[int] = None,
@@ -180,6 +182,7 @@ class Slots:
             strategy is None or strategy.supports_penalties)
         if prefill_chunk is not None:  # every block one row of the chunk's bucket: a few programs (a
             self.state.block = prompt_bucket(int(prefill_chunk), max_len)  # run's whole prompts and re-prefills too)
+            self.state.tail = tail_bucket(self.state.block) if self.narrow_tail else 0  # (a short last piece)
         self.state.set_row_values(engine.put)
         capacity = budget_bytes(prefix_cache)  # (a run's whole prompts go in pieces of the block)
         self.prefix = PrefixRows(engine, self.state, self.prefill_chunk or self.state.block, capacity) \

@@ -84,6 +84,9 @@ class DecodeState:
     # windows (`decode.forward_rows`): Slots with prefill_chunk, whose chunks then run a few
     # compiled steps whatever the prompts' lengths; 0: blocks sized to their rows
     block: int = 0
+    # tail: with block, the narrower block (`buckets.tail_bucket`) a prompt's last piece
+    # (a block that emits) of at most that many tokens is forwarded in; 0: none
+    tail: int = 0
     # prefix: with block, the slots' side of the engine's prefix cache (`prefix_rows.PrefixRows`)
     # when it is on: a retrieval run's prompts and re-prefills take and give blocks through it
     # (`decode.replace_prompt`); None: off
