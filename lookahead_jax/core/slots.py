@@ -50,7 +50,8 @@ once: nobody waits) and the slot is `prefilling` (neither free nor decoding: its
 its verify step over the decoding slots, forwards the next block of the prefilling slot
 with the fewest prompt tokens left, the oldest among equals (one block of at most C tokens
 per step; `shortest_first`: a short prompt behind a long one waits for its own few blocks,
-not the long one's, which is what the median time to first token sees). A block reads the
+not the long one's, which is what the median time to first token sees; a prompt passed
+over for `max_prefill_wait` blocks in a row goes next, `prefill_order`). A block reads the
 cached prefix (`decode.forward_rows`), and its last token stays uncached as
 the row's root, re-forwarded first in the next block (the row's invariant holds between
 blocks): a prompt of L > C tokens takes ceil((L - 1) / (C - 1)) blocks, the insert's and
@@ -108,6 +109,7 @@ from .rows import Phase, RowState, free_row
 from .drafts import SkipRows
 from .multihost import agree_choice, to_host
 from .params import GenerationParams
+from .prefill_order import MAX_WAIT_BLOCKS, PrefillOrder
 from .prefix_cache import budget_bytes
 from .prefix_rows import PrefixRows
 from .prefix_warm import PrefixWarm
@@ -141,6 +143,7 @@ class Slots:
     trees_while_prefilling = True  # False: a step with a prefill block verifies no tree (`budget.NoTree`)
     blocks_at_insert = True  # False: while others decode, an insert forwards no block (one a step)
     shortest_first = True  # False: prefilling slots take their blocks oldest first (`_next_prefill`)
+    max_prefill_wait = MAX_WAIT_BLOCKS  # blocks a prefilling slot may be passed over in a row
     narrow_tail = True  # False: a prompt's short last piece takes the full block (`DecodeState.tail`)
     def __init__(self, engine, tokenizer, n_slots: int, max_len: int, strategy=None, *, drafter=None, run=None,
                  sampling: SamplingParams = SamplingParams(), penalties: Penalties = Penalties(),
@@ -203,6 +206,7 @@ class Slots:
         self._plain: set = set()  # slots whose request decodes without drafts
         self._sent = [0] * n_slots  # tokens of each slot's request handed out in events
         self._prefill: dict = {}  # slot -> its whole prompt, while prefilling (oldest first)
+        self._order = PrefillOrder(self.shortest_first, self.max_prefill_wait)  # (whose block next)
         self._refs: dict = {}  # slot -> its request's references, until the drafter begins it
         self.last_step = None  # the last step's StepResult (None: a retrieval run's turn)
         self.step_budget = None if step_budget is None else float(step_budget)
@@ -232,17 +236,11 @@ class Slots:
         return list(self._prefill)
 
     def _next_prefill(self) -> int:
-        """The prefilling slot whose block goes next: the one with the fewest prompt tokens
-        left to forward, the oldest among equals (shortest remaining first: a short prompt
-        that arrives behind long ones gets its first token after its own few blocks), or
-        the oldest (`shortest_first` False). Shortest first's known cost: a long prompt
-        waits while shorter ones keep prefilling in the other slots, so a steady stream of
-        shorter prompts (each longer than the blocks an insert forwards) delays it for as
-        long as it lasts; oldest first bounds every wait. From the state alone, so every
-        process picks alike."""
-        if not self.shortest_first:
-            return next(iter(self._prefill))
-        return min(self._prefill, key=lambda s: len(self._prefill[s]) - int(self.state.lengths[s]))
+        """The prefilling slot whose block goes next (`prefill_order.PrefillOrder`): the
+        fewest prompt tokens left first, the oldest among equals, unless a slot has been
+        passed over for `max_prefill_wait` blocks (it goes next); or the oldest
+        (`shortest_first` False)."""
+        return self._order.pick({s: len(p) - int(self.state.lengths[s]) for s, p in self._prefill.items()})
 
     def row(self, slot: int) -> RowState:
         return self.state.rows[slot]
@@ -307,6 +305,7 @@ class Slots:
         else:  # every prompt enters as prefilling; those of at most C tokens finish in this block
             for s in slots:
                 self._prefill[s], st.rows[s].phase = st.rows[s].prompt_ids, Phase.PREFILLING
+                self._order.begin(s)
             if self.prefix is not None:  # cached leading blocks into the rows; the rest is forwarded
                 self.prefix.fill(st, slots)
             if not decoding or self.step_budget is None and self.blocks_at_insert:  # (else the steps take them)
