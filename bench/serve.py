@@ -37,7 +37,9 @@ serves with prefill blocks of N prompt tokens (`--prefill-chunk N`), `NAME/budge
 step budget of K decode steps (`--step-budget K`), both as `NAME/chunkN+budgetK` (plain
 NAME: the server's defaults), e.g. issue 57's `--strategies greedy greedy/chunk32 lookahead
 lookahead/chunk32+budget3`. `+fcfs` (or `NAME/fcfs`): prefilling prompts take their blocks
-oldest first, as before shortest-remaining-first (`Slots.shortest_first` False).
+oldest first, as before shortest-remaining-first (`Slots.shortest_first` False); `+notail`
+(or `NAME/notail`): a prompt's short last piece takes the full block, as before the narrower
+one (`Slots.narrow_tail` False); e.g. `--strategies greedy greedy/notail`.
 """
 
 from __future__ import annotations
@@ -102,8 +104,10 @@ def start_server(args, strategy: str, batch: int, model, tok):
 
     strategy, _, variant = strategy.partition("/")
     sizes = {}  # chunkN / budgetK parts of the variant: the server's --prefill-chunk / --step-budget
-    fcfs = "fcfs" in variant.split("+")  # prefilling slots' blocks oldest first (`Slots.shortest_first` False)
-    variant = "+".join(x for x in variant.split("+") if x != "fcfs")
+    flags = {"fcfs", "notail"} & set(variant.split("+"))
+    fcfs = "fcfs" in flags  # prefilling slots' blocks oldest first (`Slots.shortest_first` False)
+    notail = "notail" in flags  # a short last piece in the full block (`Slots.narrow_tail` False)
+    variant = "+".join(x for x in variant.split("+") if x not in flags)
     for part in variant.split("+") if variant.startswith(("chunk", "budget")) else ():
         key = "prefill_chunk" if part.startswith("chunk") else "step_budget" if part.startswith("budget") else None
         num = part[5:] if key == "prefill_chunk" else part[6:]
@@ -111,13 +115,14 @@ def start_server(args, strategy: str, batch: int, model, tok):
             raise SystemExit(f"unknown strategy variant part {part!r} (chunkN or budgetK, joined by +)")
         sizes[key] = int(num) if key == "prefill_chunk" else float(num)
     if variant not in ("", "nocache", "notree") and not sizes:
-        raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache, NAME/notree, NAME/fcfs or "
-                         "NAME/chunkN+budgetK[+fcfs])")
+        raise SystemExit(f"unknown strategy variant /{variant} (NAME, NAME/nocache, NAME/notree, NAME/fcfs, "
+                         "NAME/notail or NAME/chunkN+budgetK[+fcfs][+notail])")
     cache_mb = 0 if variant == "nocache" else args.prefix_cache_mb
     from lookahead_jax.core.slots import Slots
 
     Slots.trees_while_prefilling = variant != "notree"  # (notree: a step with a prefill block drafts none)
     Slots.shortest_first = not fcfs
+    Slots.narrow_tail = not notail
     opts = ()
     if strategy == "lookahead" and args.decoding_length:
         opts = (("decoding_length", args.decoding_length),)
