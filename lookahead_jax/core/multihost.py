@@ -316,9 +316,11 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
         print(f"error: process {me} of {n}: {line}; ending this process", file=sys.stderr, flush=True)
         os._exit(3)
 
+    stop = threading.Event()
+
     def loop():
         count, last_look = 0, start
-        while True:
+        while not stop.is_set():
             count += 1
             entered, inside, _ = mine = _progress
             try:
@@ -351,16 +353,23 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
             stalled = stalled_peer(mine, moved, now, _stall_timeout_s)
             if stalled:
                 gone(stalled)
-            time.sleep(every_s)
+            stop.wait(every_s)
 
     def done():
+        # the thread ends first: a daemon thread still inside a call of the distributed
+        # client when the interpreter finalizes is ended by pthread_exit inside C++ code,
+        # which aborts the process ("FATAL: exception not rethrown", exit -6: a follower of
+        # the 2-process server ended so after its engine had ended normally)
+        stop.set()
+        thread.join(timeout=10 * every_s)
         try:
             client.key_value_set(f"{_HB}{me}", "done", allow_overwrite=True)
         except Exception:  # noqa: BLE001 - the service may be gone already
             pass
 
     atexit.register(done)
-    threading.Thread(target=loop, name="lookahead-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=loop, name="lookahead-heartbeat", daemon=True)
+    thread.start()
     return True
 
 
