@@ -281,6 +281,7 @@ def check_same_config(config: dict) -> None:
 # of a 2-process server once saw process 0's heartbeat stand still for 5 s on a loaded CI
 # host and ended both). 15 s: 3x that, still half of JAX's own bound.
 PEER_TIMEOUT_S = 15.0
+COORDINATOR_TIMEOUT_S = 60.0  # the same for process 0, whose death ends the others at once anyway
 _HB = "lookahead_jax/heartbeat/"
 
 
@@ -343,9 +344,14 @@ def watch_peers(timeout_s: float = PEER_TIMEOUT_S, every_s: float = 1.0, grace_s
                     moved.pop(q, None)  # (it ended normally: neither dead nor stalled)
                     continue
                 last, since = seen.get(q, (None, start))
+                # process 0 hosts the coordination service: its death fails this thread's
+                # calls at once (above), so a still heartbeat of its is only a hang, given
+                # COORDINATOR_TIMEOUT_S (a live process 0 once held its heartbeat for >5 s
+                # mid-compile on a loaded host)
+                limit = timeout_s if q else max(timeout_s, COORDINATOR_TIMEOUT_S)
                 if v != last or late and last is not None:
                     seen[q] = (v, now)
-                elif now - since > (timeout_s if last is not None else grace_s):
+                elif now - since > (limit if last is not None else grace_s):
                     gone(f"process {q} stopped (no heartbeat for {now - since:.0f} s: it died or hangs)")
                 theirs = _entered(v)
                 if theirs is not None and moved.get(q, (None,))[0] != theirs:
