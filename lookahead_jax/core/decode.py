@@ -162,11 +162,14 @@ def _forward_blocks(engine, state: DecodeState, blocks: dict, emit: bool):
         # the k most likely ids: a scoring row's alternatives, or the first token's (emit)
         top = MAX_TOP_LOGPROBS if any(state.rows[b].prompt_k for b in group) else state.top_k(group) if emit else 0
 
-        def call(P, window, ahead=None, group=group, n_new=n_new, scoring=scoring, top=top):
-            block = np.zeros((G, P), np.int32)
-            for b in group:
-                block[at[b], :n_new[at[b]]] = blocks[b]
-            return extend_block(engine, state, None if whole else group, block, n_new, window=window,
+        padded = {}  # P -> the group's rows padded to P tokens (built once: fallback checks reuse it)
+
+        def call(P, window, ahead=None, group=group, n_new=n_new, scoring=scoring, top=top, padded=padded):
+            if P not in padded:
+                padded[P] = np.zeros((G, P), np.int32)
+                for b in group:
+                    padded[P][at[b], :n_new[at[b]]] = blocks[b]
+            return extend_block(engine, state, None if whole else group, padded[P], n_new, window=window,
                                 emit=emit, ahead=ahead, prompt_logprobs=scoring, top_logprobs=top)
 
         def window_of(P):  # a fresh prefill reads only its own P slots; later (and fixed) blocks the prefix too
