@@ -24,7 +24,9 @@ Repeated traffic and the prefix cache (issue 53): `--prompts nq-shared` sends NQ
 three per passage (the passage's questions one after another, warm-up passages apart), and
 a strategy written `NAME/nocache` runs with the prefix cache off (`--prefix-cache-mb 0`;
 plain NAME: `--prefix-cache-mb`, by default the server's). The JSON then gives TTFT apart
-for each passage's first question and its repeats, and the cache's hit rate:
+for each passage's first question and its repeats (those sent once an earlier question of
+their passage had its first token, `cached`, apart from those sent while it was still
+prefilling the passage, `inflight`), and the cache's hit rate:
 
     python bench/serve.py --prompts nq-shared --strategies greedy/nocache greedy lookahead \
         --concurrency 4 --rate 2 --requests 24 --warmup 6 --max-tokens 128 \
@@ -87,7 +89,7 @@ def repo_prompts() -> list:
 def nq_shared(n_warm: int, n: int):
     """(warm-up, measured) prompts of `--prompts nq-shared`: ("chat", messages), three
     questions per passage, the warm-up's passages other than the measured ones', and per
-    measured prompt whether an earlier measured one had its passage (a repeat)."""
+    measured prompt its passage's index (a prompt whose passage an earlier one had is a repeat)."""
     per = 3
     n_warm, n = per * -(-n_warm // per), per * -(-n // per)
     prompts, refs = shared_prompts(n_warm + n, per, max_chars=2400)
@@ -95,8 +97,7 @@ def nq_shared(n_warm: int, n: int):
         sys.exit(f"error: the NQ data hold {len(prompts)} shared-passage prompts, fewer than --warmup + --requests")
     prompts = [("chat", m) for m in prompts]
     passages = [r[0] for r in refs[n_warm:]]
-    repeat = [p in passages[:i] for i, p in enumerate(passages)]
-    return prompts[:n_warm], prompts[n_warm:], repeat
+    return prompts[:n_warm], prompts[n_warm:], [passages.index(p) for p in passages]
 
 
 def start_server(args, strategy: str, batch: int, model, tok):
@@ -213,7 +214,27 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else None
 
 
-def summarize(res, wall, before, after, repeat=None) -> dict:
+def ttft_groups(res, passages) -> dict:
+    """Each request's TTFT group by its passage (`nq_shared`): "first" (the passage's first
+    question), "repeat" (a later one), and each repeat again as "cached" (sent after an
+    earlier question of its passage had its first token: the passage's blocks were in the
+    cache) or "inflight" (sent while the earlier one was still prefilling the passage: it
+    waits for those blocks, so its TTFT is partly theirs)."""
+    out = {"first": [], "repeat": [], "cached": [], "inflight": []}
+    for i, (r, p) in enumerate(zip(res, passages)):
+        if not r["ok"]:
+            continue
+        if p not in passages[:i]:
+            out["first"].append(r["ttft"])
+            continue
+        out["repeat"].append(r["ttft"])
+        ready = any(q["ok"] and q["start_s"] + q["ttft"] <= r["start_s"]
+                    for q, pq in zip(res[:i], passages[:i]) if pq == p)
+        out["cached" if ready else "inflight"].append(r["ttft"])
+    return out
+
+
+def summarize(res, wall, before, after, passages=None) -> dict:
     ok = [r for r in res if r["ok"]]
     toks = sum(r["tokens"] for r in ok)
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -226,11 +247,11 @@ def summarize(res, wall, before, after, repeat=None) -> dict:
     digest = hashlib.sha256(json.dumps([r.get("text") for r in res]).encode()).hexdigest()[:16]
     queries, hits = d.get("prefix_cache_queries_total", 0), d.get("prefix_cache_hits_total", 0)
     split = {}
-    if repeat is not None:  # TTFT of each passage's first question and of its repeats apart
-        for name, want in (("first", False), ("repeat", True)):
-            xs = [r["ttft"] for r, rp in zip(res, repeat) if r["ok"] and rp == want]
+    if passages is not None:  # TTFT of each passage's first question and of its repeats apart
+        for name, xs in ttft_groups(res, passages).items():
             split[f"ttft_{name}_p50_ms"] = pct(xs, 50) and pct(xs, 50) * 1e3
             split[f"ttft_{name}_mean_ms"] = float(np.mean(xs)) * 1e3 if xs else None
+            split[f"ttft_{name}_n"] = len(xs)
     return dict(
         requests=len(res), failed=len(res) - len(ok), output_tokens=toks, outputs_sha256=digest,
         duration_s=round(wall, 3),
@@ -324,9 +345,9 @@ def main(argv=None) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     enable_compilation_cache()  # as the server does: a rerun loads its compiled steps
     model, tok = lj.load(args.model, progress=False)
-    repeat = None
+    passages = None
     if args.prompts == "nq-shared":
-        warm, measured, repeat = nq_shared(args.warmup, args.requests)
+        warm, measured, passages = nq_shared(args.warmup, args.requests)
     else:
         prompts = repo_prompts()
         random.Random(args.seed).shuffle(prompts)
@@ -350,7 +371,7 @@ def main(argv=None) -> None:
                 comp0 = len(srv.scheduler.engine.compiled.compilations)
                 res, wall = asyncio.run(load(url, measured, args.rate, c, args.max_tokens, srv.model_name,
                                              args.seed))
-                s = summarize(res, wall, before, scrape(url), repeat)
+                s = summarize(res, wall, before, scrape(url), passages)
                 s["warmup_s"] = round(warm_s, 1)
                 s["compiled_while_measuring"] = srv.scheduler.engine.compiled.compilations[comp0:]
                 result["reps"][strat].setdefault(str(c), []).append(s)
@@ -360,8 +381,8 @@ def main(argv=None) -> None:
                       f"{s['itl_max_ms'] or 0:6.0f} ms  accept {s['acceptance_rate'] or 0:.3f} "
                       f"len {s['mean_acceptance_length'] or 1:.2f}  failed {s['failed']}  "
                       f"prefix hits {s['prefix_cache_hit_rate'] or 0:.2f}  "
-                      + (f"TTFT first {s['ttft_first_p50_ms']:.0f} repeat {s['ttft_repeat_p50_ms']:.0f} ms  "
-                         if repeat is not None else "") + f"(warm-up {warm_s:.0f} s, "
+                      + (f"TTFT first {s['ttft_first_p50_ms']:.0f} repeat {s['ttft_repeat_p50_ms']:.0f} "
+                         f"cached {s['ttft_cached_p50_ms'] or 0:.0f} ms (p50s)  " if passages is not None else "") + f"(warm-up {warm_s:.0f} s, "
                       f"{len(s['compiled_while_measuring'])} compiled while measuring)", flush=True)
                 uv.should_exit = True
                 th.join(120)
@@ -378,11 +399,16 @@ def main(argv=None) -> None:
             r["speedup_vs_baseline"] = round(r["output_tokens_per_s"] / g["output_tokens_per_s"], 3)
             if base == "greedy":
                 r["speedup_vs_greedy"] = r["speedup_vs_baseline"]
-            if repeat is not None and r.get("ttft_repeat_mean_ms") and g.get("ttft_repeat_mean_ms"):
+            if passages is not None and r.get("ttft_repeat_mean_ms") and g.get("ttft_repeat_mean_ms"):
                 r["ttft_repeat_vs_baseline"] = round(r["ttft_repeat_mean_ms"] / g["ttft_repeat_mean_ms"], 3)
+            if passages is not None and r.get("ttft_cached_mean_ms") and g.get("ttft_first_mean_ms"):
+                # a request whose passage was cached against an uncached one (the baseline's firsts)
+                r["ttft_cached_vs_baseline_first"] = round(r["ttft_cached_mean_ms"] / g["ttft_first_mean_ms"], 3)
             print(f"  c={c}: {strat} / {base} = {r['speedup_vs_baseline']:.2f}x "
                   f"(per repeat: {[round(a['output_tokens_per_s'] / b['output_tokens_per_s'], 2) for a, b in zip(result['reps'][strat][str(c)], result['reps'][base][str(c)])]})"
-                  + (f", repeats' TTFT {r['ttft_repeat_vs_baseline']:.2f}x" if 'ttft_repeat_vs_baseline' in r else ""),
+                  + (f", repeats' TTFT {r['ttft_repeat_vs_baseline']:.2f}x" if 'ttft_repeat_vs_baseline' in r else "")
+                  + (f", cached TTFT / {base}'s first questions' {r['ttft_cached_vs_baseline_first']:.2f}"
+                     if 'ttft_cached_vs_baseline_first' in r else ""),
                   flush=True)
         digests = {r["outputs_sha256"] for st in args.strategies for r in result["reps"][st][str(c)]}
         result.setdefault("identical_outputs", {})[str(c)] = len(digests) == 1
