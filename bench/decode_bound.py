@@ -51,8 +51,9 @@ def run(engine, tok, strategy, prompts, slots_n: int, max_len: int, max_tokens: 
                 holder[s] = i
                 t = time.perf_counter()
                 slots.insert(s, Request(ids, GenerationParams(max_new_tokens=max_tokens)))
-                prefill_s += time.perf_counter() - t
-                first_s += (time.perf_counter() - t) if first is not None and first[i] else 0.0
+                dt = time.perf_counter() - t
+                prefill_s += dt
+                first_s += dt if first is not None and first[i] else 0.0
             t = time.perf_counter()
             events = slots.step()
             decode_s += time.perf_counter() - t
@@ -125,8 +126,7 @@ def main(argv=None) -> None:
                   max_tokens=args.max_tokens, max_len=max_len, rounds=args.rounds, runs=runs,
                   decode_tokens_per_s=mean, lookahead_vs_greedy=round(mean["lookahead"] / mean["greedy"], 3),
                   greedy_no_cache_s=round(plain_s, 2), lookahead_cache_ceiling_s=round(ceiling_s, 2),
-                  lookahead_cache_ceiling_speedup=round(plain_s / ceiling_s, 3),
-                  command="python " + " ".join(["bench/decode_bound.py", *(argv or sys.argv[1:])]))
+                  lookahead_cache_ceiling_speedup=round(plain_s / ceiling_s, 3))  # (save adds the command)
     print(f"decoding only, {args.slots} slots: greedy {mean['greedy']:.1f} tok/s, lookahead {mean['lookahead']:.1f} "
           f"tok/s ({result['lookahead_vs_greedy']:.2f}x). Greedy without a cache {plain_s:.1f} s (prefill and "
           f"decoding); lookahead with a perfect cache at least {ceiling_s:.1f} s (its decoding and each passage's "
